@@ -1,0 +1,36 @@
+# Two entry points for a new user (see README): `make demo` and `make test`.
+# Each creates .venv and builds the C++ extension on first use; later runs only rebuild what changed.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tokenlake-installed
+CSRC := $(wildcard csrc/*.cpp csrc/*.h)
+
+.PHONY: demo test lint format bench clean
+
+$(VENV)/.deps:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" numpy scipy xxhash msgpack pyzmq tqdm \
+		pytest hypothesis ruff
+	touch $@
+
+$(STAMP): $(VENV)/.deps pyproject.toml CMakeLists.txt $(CSRC)
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m tokenlake.demo $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m pytest -q $(ARGS)
+
+format: $(VENV)/.deps
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+clean:
+	rm -rf build $(VENV)

@@ -1,0 +1,4 @@
+#include "attention.h"
+namespace tokenlake {
+int64_t version() { return 1; }
+}

@@ -1,0 +1,5 @@
+#pragma once
+#include <cstdint>
+namespace tokenlake {
+int64_t version();
+}
