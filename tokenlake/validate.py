@@ -30,9 +30,7 @@ def check_tensor(
         )
         if not ok:
             pretty = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-            raise InvalidArgumentError(
-                f"{name}: expected shape {pretty}, got {list(tensor.shape)}"
-            )
+            raise InvalidArgumentError(f"{name}: expected shape {pretty}, got {list(tensor.shape)}")
     if dtype is not None:
         allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
         if tensor.dtype not in allowed:

@@ -111,7 +111,11 @@ def merge(
 
 
 def self_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indptr: torch.Tensor, sm_scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indptr: torch.Tensor,
+    sm_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of each request's new tokens over themselves (the compute engine's part).
 

@@ -1,0 +1,122 @@
+"""Executes plan pieces against KV pools. Shared by the in-process LocalCluster and the
+multi-process engines, so both run exactly the same data-plane code."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenlake import kernels
+from tokenlake.engines.kv_pool import KVPool
+from tokenlake.plans import HolderPart, QueryPlan, TransferPlan
+
+
+def _i32(arr: np.ndarray, device) -> torch.Tensor:
+    return torch.tensor(arr, dtype=torch.int32, device=device)
+
+
+def _i64(arr: np.ndarray, device) -> torch.Tensor:
+    return torch.tensor(arr, dtype=torch.int64, device=device)
+
+
+@dataclass(frozen=True)
+class PreparedPart:
+    """A :class:`HolderPart` as device tensors (built once per plan, used every layer)."""
+
+    instance_id: int
+    rows: torch.Tensor  # int64 [num_part_rows]
+    q_indptr: torch.Tensor  # int32
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    last_len: torch.Tensor
+
+    @classmethod
+    def from_part(cls, part: HolderPart, device) -> PreparedPart:
+        return cls(
+            part.instance_id,
+            _i64(part.rows, device),
+            _i32(part.q_indptr, device),
+            _i32(part.kv_indptr, device),
+            _i32(part.kv_indices, device),
+            _i32(part.last_len, device),
+        )
+
+
+def prepare_query(plan: QueryPlan, device) -> list[PreparedPart]:
+    return [PreparedPart.from_part(part, device) for part in plan.parts]
+
+
+def holder_attention(
+    pool_layer: torch.Tensor, part: PreparedPart, q: torch.Tensor, backend: str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A holder's partial attention for its rows of ``q`` ``[num_rows, H_q, D]``.
+
+    Returns ``o`` ``[num_part_rows, H_q, D]`` and ``lse`` ``[num_part_rows, H_q]`` float32.
+    """
+    q_part = q.index_select(0, part.rows)
+    return kernels.partial_attention(
+        q_part,
+        part.q_indptr,
+        pool_layer,
+        part.kv_indptr,
+        part.kv_indices,
+        part.last_len,
+        causal=False,
+        backend=backend,
+    )
+
+
+def merge_rows(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    rows: torch.Tensor,
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    backend: str | None,
+) -> None:
+    """Merge a holder's result into rows ``rows`` of the running ``(o, lse)`` in place."""
+    merged_o, merged_lse = kernels.merge(
+        o.index_select(0, rows), lse.index_select(0, rows), o_part, lse_part, backend=backend
+    )
+    o.index_copy_(0, rows, merged_o)
+    lse.index_copy_(0, rows, merged_lse)
+
+
+@dataclass(frozen=True)
+class PreparedPut:
+    """Per destination instance: the kv_buf rows and their (slot, offset) targets."""
+
+    instance_id: int
+    src_rows: torch.Tensor  # int64 [n]
+    slots: torch.Tensor  # int64 [n]
+    offsets: torch.Tensor  # int64 [n]
+
+
+def prepare_put(plan: TransferPlan, device) -> list[PreparedPut]:
+    out = []
+    for d, instance_id in enumerate(plan.dst_ids.tolist()):
+        src, slot, offset = plan.rows_to(d)
+        out.append(
+            PreparedPut(instance_id, _i64(src, device), _i64(slot, device), _i64(offset, device))
+        )
+    return out
+
+
+def write_rows(pool: KVPool, put: PreparedPut, kv_layer: torch.Tensor, layer: int) -> None:
+    """Store ``kv_layer`` ``[num_rows, 2, H_kv, D]`` rows into one destination's layer pages."""
+    pages = pool.layer(layer)  # [S, 2, C, H, D]
+    # advanced indices on dims 0 and 2 put the row dimension first: [n, 2, H, D]
+    pages[put.slots, :, put.offsets] = kv_layer.index_select(0, put.src_rows)
+
+
+def copy_segments(pools: Sequence[KVPool], plan: TransferPlan) -> None:
+    """Copy-on-extend / replication: the first ``copy_len`` tokens of each source slot, all
+    layers. Source and destination ranges never overlap a put of the same iteration."""
+    for i in range(plan.num_copies):
+        n = int(plan.copy_len[i])
+        src = pools[int(plan.copy_src_instance[i])].data[:, int(plan.copy_src_slot[i]), :, :n]
+        dst = pools[int(plan.copy_dst_instance[i])].data[:, int(plan.copy_dst_slot[i]), :, :n]
+        dst.copy_(src)

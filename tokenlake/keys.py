@@ -1,0 +1,68 @@
+"""Deterministic chained segment keys: ``key_i = xxh64(key_{i-1} ‖ tokens_i)`` in a namespace.
+
+Never Python's ``hash()`` (it differs per process). A key hit is always confirmed by comparing
+token ids, so a collision can cost a miss but never a wrong answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+from tokenlake.errors import InvalidArgumentError
+
+TOKEN_DTYPE = np.int32
+
+
+def as_tokens(token_ids: Sequence[int] | np.ndarray, name: str = "token_ids") -> np.ndarray:
+    """Return ``token_ids`` as a read-only 1-D int32 array (no copy if it already is one)."""
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype == TOKEN_DTYPE:
+        arr = token_ids
+    else:
+        try:
+            arr = np.asarray(token_ids, dtype=np.int64)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"{name}: expected a sequence of ints ({exc})") from None
+        if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(TOKEN_DTYPE).max):
+            raise InvalidArgumentError(
+                f"{name}: expected token ids in [0, 2**31), got out-of-range ids"
+            )
+        arr = arr.astype(TOKEN_DTYPE)
+    if arr.ndim != 1:
+        raise InvalidArgumentError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
+    if arr.flags.writeable:
+        arr = arr.view()
+        arr.flags.writeable = False
+    return arr
+
+
+class SegmentHasher:
+    """Chained xxh64 keys seeded by a namespace.
+
+    ``key_bits`` < 64 truncates keys; it exists so tests can force collisions.
+    """
+
+    def __init__(self, namespace: str, key_bits: int = 64) -> None:
+        if not 1 <= key_bits <= 64:
+            raise InvalidArgumentError(f"key_bits: expected 1..64, got {key_bits}")
+        self.seed = xxhash.xxh64_intdigest(namespace.encode())
+        self._mask = (1 << key_bits) - 1
+        self.root_key = xxhash.xxh64_intdigest(b"tokenlake/root", seed=self.seed) & self._mask
+
+    def key(self, parent_key: int, tokens: np.ndarray) -> int:
+        """Key of the segment holding ``tokens`` (int32) whose prefix has key ``parent_key``."""
+        data = parent_key.to_bytes(8, "little") + tokens.astype("<i4", copy=False).tobytes()
+        return xxhash.xxh64_intdigest(data, seed=self.seed) & self._mask
+
+    def chain(
+        self, tokens: np.ndarray, segment_len: int, parent_key: int | None = None
+    ) -> list[int]:
+        """Keys of every full segment of ``tokens`` (a trailing partial segment gets none)."""
+        key = self.root_key if parent_key is None else parent_key
+        keys = []
+        for start in range(0, len(tokens) - segment_len + 1, segment_len):
+            key = self.key(key, tokens[start : start + segment_len])
+            keys.append(key)
+        return keys

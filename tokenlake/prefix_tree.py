@@ -1,0 +1,328 @@
+"""The global index of segments: a prefix tree keyed by chained segment keys.
+
+Nodes are sealed segments (``C`` tokens) or tails (a finished request's last partial segment,
+fewer than ``C`` tokens, always a leaf). Each node lists its replicas (instance, slot). Inserts
+are two-phase — ``reserve`` while the KV is being written, then ``commit`` (deduplicating
+against an identical committed segment) or ``abort`` — and readers never see reservations.
+Eviction is LRU over replicas; it removes a node's last replica only from an unpinned leaf, so
+the tree stays prefix-closed, and never removes the last copy of a pinned node.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
+
+import numpy as np
+
+from tokenlake.errors import InvalidArgumentError
+from tokenlake.keys import SegmentHasher, as_tokens
+
+
+class Location(NamedTuple):
+    instance_id: int
+    slot_id: int
+
+
+class Node:
+    """One segment in the tree. Mutated only by :class:`PrefixTree`."""
+
+    __slots__ = (
+        "key",
+        "parent",
+        "tokens",
+        "depth",
+        "replicas",
+        "pin_count",
+        "last_access",
+        "children",
+        "by_first",
+        "num_accesses",
+    )
+
+    def __init__(self, key: int, parent: Node | None, tokens: np.ndarray, depth: int) -> None:
+        self.key = key
+        self.parent = parent
+        self.tokens = tokens
+        self.depth = depth  # sealed segments before this one
+        self.replicas: list[Location] = []
+        self.pin_count = 0
+        self.last_access = 0
+        self.children: dict[int, Node] = {}
+        self.by_first: dict[int, list[Node]] = {}
+        self.num_accesses = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        return f"Node(key={self.key:#x}, depth={self.depth}, len={len(self.tokens)}, replicas={self.replicas})"
+
+
+class PrefixMatch(NamedTuple):
+    """Result of :meth:`PrefixTree.match`; a short match is a value, not an error.
+
+    ``nodes`` are the fully matched sealed segments in order; ``partial`` is a child of the last
+    one whose first ``partial_len`` tokens continue the match (a tail or a sealed segment).
+    """
+
+    nodes: tuple[Node, ...]
+    partial: Node | None
+    partial_len: int
+    segment_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.nodes) * self.segment_len + self.partial_len
+
+
+class PendingInsert(NamedTuple):
+    insert_id: int
+    parent_key: int
+    key: int
+    tokens: np.ndarray
+    location: Location
+
+
+class CommitResult(NamedTuple):
+    """``node`` is the committed node; ``deduped`` means it already existed and the reserved
+    slot is now unused; ``node is None`` means a key collision (keep the segment private)."""
+
+    node: Node | None
+    deduped: bool
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+class PrefixTree:
+    """Global prefix tree over segments of ``segment_len`` tokens."""
+
+    def __init__(self, segment_len: int, hasher: SegmentHasher) -> None:
+        self.segment_len = segment_len
+        self.hasher = hasher
+        self.root = Node(hasher.root_key, None, as_tokens([]), -1)
+        self._nodes: dict[int, Node] = {}
+        self._pending: dict[int, PendingInsert] = {}
+        self._insert_ids = itertools.count()
+        self._lru: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._clock = 0
+        self._num_evictable = 0  # replicas that repeated leaf eviction could free
+
+    # ---- reading -------------------------------------------------------------------------
+    @property
+    def num_nodes(self) -> int:
+        return len(self._nodes)
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def num_evictable(self) -> int:
+        return self._num_evictable
+
+    def get(self, key: int) -> Node | None:
+        return self._nodes.get(key)
+
+    def nodes(self) -> Iterator[Node]:
+        return iter(self._nodes.values())
+
+    def match(self, token_ids: Iterable[int] | np.ndarray, touch: bool = False) -> PrefixMatch:
+        """Longest cached prefix of ``token_ids``: full segments, then a partial continuation.
+
+        ``touch`` marks the matched nodes as accessed now (for LRU).
+        """
+        tokens = as_tokens(token_ids)
+        seg = self.segment_len
+        node, nodes, pos = self.root, [], 0
+        while pos + seg <= len(tokens):
+            chunk = tokens[pos : pos + seg]
+            child = node.children.get(self.hasher.key(node.key, chunk))
+            if child is None or len(child.tokens) != seg or not np.array_equal(child.tokens, chunk):
+                break
+            nodes.append(child)
+            node, pos = child, pos + seg
+        partial, partial_len = None, 0
+        if pos < len(tokens):
+            rest = tokens[pos : pos + seg]
+            for cand in node.by_first.get(int(rest[0]), ()):
+                n = common_prefix_len(cand.tokens, rest)
+                if n > partial_len:
+                    partial, partial_len = cand, n
+        if touch:
+            self.touch(nodes + ([partial] if partial is not None else []))
+        return PrefixMatch(tuple(nodes), partial, partial_len, seg)
+
+    # ---- access and pins -----------------------------------------------------------------
+    def touch(self, path: list[Node]) -> None:
+        """Mark ``path`` (root-to-leaf order) accessed; ancestors end up more recent than
+        descendants so LRU reaches leaves first."""
+        for node in reversed(path):
+            self._clock += 1
+            node.last_access = self._clock
+            for loc in node.replicas:
+                self._lru.move_to_end((node.key, loc.instance_id))
+
+    def pin(self, node: Node) -> None:
+        self._require_committed(node)
+        if node.pin_count == 0:
+            self._num_evictable -= 1
+        node.pin_count += 1
+
+    def unpin(self, node: Node) -> None:
+        self._require_committed(node)
+        if node.pin_count <= 0:
+            raise InvalidArgumentError(f"node: {node!r} is not pinned")
+        node.pin_count -= 1
+        if node.pin_count == 0:
+            self._num_evictable += 1
+
+    # ---- two-phase insert ----------------------------------------------------------------
+    def reserve(
+        self, parent_key: int, key: int, tokens: np.ndarray, location: Location
+    ) -> PendingInsert:
+        """Announce a segment being written at ``location``; invisible until :meth:`commit`."""
+        if not 0 < len(tokens) <= self.segment_len:
+            raise InvalidArgumentError(
+                f"tokens: expected 1..{self.segment_len} tokens, got {len(tokens)}"
+            )
+        pending = PendingInsert(
+            next(self._insert_ids), parent_key, key, as_tokens(tokens), location
+        )
+        self._pending[pending.insert_id] = pending
+        return pending
+
+    def abort(self, pending: PendingInsert) -> None:
+        if self._pending.pop(pending.insert_id, None) is None:
+            raise InvalidArgumentError(f"pending: insert {pending.insert_id} is not reserved")
+
+    def commit(self, pending: PendingInsert) -> CommitResult:
+        """Make a reserved segment visible, or resolve it to an identical existing one."""
+        if self._pending.pop(pending.insert_id, None) is None:
+            raise InvalidArgumentError(f"pending: insert {pending.insert_id} is not reserved")
+        parent = (
+            self.root
+            if pending.parent_key == self.root.key
+            else self._nodes.get(pending.parent_key)
+        )
+        if parent is None or len(parent.tokens) not in (0, self.segment_len):
+            return CommitResult(None, False)  # parent gone or collided: keep private
+        existing = self._nodes.get(pending.key)
+        if existing is not None:
+            same = existing.parent is parent and np.array_equal(existing.tokens, pending.tokens)
+            return CommitResult(existing, True) if same else CommitResult(None, False)
+        node = Node(pending.key, parent, pending.tokens, parent.depth + 1)
+        parent.children[node.key] = node
+        parent.by_first.setdefault(int(node.tokens[0]), []).append(node)
+        self._nodes[node.key] = node
+        self._add_replica(node, pending.location)
+        self.touch([node])
+        return CommitResult(node, False)
+
+    def insert(self, parent_key: int, tokens: np.ndarray, location: Location) -> CommitResult:
+        """Reserve and commit at once (the KV at ``location`` is already complete)."""
+        key = self.hasher.key(parent_key, as_tokens(tokens))
+        return self.commit(self.reserve(parent_key, key, tokens, location))
+
+    # ---- replicas and eviction -----------------------------------------------------------
+    def add_replica(self, node: Node, location: Location) -> None:
+        self._require_committed(node)
+        if any(r.instance_id == location.instance_id for r in node.replicas):
+            raise InvalidArgumentError(
+                f"location: {node!r} already has a replica on instance {location.instance_id}"
+            )
+        self._add_replica(node, location)
+
+    def _add_replica(self, node: Node, location: Location) -> None:
+        node.replicas.append(location)
+        self._lru[(node.key, location.instance_id)] = None
+        self._num_evictable += 1
+
+    def remove_replica(self, node: Node, instance_id: int) -> Location:
+        """Drop ``node``'s replica on ``instance_id``; dropping the last one removes the node,
+        which must then be a leaf. Returns the freed location."""
+        self._require_committed(node)
+        idx = next((i for i, r in enumerate(node.replicas) if r.instance_id == instance_id), None)
+        if idx is None:
+            raise InvalidArgumentError(f"instance_id: {node!r} has no replica on {instance_id}")
+        if len(node.replicas) == 1 and node.children:
+            raise InvalidArgumentError(f"node: {node!r} has children; remove them first")
+        if len(node.replicas) > 1 or node.pin_count == 0:
+            self._num_evictable -= 1
+        loc = node.replicas.pop(idx)
+        del self._lru[(node.key, instance_id)]
+        if not node.replicas:
+            self._detach(node)
+        return loc
+
+    def _detach(self, node: Node) -> None:
+        parent = node.parent
+        del parent.children[node.key]
+        siblings = parent.by_first[int(node.tokens[0])]
+        siblings.remove(node)
+        if not siblings:
+            del parent.by_first[int(node.tokens[0])]
+        del self._nodes[node.key]
+        node.parent = None
+
+    def _evictable(self, node: Node) -> bool:
+        if len(node.replicas) > 1:
+            return True
+        return node.pin_count == 0 and not node.children
+
+    def evict_lru(self) -> tuple[Node, Location] | None:
+        """Remove the least recently used evictable replica; ``None`` if there is none."""
+        for key, instance_id in self._lru:
+            node = self._nodes[key]
+            if self._evictable(node):
+                return node, self.remove_replica(node, instance_id)
+        return None
+
+    def _require_committed(self, node: Node) -> None:
+        if self._nodes.get(node.key) is not node:
+            raise InvalidArgumentError(f"node: {node!r} is not in this tree")
+
+    # ---- invariants ----------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        seg = self.segment_len
+        seen, stack = 0, [self.root]
+        locations: set[Location] = set()
+        evictable = 0
+        while stack:
+            node = stack.pop()
+            for key, child in node.children.items():
+                assert child.key == key and child.parent is node, "child link broken"
+                assert self._nodes.get(key) is child, "child missing from the index"
+                assert len(node.tokens) in (0, seg), "a tail (partial segment) has children"
+                assert 0 < len(child.tokens) <= seg, "segment length out of range"
+                assert child.depth == node.depth + 1, "depth wrong"
+                assert child.key == self.hasher.key(node.key, child.tokens), "key mismatch"
+                assert child in node.by_first[int(child.tokens[0])], "first-token index missing"
+                assert child.pin_count >= 0, "negative pin count"
+                assert child.replicas, "node without replicas"
+                insts = [r.instance_id for r in child.replicas]
+                assert len(set(insts)) == len(insts), "two replicas on one instance"
+                for loc in child.replicas:
+                    assert loc not in locations, f"location {loc} used twice"
+                    locations.add(loc)
+                    assert (child.key, loc.instance_id) in self._lru, "replica missing from LRU"
+                evictable += len(child.replicas) - (1 if child.pin_count else 0)
+                seen += 1
+                stack.append(child)
+            assert sum(len(v) for v in node.by_first.values()) == len(node.children), "index size"
+        assert seen == len(self._nodes), "unreachable nodes in the index"
+        assert len(self._lru) == len(locations), "stale LRU entries"
+        assert evictable == self._num_evictable, "evictable counter drifted"
+        for pending in self._pending.values():
+            assert pending.location not in locations, "reserved location is also committed"

@@ -1,0 +1,92 @@
+"""Per-request pool state: which segments a running request owns or pins, and its open tail."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tokenlake.prefix_tree import Location, Node, PendingInsert
+
+
+@dataclass(eq=False)
+class OpenSegment:
+    """A request's trailing partial segment being filled: private, never shared."""
+
+    location: Location
+    parent_key: int
+    tokens: np.ndarray  # int32, fewer than C tokens
+
+
+@dataclass(eq=False)
+class RequestState:
+    """A running request. ``nodes`` are its sealed prefix segments in order; tree nodes among
+    them are pinned by it. After a key collision (``detached``) its later segments are private
+    nodes outside the tree, freed when it finishes."""
+
+    request_id: int | str
+    num_tokens: int = 0
+    nodes: list[Node] = field(default_factory=list)
+    open: OpenSegment | None = None
+    detached: bool = False
+    num_private: int = 0  # the last ``num_private`` of ``nodes`` are outside the tree
+
+    @property
+    def tree_nodes(self) -> list[Node]:
+        return self.nodes[: len(self.nodes) - self.num_private]
+
+    @property
+    def private_nodes(self) -> list[Node]:
+        return self.nodes[len(self.nodes) - self.num_private :]
+
+    def last_key(self, root_key: int) -> int:
+        return self.nodes[-1].key if self.nodes else root_key
+
+
+@dataclass(eq=False)
+class SegmentWrite:
+    """One slot an iteration writes for one request.
+
+    The slot holds ``num_before`` tokens before the iteration (its open tail, or a copy of a
+    partial source); the chunk's new tokens ``chunk_offset : chunk_offset + num_new`` land at
+    offsets ``num_before...``; afterwards it holds ``tokens``. A full segment is reserved in
+    the tree (``pending``) and sealed at commit.
+    """
+
+    location: Location
+    parent_key: int
+    tokens: np.ndarray
+    num_before: int
+    chunk_offset: int
+    new_slot: bool
+    copy_from: Location | None = None
+    pending: PendingInsert | None = None
+
+    @property
+    def num_new(self) -> int:
+        return len(self.tokens) - self.num_before
+
+
+@dataclass(eq=False)
+class PlannedChunk:
+    """A chunk as planned: its request, its prefix pages and the slots it writes."""
+
+    state: RequestState
+    start: int
+    end: int
+    token_ids: np.ndarray
+    is_new: bool
+    source: Node | None = None  # partially used segment for copy-on-extend (pinned)
+    source_len: int = 0
+    writes: list[SegmentWrite] = field(default_factory=list)
+
+    def prefix_pages(self, segment_len: int) -> list[tuple[Node | None, Location, int]]:
+        """``(node or None, location, num_tokens)`` of every prefix page, in token order."""
+        pages: list[tuple[Node | None, Location, int]] = [
+            (n, n.replicas[0], segment_len) for n in self.state.nodes
+        ]
+        if self.source is not None:
+            pages.append((self.source, self.source.replicas[0], self.source_len))
+        elif self.state.open is not None and len(self.state.open.tokens):
+            pages.append((None, self.state.open.location, len(self.state.open.tokens)))
+        return pages
