@@ -21,7 +21,7 @@ $(STAMP): $(VENV)/.deps pyproject.toml CMakeLists.txt $(CSRC)
 	touch $@
 
 demo: $(STAMP)
-	$(PY) -m tokenlake.demo $(ARGS)
+	$(PY) -m benchmarks.demo $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m ruff check .

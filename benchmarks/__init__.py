@@ -1,0 +1,1 @@
+"""Benchmarks and the demo: scripts run as ``python -m benchmarks.<name>`` from the repo root."""
