@@ -1,4 +1,312 @@
 #include "attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <initializer_list>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "attention_tile.h"
+#include "thread_pool.h"
+
 namespace tokenlake {
-int64_t version() { return 1; }
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Query vectors per prefill item: enough to reuse each staged K/V block many times, few enough
+// that the item's accumulators stay in L2.
+constexpr int64_t kWideTileVectors = 64;
+// Splitting a request's pages aims for this many items per thread, so uneven requests balance.
+constexpr int64_t kItemsPerThread = 4;
+// A split shorter than this spends more on its merge and scheduling than it saves.
+constexpr int64_t kMinSplitKeys = 256;
+constexpr int kMaxSplits = 64;
+
+[[noreturn]] void fail(const std::string& message) { throw std::invalid_argument(message); }
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kInt32:
+      return "int32";
+    default:
+      return "an unsupported dtype";
+  }
 }
+
+// Shape entries of -1 match any size.
+void check(const char* name, const TensorView& t, std::initializer_list<int64_t> shape,
+           std::initializer_list<DType> dtypes) {
+  bool ok = t.ndim == static_cast<int>(shape.size());
+  for (size_t i = 0; ok && i < shape.size(); ++i) {
+    const int64_t want = shape.begin()[i];
+    ok = want < 0 || t.shape[i] == want;
+  }
+  if (!ok) {
+    std::string want = "[", got = "[";
+    for (int64_t s : shape) {
+      want += (want.size() > 1 ? ", " : "") + (s < 0 ? "*" : std::to_string(s));
+    }
+    for (int i = 0; i < t.ndim && i < kMaxDims; ++i) {
+      got += (i ? ", " : "") + std::to_string(t.shape[i]);
+    }
+    fail(std::string(name) + ": expected shape " + want + "], got " + got + "]");
+  }
+  if (std::find(dtypes.begin(), dtypes.end(), t.dtype) == dtypes.end()) {
+    std::string want;
+    for (DType d : dtypes) want += (want.empty() ? "" : " or ") + std::string(dtype_name(d));
+    fail(std::string(name) + ": expected dtype " + want + ", got " + dtype_name(t.dtype));
+  }
+}
+
+// Non-decreasing offsets within [0, limit].
+void check_indptr(const char* name, const int32_t* indptr, int64_t size, int64_t limit) {
+  for (int64_t i = 0; i < size; ++i) {
+    if (indptr[i] < 0 || indptr[i] > limit || (i > 0 && indptr[i] < indptr[i - 1])) {
+      fail(std::string(name) + ": expected non-decreasing offsets in [0, " +
+           std::to_string(limit) + "], got " + std::to_string(indptr[i]) + " at index " +
+           std::to_string(i));
+    }
+  }
+}
+
+PagedProblem validate(const TensorView& q, const TensorView& q_indptr, const TensorView& pool,
+                      const TensorView& kv_indptr, const TensorView& kv_indices,
+                      const TensorView& last_len, const TensorView& o, const TensorView& lse) {
+  check("pool_layer", pool, {-1, 2, -1, -1, -1}, {DType::kFloat32, DType::kBFloat16});
+  const int64_t num_slots = pool.shape[0], C = pool.shape[2], Hkv = pool.shape[3];
+  const int64_t D = pool.shape[4];
+  if (C < 1 || Hkv < 1 || D < 1 || D > 256) {
+    fail("pool_layer: expected C >= 1, H_kv >= 1 and 1 <= D <= 256, got C=" + std::to_string(C) +
+         " H_kv=" + std::to_string(Hkv) + " D=" + std::to_string(D));
+  }
+  check("q", q, {-1, -1, D}, {pool.dtype});
+  const int64_t num_rows = q.shape[0], Hq = q.shape[1];
+  if (Hq % Hkv != 0) {
+    fail("q: expected H_q to be a multiple of H_kv=" + std::to_string(Hkv) + ", got H_q=" +
+         std::to_string(Hq));
+  }
+  check("q_indptr", q_indptr, {-1}, {DType::kInt32});
+  const int64_t batch = q_indptr.shape[0] - 1;
+  if (batch < 0) fail("q_indptr: expected shape [batch_size + 1], got [0]");
+  check("kv_indptr", kv_indptr, {batch + 1}, {DType::kInt32});
+  check("kv_indices", kv_indices, {-1}, {DType::kInt32});
+  check("last_len", last_len, {batch}, {DType::kInt32});
+  check("o", o, {num_rows, Hq, D}, {DType::kFloat32});
+  check("lse", lse, {num_rows, Hq}, {DType::kFloat32});
+
+  PagedProblem p;
+  p.q = q.data;
+  p.q_indptr = static_cast<const int32_t*>(q_indptr.data);
+  p.pool = pool.data;
+  p.kv_indptr = static_cast<const int32_t*>(kv_indptr.data);
+  p.kv_indices = static_cast<const int32_t*>(kv_indices.data);
+  p.last_len = static_cast<const int32_t*>(last_len.data);
+  p.bf16 = pool.dtype == DType::kBFloat16;
+  p.num_q_heads = Hq;
+  p.num_kv_heads = Hkv;
+  p.head_dim = D;
+  p.page_len = C;
+  check_indptr("q_indptr", p.q_indptr, batch + 1, num_rows);
+  check_indptr("kv_indptr", p.kv_indptr, batch + 1, kv_indices.shape[0]);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int32_t i = p.kv_indptr[b]; i < p.kv_indptr[b + 1]; ++i) {
+      if (p.kv_indices[i] < 0 || p.kv_indices[i] >= num_slots) {
+        fail("kv_indices: expected slot ids in [0, " + std::to_string(num_slots) + "), got " +
+             std::to_string(p.kv_indices[i]) + " at index " + std::to_string(i));
+      }
+    }
+    if (p.num_pages(b) > 0 && (p.last_len[b] < 1 || p.last_len[b] > C)) {
+      fail("last_len: expected values in [1, " + std::to_string(C) + "], got " +
+           std::to_string(p.last_len[b]) + " for request " + std::to_string(b));
+    }
+  }
+  return p;
+}
+
+void fill_empty(float* o, float* lse, int64_t num, int64_t D) {
+  std::fill(o, o + num * D, 0.0f);
+  std::fill(lse, lse + num, kNegInf);
+}
+
+// Merges num partial states of one (row, head): o[s] [D], lse[s] natural log. out_o may alias
+// o[0] or o[1]; each element is read before it is written.
+void merge_states(int num, const float* const* o, const float* lse, int64_t D, float* out_o,
+                  float* out_lse) {
+  float m = kNegInf;
+  for (int s = 0; s < num; ++s) m = std::max(m, lse[s]);
+  if (m == kNegInf) {
+    fill_empty(out_o, out_lse, 1, D);
+    return;
+  }
+  float w[kMaxSplits];
+  float total = 0.0f;
+  for (int s = 0; s < num; ++s) {
+    w[s] = std::exp(lse[s] - m);
+    total += w[s];
+  }
+  if (num == 2) {
+    const float* a = o[0];
+    const float* b = o[1];
+    for (int64_t d = 0; d < D; ++d) out_o[d] = (a[d] * w[0] + b[d] * w[1]) / total;
+  } else {
+    for (int64_t d = 0; d < D; ++d) {
+      float x = 0.0f;
+      for (int s = 0; s < num; ++s) x += o[s][d] * w[s];
+      out_o[d] = x / total;
+    }
+  }
+  *out_lse = m + std::log(total);
+}
+
+// A request whose pages were split: its items wrote num_splits partial states, each laid out
+// like the request's rows of o ([rows, H_q, D]) and lse, starting at o and lse.
+struct Split {
+  int32_t req;
+  int32_t num_splits;
+  float* o;
+  float* lse;
+};
+
+}  // namespace
+
+void partial_attention(const TensorView& q, const TensorView& q_indptr,
+                       const TensorView& pool_layer, const TensorView& kv_indptr,
+                       const TensorView& kv_indices, const TensorView& last_len,
+                       const TensorView& o, const TensorView& lse, bool causal, double sm_scale) {
+  PagedProblem p = validate(q, q_indptr, pool_layer, kv_indptr, kv_indices, last_len, o, lse);
+  p.causal = causal;
+  p.sm_scale = static_cast<float>(sm_scale);
+  const int64_t batch = q_indptr.shape[0] - 1, num_rows = q.shape[0];
+  const int64_t Hq = p.num_q_heads, Hkv = p.num_kv_heads, D = p.head_dim;
+  const int64_t group = Hq / Hkv;
+  auto* out_o = static_cast<float*>(o.data);
+  auto* out_lse = static_cast<float*>(lse.data);
+  const std::shared_ptr<ThreadPool> pool = default_pool();
+
+  // Rows no request owns, and requests without keys, see nothing.
+  fill_empty(out_o, out_lse, p.q_indptr[0] * Hq, D);
+  const int64_t tail = p.q_indptr[batch];
+  fill_empty(out_o + tail * Hq * D, out_lse + tail * Hq, (num_rows - tail) * Hq, D);
+
+  // Decode-sized requests take all KV heads in one item so pages stream sequentially; larger
+  // ones get one item per (row tile, KV head).
+  auto rows_per_item = [&](int64_t rows) {
+    return rows * group < kWideTileMin ? rows : std::max<int64_t>(1, kWideTileVectors / group);
+  };
+  std::vector<int32_t> num_splits(batch, 1);
+  int64_t total_cost = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    total_cost += (p.q_indptr[b + 1] - p.q_indptr[b]) * Hq * p.kv_len(b);
+  }
+  const int64_t target = total_cost / (kItemsPerThread * pool->num_threads()) + 1;
+  std::vector<Split> splits;
+  size_t scratch_size = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t rows = p.q_indptr[b + 1] - p.q_indptr[b];
+    if (rows == 0 || pool->num_threads() == 1) continue;
+    const int64_t item_rows = rows_per_item(rows);
+    const int64_t item_cost = item_rows * (rows * group < kWideTileMin ? Hq : group) * p.kv_len(b);
+    const int64_t by_length = p.num_pages(b) * p.page_len / kMinSplitKeys;
+    const int64_t n = std::min<int64_t>({(item_cost + target - 1) / target, by_length, kMaxSplits});
+    if (n > 1) {
+      num_splits[b] = static_cast<int32_t>(n);
+      splits.push_back({static_cast<int32_t>(b), static_cast<int32_t>(n), nullptr, nullptr});
+      scratch_size += n * rows * Hq * (D + 1);
+    }
+  }
+  std::vector<float> scratch(scratch_size);
+  float* next_scratch = scratch.data();
+  for (Split& s : splits) {
+    const int64_t states = s.num_splits * (p.q_indptr[s.req + 1] - p.q_indptr[s.req]) * Hq;
+    s.o = next_scratch;
+    s.lse = next_scratch + states * D;
+    next_scratch += states * (D + 1);
+  }
+
+  std::vector<WorkItem> items;
+  size_t next_split = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int32_t row0 = p.q_indptr[b], rows = p.q_indptr[b + 1] - row0;
+    if (rows == 0) continue;
+    const int32_t pages = static_cast<int32_t>(p.num_pages(b));
+    if (pages == 0) {
+      fill_empty(out_o + row0 * Hq * D, out_lse + row0 * Hq, rows * Hq, D);
+      continue;
+    }
+    const Split* split = num_splits[b] > 1 ? &splits[next_split++] : nullptr;
+    const int64_t item_rows = rows_per_item(rows);
+    const bool all_heads = rows * group < kWideTileMin;
+    for (int32_t s = 0; s < num_splits[b]; ++s) {
+      WorkItem w;
+      w.req = static_cast<int32_t>(b);
+      w.page_begin = static_cast<int32_t>(int64_t{pages} * s / num_splits[b]);
+      w.page_end = static_cast<int32_t>(int64_t{pages} * (s + 1) / num_splits[b]);
+      w.o = split ? split->o + int64_t{s} * rows * Hq * D : out_o;
+      w.lse = split ? split->lse + int64_t{s} * rows * Hq : out_lse;
+      w.dst_row0 = split ? row0 : 0;
+      for (int32_t g = 0; g < (all_heads ? 1 : Hkv); ++g) {
+        w.head_begin = g;
+        w.head_end = all_heads ? static_cast<int32_t>(Hkv) : g + 1;
+        for (int64_t r = 0; r < rows; r += item_rows) {
+          w.row_begin = static_cast<int32_t>(row0 + r);
+          w.row_end = static_cast<int32_t>(row0 + std::min<int64_t>(rows, r + item_rows));
+          items.push_back(w);
+        }
+      }
+    }
+  }
+  pool->parallel_for(static_cast<int64_t>(items.size()),
+                     [&](int64_t i) { run_tile(p, items[i]); });
+  pool->parallel_for(static_cast<int64_t>(splits.size()), [&](int64_t i) {
+    const Split& s = splits[i];
+    const int64_t row0 = p.q_indptr[s.req];
+    const int64_t states = (p.q_indptr[s.req + 1] - row0) * Hq;
+    const float* parts[kMaxSplits];
+    float lses[kMaxSplits];
+    for (int64_t j = 0; j < states; ++j) {
+      for (int k = 0; k < s.num_splits; ++k) {
+        parts[k] = s.o + (k * states + j) * D;
+        lses[k] = s.lse[k * states + j];
+      }
+      merge_states(s.num_splits, parts, lses, D, out_o + (row0 * Hq + j) * D,
+                   out_lse + row0 * Hq + j);
+    }
+  });
+}
+
+void merge(const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b,
+           const TensorView& lse_b, const TensorView& o, const TensorView& lse) {
+  check("o_a", o_a, {-1, -1, -1}, {DType::kFloat32});
+  const int64_t n = o_a.shape[0], H = o_a.shape[1], D = o_a.shape[2];
+  check("lse_a", lse_a, {n, H}, {DType::kFloat32});
+  check("o_b", o_b, {n, H, D}, {DType::kFloat32});
+  check("lse_b", lse_b, {n, H}, {DType::kFloat32});
+  check("o", o, {n, H, D}, {DType::kFloat32});
+  check("lse", lse, {n, H}, {DType::kFloat32});
+  const auto* oa = static_cast<const float*>(o_a.data);
+  const auto* ob = static_cast<const float*>(o_b.data);
+  const auto* la = static_cast<const float*>(lse_a.data);
+  const auto* lb = static_cast<const float*>(lse_b.data);
+  auto* out_o = static_cast<float*>(o.data);
+  auto* out_lse = static_cast<float*>(lse.data);
+  const int64_t states = n * H;
+  // Chunks of ~64K floats: big enough to amortise scheduling, small enough to balance.
+  const int64_t per_chunk = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(D, 1));
+  const int64_t num_chunks = (states + per_chunk - 1) / per_chunk;
+  default_pool()->parallel_for(num_chunks, [&](int64_t c) {
+    const int64_t end = std::min(states, (c + 1) * per_chunk);
+    for (int64_t j = c * per_chunk; j < end; ++j) {
+      const float* parts[2] = {oa + j * D, ob + j * D};
+      const float lses[2] = {la[j], lb[j]};
+      merge_states(2, parts, lses, D, out_o + j * D, out_lse + j);
+    }
+  });
+}
+
+}  // namespace tokenlake

@@ -1,6 +1,58 @@
+// nanobind glue only: unpack arrays into TensorView and forward to the C++ core.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
 #include "attention.h"
+#include "thread_pool.h"
+
 namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+// Zero-copy view of a C-contiguous CPU array of any dtype; the core checks dtypes and shapes.
+using Array = nb::ndarray<nb::device::cpu, nb::c_contig>;
+
+tokenlake::TensorView view(const Array& a) {
+  tokenlake::TensorView t;
+  t.data = a.data();
+  const nb::dlpack::dtype dt = a.dtype();
+  if (dt == nb::dtype<float>()) {
+    t.dtype = tokenlake::DType::kFloat32;
+  } else if (dt == nb::dtype<int32_t>()) {
+    t.dtype = tokenlake::DType::kInt32;
+  } else if (dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && dt.bits == 16 &&
+             dt.lanes == 1) {
+    t.dtype = tokenlake::DType::kBFloat16;
+  }
+  t.ndim = static_cast<int>(a.ndim());
+  for (int i = 0; i < t.ndim && i < tokenlake::kMaxDims; ++i) t.shape[i] = a.shape(i);
+  if (t.ndim > tokenlake::kMaxDims) t.ndim = tokenlake::kMaxDims + 1;
+  return t;
+}
+
+}  // namespace
+
 NB_MODULE(_C, m) {
-  m.def("version", &tokenlake::version);
+  m.def(
+      "partial_attention",
+      [](Array q, Array q_indptr, Array pool_layer, Array kv_indptr, Array kv_indices,
+         Array last_len, Array o, Array lse, bool causal, double sm_scale) {
+        tokenlake::partial_attention(view(q), view(q_indptr), view(pool_layer), view(kv_indptr),
+                                     view(kv_indices), view(last_len), view(o), view(lse),
+                                     causal, sm_scale);
+      },
+      "q"_a.noconvert(), "q_indptr"_a.noconvert(), "pool_layer"_a.noconvert(),
+      "kv_indptr"_a.noconvert(), "kv_indices"_a.noconvert(), "last_len"_a.noconvert(),
+      "o"_a.noconvert(), "lse"_a.noconvert(), "causal"_a, "sm_scale"_a,
+      nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "merge",
+      [](Array o_a, Array lse_a, Array o_b, Array lse_b, Array o, Array lse) {
+        tokenlake::merge(view(o_a), view(lse_a), view(o_b), view(lse_b), view(o), view(lse));
+      },
+      "o_a"_a.noconvert(), "lse_a"_a.noconvert(), "o_b"_a.noconvert(), "lse_b"_a.noconvert(),
+      "o"_a.noconvert(), "lse"_a.noconvert(), nb::call_guard<nb::gil_scoped_release>());
+  m.def("set_num_threads", &tokenlake::set_num_threads, "num_threads"_a);
+  m.def("get_num_threads", &tokenlake::get_num_threads);
 }
