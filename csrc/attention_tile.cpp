@@ -6,11 +6,13 @@
 #include <limits>
 #include <vector>
 
+#include "attention_blocks.h"
 #include "simd.h"
 
 namespace tokenlake {
 namespace {
 
+using blocks::Rows;
 using simd::IVec;
 using simd::kLanes;
 using simd::Vec;
@@ -53,17 +55,6 @@ inline void stage_row(const void* src, bool bf16, int64_t D, int64_t Dp, float* 
   }
   for (; d < Dp; ++d) dst[d] = 0.0f;
 }
-
-inline Vec load_vec(const float* p) { return simd::load(p); }
-inline Vec load_vec(const uint16_t* p) { return simd::load_bf16(p); }
-
-// A K or V block of one head as rows: row j starts at data + j * stride.
-template <typename T>
-struct Rows {
-  const T* data;
-  int64_t stride;
-  const T* row(int64_t j) const { return data + j * stride; }
-};
 
 bool wide_item(const PagedProblem& p, const WorkItem& w) {
   const int64_t nqg = (w.row_end - w.row_begin) * (p.num_q_heads / p.num_kv_heads);
@@ -120,29 +111,31 @@ class Tile {
         if (key0 > last_visible) break;
         const int nb = static_cast<int>(std::min<int64_t>(kKeyBlock, page_keys - kb));
         const int64_t k_offset = slots[page] * 2 * half + (kb * Hkv + w_.head_begin) * D_;
-        if (staged_) {
-          stage_block(slots[page], kb, nb);
-        } else if (kb + kKeyBlock < page_keys) {
+        if (kb + kKeyBlock < page_keys) {
           prefetch_block(slots[page], kb + kKeyBlock, page_keys - kb - kKeyBlock);
         } else if (page + 1 < w_.page_end) {
           prefetch_block(slots[page + 1], 0, std::min(C, kv_len - (page + 1) * C));
         }
+        if (staged_) stage_block(slots[page], kb, nb);
         for (int h = 0; h < num_heads_; ++h) {
           if (wide_) {
-            scores_wide(nb, keys(k_offset, h, k_));
+            blocks::scores_wide<NC>(q_, D_, nql_, k_, nb, s_);
           } else {
-            const Rows<T> values = keys(k_offset + half, h, v_);
+            // This head's values are needed right after the softmax: pull them into L1 now.
+            const Rows<T> values = rows(k_offset + half, h, v_);
             for (int j = 0; j < nb; ++j) {
               for (int64_t b = 0; b < D_ * int64_t{sizeof(T)}; b += 64) {
                 __builtin_prefetch(reinterpret_cast<const char*>(values.row(j)) + b, 0, 3);
               }
             }
-            scores_narrow(h, nb, keys(k_offset, h, k_));
+            blocks::scores_narrow<NC>(q_ + h * nqg_ * kDp, nqg_, rows(k_offset, h, k_), nb,
+                                      s_ + h * nqg_, nql_);
           }
         }
         softmax(nb, key0);
         for (int h = 0; h < num_heads_; ++h) {
-          accumulate_values(h, nb, keys(k_offset + half, h, v_));
+          blocks::accumulate_values<NC>(s_, nql_, h * nqg_, nqg_, rows(k_offset + half, h, v_),
+                                        nb, acc_ + h * nqg_ * kDp);
         }
       }
     }
@@ -156,7 +149,7 @@ class Tile {
 
   // Head h's K or V rows of the current block: in the pool from element offset (direct), or in
   // the staged copy.
-  Rows<T> keys(int64_t offset, int h, const float* staged) const {
+  Rows<T> rows(int64_t offset, int h, const float* staged) const {
     if (staged_) return {reinterpret_cast<const T*>(staged + h * kKeyBlock * kDp), kDp};
     return {static_cast<const T*>(p_.pool) + offset + h * D_, p_.num_kv_heads * D_};
   }
@@ -188,19 +181,20 @@ class Tile {
     }
   }
 
-  // The next block's K and V rows are scattered over a head-strided region that the hardware
-  // prefetchers do not follow; ask for them one block ahead.
+  // The next block's K and V rows are strided by H_kv * D, a pattern the hardware prefetchers
+  // do not follow across pages; ask for them one block ahead.
   void prefetch_block(int64_t slot, int64_t kb, int64_t num_keys) {
     const int64_t Hkv = p_.num_kv_heads;
-    const int64_t nb = std::min<int64_t>(kKeyBlock, num_keys);
-    const int64_t half = C_() * Hkv * D_;
-    const int64_t begin = (kb * Hkv + w_.head_begin) * D_;
-    const int64_t end = ((kb + nb - 1) * Hkv + w_.head_end) * D_;
-    const char* k = reinterpret_cast<const char*>(static_cast<const T*>(p_.pool) + slot * 2 * half);
-    const char* v = k + half * sizeof(T);
-    for (int64_t b = begin * sizeof(T); b < end * int64_t{sizeof(T)}; b += 64) {
-      __builtin_prefetch(k + b, 0, 2);
-      __builtin_prefetch(v + b, 0, 2);
+    const int64_t elem = p_.bf16 ? 2 : 4;
+    const int64_t half = C_() * Hkv * D_ * elem;
+    const int64_t row_bytes = num_heads_ * D_ * elem;  // the item's heads are adjacent
+    const char* k = static_cast<const char*>(p_.pool) + slot * 2 * half;
+    for (int64_t j = kb; j < kb + std::min<int64_t>(kKeyBlock, num_keys); ++j) {
+      const int64_t row = (j * Hkv + w_.head_begin) * D_ * elem;
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        __builtin_prefetch(k + row + b, 0, 2);
+        __builtin_prefetch(k + half + row + b, 0, 2);
+      }
     }
   }
 
@@ -219,86 +213,6 @@ class Tile {
         stage_row(base + half * elem + off, p_.bf16, D_, kDp, v_ + dst);
       }
     }
-  }
-
-  // Few query vectors per KV head (decode): one dot product per (key, query).
-  // KJ keys against 4 query vectors: 4 * KJ independent FMA chains hide the FMA latency.
-  template <int KJ>
-  void dot_keys(const float* q, Rows<T> keys, int j, float* s) {
-    Vec k[KJ][NC];
-    for (int jj = 0; jj < KJ; ++jj) {
-      for (int c = 0; c < NC; ++c) k[jj][c] = load_vec(keys.row(j + jj) + c * kLanes);
-    }
-    int64_t i = 0;
-    for (; i + 4 <= nqg_; i += 4) {
-      const float* qi = q + i * kDp;
-      Vec a[KJ][4];
-      for (int jj = 0; jj < KJ; ++jj) {
-        for (int r = 0; r < 4; ++r) a[jj][r] = simd::load(qi + r * kDp) * k[jj][0];
-      }
-      for (int c = 1; c < NC; ++c) {
-        for (int r = 0; r < 4; ++r) {
-          const Vec qv = simd::load(qi + r * kDp + c * kLanes);
-          for (int jj = 0; jj < KJ; ++jj) a[jj][r] += qv * k[jj][c];
-        }
-      }
-      for (int jj = 0; jj < KJ; ++jj) {
-        simd::store4(s + (j + jj) * nql_ + i, simd::hsum4(a[jj][0], a[jj][1], a[jj][2], a[jj][3]));
-      }
-    }
-    for (; i < nqg_; ++i) {
-      const float* qi = q + i * kDp;
-      for (int jj = 0; jj < KJ; ++jj) {
-        Vec a = simd::load(qi) * k[jj][0];
-        for (int c = 1; c < NC; ++c) a += simd::load(qi + c * kLanes) * k[jj][c];
-        s[(j + jj) * nql_ + i] = simd::hsum(a);
-      }
-    }
-  }
-
-  // Few query vectors per KV head (decode): dot products of whole rows, reduced horizontally.
-  void scores_narrow(int h, int nb, Rows<T> keys) {
-    const float* q = q_ + int64_t{h} * nqg_ * kDp;
-    float* s = s_ + int64_t{h} * nqg_;
-    constexpr int kKeys = NC <= 8 ? 2 : 1;
-    int j = 0;
-    for (; j + kKeys <= nb; j += kKeys) dot_keys<kKeys>(q, keys, j, s);
-    for (; j < nb; ++j) dot_keys<1>(q, keys, j, s);
-  }
-
-  // Many query vectors (prefill): broadcast one K element against 16 query lanes, KJ keys by
-  // QV lane-vectors per register tile.
-  template <int KJ, int QV>
-  void score_tile(int j, int64_t v, const float* k) {
-    Vec acc[KJ][QV] = {};
-    const float* qt = q_ + v;
-    k += j * kDp;
-    for (int64_t d = 0; d < D_; ++d) {
-      Vec qv[QV];
-      for (int u = 0; u < QV; ++u) qv[u] = simd::load(qt + d * nql_ + u * kLanes);
-      for (int jj = 0; jj < KJ; ++jj) {
-        const Vec kd = simd::splat(k[jj * kDp + d]);
-        for (int u = 0; u < QV; ++u) acc[jj][u] += kd * qv[u];
-      }
-    }
-    for (int jj = 0; jj < KJ; ++jj) {
-      for (int u = 0; u < QV; ++u) simd::store(s_ + (j + jj) * nql_ + v + u * kLanes, acc[jj][u]);
-    }
-  }
-
-  template <int KJ>
-  void score_keys(int j, const float* k) {
-    int64_t v = 0;
-    for (; v + 4 * kLanes <= nql_; v += 4 * kLanes) score_tile<KJ, 4>(j, v, k);
-    for (; v < nql_; v += kLanes) score_tile<KJ, 1>(j, v, k);
-  }
-
-  // Wide items have a single KV head and always read the staged fp32 copy.
-  void scores_wide(int nb, Rows<T> keys) {
-    const float* k = reinterpret_cast<const float*>(keys.data);
-    int j = 0;
-    for (; j + 4 <= nb; j += 4) score_keys<4>(j, k);
-    for (; j < nb; ++j) score_keys<1>(j, k);
   }
 
   // Online softmax over one block, vectorised across query lanes.
@@ -340,72 +254,6 @@ class Tile {
         simd::store(x, simd::load(x) * a);
       }
     }
-  }
-
-  // Wide items: R query vectors at a time keep R x NC accumulators in registers across the
-  // block's keys.
-  template <int R>
-  void accumulate_rows(int nb, int64_t i, Rows<T> values) {
-    float* acc = acc_ + i * kDp;
-    Vec a[R][NC];
-    for (int r = 0; r < R; ++r) {
-      for (int c = 0; c < NC; ++c) a[r][c] = simd::load(acc + r * kDp + c * kLanes);
-    }
-    for (int j = 0; j < nb; ++j) {
-      const T* vr = values.row(j);
-      Vec pr[R];
-      for (int r = 0; r < R; ++r) pr[r] = simd::splat(s_[j * nql_ + i + r]);
-      for (int c = 0; c < NC; ++c) {
-        const Vec vv = load_vec(vr + c * kLanes);
-        for (int r = 0; r < R; ++r) a[r][c] += pr[r] * vv;
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int c = 0; c < NC; ++c) simd::store(acc + r * kDp + c * kLanes, a[r][c]);
-    }
-  }
-
-  // Narrow items: one D-chunk at a time across the block's keys, so each V element is loaded
-  // (and for bf16 converted) once for all R query vectors.
-  template <int R, int CC>
-  void accumulate_chunks(int nb, int64_t i, int c, Rows<T> values) {
-    float* acc = acc_ + i * kDp + c * kLanes;
-    Vec a[CC][R];
-    for (int cc = 0; cc < CC; ++cc) {
-      for (int r = 0; r < R; ++r) a[cc][r] = simd::load(acc + r * kDp + cc * kLanes);
-    }
-    for (int j = 0; j < nb; ++j) {
-      const float* p = s_ + j * nql_ + i;
-      for (int cc = 0; cc < CC; ++cc) {
-        const Vec vv = load_vec(values.row(j) + (c + cc) * kLanes);
-        for (int r = 0; r < R; ++r) a[cc][r] += simd::splat(p[r]) * vv;
-      }
-    }
-    for (int cc = 0; cc < CC; ++cc) {
-      for (int r = 0; r < R; ++r) simd::store(acc + r * kDp + cc * kLanes, a[cc][r]);
-    }
-  }
-
-  // Narrow items: a few D-chunks at a time across the block's keys, so each V element is loaded
-  // (and for bf16 converted) once for all R query vectors; R * CC >= 8 independent FMA chains.
-  template <int R>
-  void accumulate_narrow(int nb, int64_t i, Rows<T> values) {
-    constexpr int kChunks = std::min(NC, R >= 8 ? 1 : 8 / R);
-    for (int c = 0; c < NC; c += kChunks) accumulate_chunks<R, kChunks>(nb, i, c, values);
-  }
-
-  void accumulate_values(int h, int nb, Rows<T> values) {
-    int64_t i = int64_t{h} * nqg_;
-    const int64_t end = i + nqg_;
-    if (!wide_) {
-      for (; i + 8 <= end; i += 8) accumulate_narrow<8>(nb, i, values);
-      for (; i + 4 <= end; i += 4) accumulate_narrow<4>(nb, i, values);
-      for (; i < end; ++i) accumulate_narrow<1>(nb, i, values);
-      return;
-    }
-    constexpr int kRows = NC <= 4 ? 4 : NC <= 8 ? 2 : 1;
-    for (; i + kRows <= end; i += kRows) accumulate_rows<kRows>(nb, i, values);
-    for (; i < end; ++i) accumulate_rows<1>(nb, i, values);
   }
 
   void finish() {

@@ -31,8 +31,9 @@ inline Vec load_bf16(const uint16_t* p) {
 #if defined(__AVX512F__)
   // GCC lowers the generic form below through 256-bit halves; one vpmovzxwd is enough.
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m512i wide = _mm512_cvtepu16_epi32(half);
-  return (Vec)_mm512_slli_epi32(wide, 16);
+  // The maskz form with a full mask avoids GCC 12's -Wuninitialized false positive.
+  const UVec wide = (UVec)_mm512_maskz_cvtepu16_epi32(0xFFFF, half);
+  return (Vec)(wide << 16);
 #else
   const UVec wide = __builtin_convertvector(*reinterpret_cast<const HalfU*>(p), UVec) << 16;
   return (Vec)wide;  // a same-size vector cast reinterprets the bits
