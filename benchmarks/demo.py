@@ -39,8 +39,12 @@ class Req:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", default=str(CONVERSATION_TRACE), help="Mooncake-schema JSONL(.gz) trace")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--trace", default=str(CONVERSATION_TRACE), help="Mooncake-schema JSONL(.gz) trace"
+    )
     p.add_argument("--requests", type=int, default=300, help="first N requests of the trace")
     p.add_argument("--scale", type=int, default=16, help="divide every length by this")
     p.add_argument("--max-outputs", type=int, default=4, help="cap on output tokens per request")
@@ -61,7 +65,9 @@ def main(argv=None) -> int:
     synth = TokenSynth(block_size=512, scale=args.scale)
     trace = load_trace(args.trace, args.requests)
     seg = synth.block_len
-    shape = tl.ModelShape(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=args.dtype)
+    shape = tl.ModelShape(
+        num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=args.dtype
+    )
     config = tl.PoolConfig(shape, args.instances, args.slots, segment_len=seg, namespace="demo")
     pool = tl.Pool(config)
     cluster = LocalCluster(pool, backend=args.backend)
@@ -90,7 +96,9 @@ def main(argv=None) -> int:
         batches: list[list[tl.Chunk]] = []
         tree = pool.get_prefix_tree()
         if decoding:
-            batches.append([tl.Chunk(r.rid, r.tokens, r.stored) for r in decoding[: args.max_decode_batch]])
+            batches.append(
+                [tl.Chunk(r.rid, r.tokens, r.stored) for r in decoding[: args.max_decode_batch]]
+            )
         while waiting and len(prefilling) < args.instances:
             r = waiting.popleft()
             r.stored = min(tree.match(r.tokens).num_tokens, r.prompt_len - 1)

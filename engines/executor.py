@@ -87,29 +87,29 @@ def merge_rows(
 
 @dataclass(frozen=True)
 class PreparedPut:
-    """Per destination instance: the kv_buf rows and their (slot, offset) targets."""
+    """Per destination instance: the kv_buf rows and their flat page-row targets."""
 
     instance_id: int
     src_rows: torch.Tensor  # int64 [n]
-    slots: torch.Tensor  # int64 [n]
-    offsets: torch.Tensor  # int64 [n]
+    flat_rows: torch.Tensor  # int64 [2n]: K then V target of each row in a [S*2*C, H*D] view
 
 
-def prepare_put(plan: TransferPlan, device) -> list[PreparedPut]:
+def prepare_put(plan: TransferPlan, segment_len: int, device) -> list[PreparedPut]:
     out = []
     for d, instance_id in enumerate(plan.dst_ids.tolist()):
         src, slot, offset = plan.rows_to(d)
-        out.append(
-            PreparedPut(instance_id, _i64(src, device), _i64(slot, device), _i64(offset, device))
-        )
+        k_rows = slot * 2 * segment_len + offset
+        flat = np.stack([k_rows, k_rows + segment_len], axis=1).reshape(-1)
+        out.append(PreparedPut(instance_id, _i64(src, device), _i64(flat, device)))
     return out
 
 
 def write_rows(pool: KVPool, put: PreparedPut, kv_layer: torch.Tensor, layer: int) -> None:
     """Store ``kv_layer`` ``[num_rows, 2, H_kv, D]`` rows into one destination's layer pages."""
-    pages = pool.layer(layer)  # [S, 2, C, H, D]
-    # advanced indices on dims 0 and 2 put the row dimension first: [n, 2, H, D]
-    pages[put.slots, :, put.offsets] = kv_layer.index_select(0, put.src_rows)
+    pages = pool.layer(layer)
+    flat_pages = pages.view(-1, pages.shape[-2] * pages.shape[-1])
+    rows = kv_layer.index_select(0, put.src_rows).view(-1, flat_pages.shape[1])
+    flat_pages.index_copy_(0, put.flat_rows, rows)
 
 
 def copy_segments(pools: Sequence[KVPool], plan: TransferPlan) -> None:

@@ -116,7 +116,9 @@ class LocalEngine:
             dtype=m.torch_dtype,
             device=self._device,
         )
-        puts = executor.prepare_put(transfer_plan, self._device)
+        puts = executor.prepare_put(
+            transfer_plan, self._pools[self.instance_id].data.shape[3], self._device
+        )
         executor.copy_segments(self._pools, transfer_plan)
         self._transfers = {
             k: v for k, v in self._transfers.items() if v.plan.epoch == transfer_plan.epoch

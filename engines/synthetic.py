@@ -91,12 +91,13 @@ def run_iteration(
                 # self-attention covers the chunk's new tokens up to this piece's end
                 pos = np.arange(chunk.start, end)
                 kv = model.kv(chunk.token_ids[chunk.start : end], pos, layer)
-                o_s, lse_s = attend(
+                o_s, lse_s = kernels.self_attention(
                     q_buf[lo:hi],
-                    kv[:, 0],
-                    kv[:, 1],
-                    causal=True,
-                    sm_scale=model.model.head_dim**-0.5,
+                    kv[:, 0].contiguous(),
+                    kv[:, 1].contiguous(),
+                    torch.tensor([0, hi - lo], dtype=torch.int32),
+                    backend=cluster.backend,
+                    kv_indptr=torch.tensor([0, end - chunk.start], dtype=torch.int32),
                 )
                 o_m, lse_m = kernels.merge(
                     o[lo:hi].contiguous(),

@@ -11,6 +11,8 @@ Backends: ``"torch"`` (reference, any device, the test oracle), ``"cpu"`` (the C
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from tokenlake.errors import InvalidArgumentError
@@ -121,7 +123,53 @@ def merge(
     return reference.merge(o_a, lse_a, o_b, lse_b)
 
 
-self_attention = reference.self_attention
+def self_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indptr: torch.Tensor,
+    sm_scale: float | None = None,
+    backend: str | None = None,
+    kv_indptr: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of each request's new tokens over themselves.
+
+    Args:
+        q: ``[T_q, H_q, D]``; k, v: ``[T_kv, H_kv, D]`` (same dtype as ``q``).
+        indptr: int32 ``[B + 1]`` q row offsets per request.
+        kv_indptr: int32 ``[B + 1]`` key offsets (default ``indptr``); request ``b``'s q rows
+            are its last rows (bottom-right causal alignment).
+    Returns:
+        ``o`` ``[T_q, H_q, D]`` float32 and ``lse`` ``[T_q, H_q]`` float32 (natural log).
+    """
+    check_tensor("k", k, shape=(None, None, q.shape[-1]), dtype=q.dtype, device=q.device)
+    check_tensor("v", v, shape=tuple(k.shape), dtype=q.dtype, device=q.device)
+    backend = _pick_backend(backend, q.device)
+    if backend == "torch":
+        return reference.self_attention(q, k, v, indptr, sm_scale, kv_indptr)
+    # other backends take paged KV: one page per request, as long as the longest request
+    kv_indptr = indptr if kv_indptr is None else kv_indptr
+    bounds = kv_indptr.tolist()
+    lens = [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+    page_len = max(max(lens), 1)
+    pages = q.new_zeros((len(lens), 2, page_len, k.shape[1], k.shape[2]))
+    for b, (s, n) in enumerate(zip(bounds[:-1], lens, strict=True)):
+        pages[b, 0, :n] = k[s : s + n]
+        pages[b, 1, :n] = v[s : s + n]
+    has_kv = [b for b, n in enumerate(lens) if n]
+    i32 = dict(dtype=torch.int32, device=q.device)
+    page_indptr = torch.tensor([0] + list(itertools.accumulate(1 if n else 0 for n in lens)), **i32)
+    return partial_attention(
+        q,
+        indptr.to(torch.int32),
+        pages,
+        page_indptr,
+        torch.tensor(has_kv, **i32),
+        torch.tensor([max(n, 1) for n in lens], **i32),
+        causal=True,
+        sm_scale=sm_scale,
+        backend=backend,
+    )
 
 
 def _pick_backend(backend: str | None, device: torch.device) -> str:

@@ -116,20 +116,25 @@ def self_attention(
     v: torch.Tensor,
     indptr: torch.Tensor,
     sm_scale: float | None = None,
+    kv_indptr: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of each request's new tokens over themselves (the compute engine's part).
 
     Args:
-        q: ``[T, H_q, D]``; k, v: ``[T, H_kv, D]``; indptr: int ``[B + 1]`` row offsets.
+        q: ``[T_q, H_q, D]``; k, v: ``[T_kv, H_kv, D]``; indptr: int ``[B + 1]`` q row offsets.
+        kv_indptr: int ``[B + 1]`` key offsets (default ``indptr``); a request's q rows are its
+            *last* rows (bottom-right causal alignment), as for one piece of a split chunk.
     Returns:
-        ``o`` ``[T, H_q, D]`` float32 and ``lse`` ``[T, H_q]`` float32.
+        ``o`` ``[T_q, H_q, D]`` float32 and ``lse`` ``[T_q, H_q]`` float32.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
-    bounds = indptr.tolist()
-    for b in range(len(bounds) - 1):
-        s, e = bounds[b], bounds[b + 1]
+    q_bounds = indptr.tolist()
+    kv_bounds = q_bounds if kv_indptr is None else kv_indptr.tolist()
+    for b in range(len(q_bounds) - 1):
+        s, e = q_bounds[b], q_bounds[b + 1]
+        ks, ke = kv_bounds[b], kv_bounds[b + 1]
         if s < e:
-            o[s:e], lse[s:e] = attend(q[s:e], k[s:e], v[s:e], True, scale)
+            o[s:e], lse[s:e] = attend(q[s:e], k[ks:ke], v[ks:ke], True, scale)
     return o, lse
