@@ -123,7 +123,7 @@ class TreeMachine(RuleBasedStateMachine):
         self.seg = seg
         self.slots = itertools.count()
         self.seqs: list[list[int]] = []
-        self.pending: list[tuple] = []  # (PendingInsert, full prefix)
+        self.pending: list[tuple] = []  # (PendingInsert, full prefix, parent node)
         self.pinned_paths: list[list[tuple]] = []
 
     # ---- helpers ------------------------------------------------------------------------
@@ -140,11 +140,8 @@ class TreeMachine(RuleBasedStateMachine):
     def new_location(self, instance_id: int) -> Location:
         return Location(instance_id, next(self.slots))
 
-    def key_of(self, prefix: tuple) -> int:
-        key = self.hasher.root_key
-        for start in range(0, len(prefix), self.seg):
-            key = self.hasher.key(key, arr(prefix[start : start + self.seg]))
-        return key
+    def node_of(self, prefix: tuple) -> Node:
+        return self.model.entries[prefix].node if prefix else self.tree.root
 
     def check_match(self, tokens: list[int], touch: bool = False) -> None:
         m = self.tree.match(tokens, touch=touch)
@@ -160,10 +157,18 @@ class TreeMachine(RuleBasedStateMachine):
             path = nodes + [p for p in cands if self.model.entries[p].node is m.partial]
             self.model.touch(path)
 
-    def expect_commit(self, res: CommitResult, prefix: tuple, loc: Location) -> None:
+    def expect_commit(
+        self, res: CommitResult, prefix: tuple, loc: Location, parent_node: Node | None
+    ) -> None:
+        """``parent_node`` is what the reservation's parent resolved to (None: refused)."""
         entries = self.model.entries
         parent = self.model.parent(prefix)
-        if parent and parent not in entries:
+        alive = parent_node is not None and (
+            parent_node is self.tree.root
+            if not parent
+            else parent in entries and entries[parent].node is parent_node
+        )
+        if not alive:
             assert res == CommitResult(None, False)
         elif prefix in entries:
             assert res.deduped and res.node is entries[prefix].node
@@ -181,21 +186,23 @@ class TreeMachine(RuleBasedStateMachine):
         tokens = self.draw_tokens(data)
         n_full = len(tokens) // self.seg
         instance_id = data.draw(st.integers(0, NUM_INSTANCES - 1))
-        reserved, parent_key = [], self.hasher.root_key
+        reserved, parent_ref = [], self.tree.root
         for i in range(n_full):
             prefix = tuple(tokens[: (i + 1) * self.seg])
-            content = arr(prefix[i * self.seg :])
-            key = self.hasher.key(parent_key, content)
             loc = self.new_location(instance_id)
-            reserved.append((self.tree.reserve(parent_key, key, content, loc), prefix))
+            parent_ref = self.tree.reserve(parent_ref, arr(prefix[i * self.seg :]), loc)
+            reserved.append((parent_ref, prefix))
             self.check_match(tokens)  # reservations are invisible
-            parent_key = key
         abort_at = data.draw(st.none() | st.integers(0, max(n_full - 1, 0)))
+        parent_node: Node | None = self.tree.root
         for i, (pending, prefix) in enumerate(reserved):
             if i == abort_at:
                 self.tree.abort(pending)
+                parent_node = None  # the writer gave up: its later segments are refused
             else:
-                self.expect_commit(self.tree.commit(pending), prefix, pending.location)
+                res = self.tree.commit(pending)
+                self.expect_commit(res, prefix, pending.location, parent_node)
+                parent_node = res.node
             self.check_match(tokens)
         if len(tokens) % self.seg and data.draw(st.booleans()):
             prefix = tuple(tokens)
@@ -203,8 +210,8 @@ class TreeMachine(RuleBasedStateMachine):
             if parent and parent not in self.model.entries:
                 return
             loc = self.new_location(instance_id)
-            res = self.tree.insert(self.key_of(parent), arr(prefix[len(parent) :]), loc)
-            self.expect_commit(res, prefix, loc)
+            res = self.tree.insert(self.node_of(parent), arr(prefix[len(parent) :]), loc)
+            self.expect_commit(res, prefix, loc, self.node_of(parent))
 
     @rule(data=st.data())
     def reserve_one(self, data) -> None:
@@ -215,26 +222,27 @@ class TreeMachine(RuleBasedStateMachine):
         if start >= len(tokens):
             return
         prefix = tuple(tokens[: start + self.seg])
-        content = arr(prefix[start:])
-        key = self.hasher.key(self.key_of(prefix[:start]), content)
         loc = self.new_location(data.draw(st.integers(0, NUM_INSTANCES - 1)))
-        pending = self.tree.reserve(self.key_of(prefix[:start]), key, content, loc)
-        self.pending.append((pending, prefix))
+        parent_node = self.node_of(prefix[:start])
+        pending = self.tree.reserve(parent_node, arr(prefix[start:]), loc)
+        self.pending.append((pending, prefix, parent_node))
         self.check_match(tokens)
         self.check_match(list(prefix))
 
     @precondition(lambda self: self.pending)
     @rule(data=st.data())
     def commit_one(self, data) -> None:
-        pending, prefix = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
-        self.expect_commit(self.tree.commit(pending), prefix, pending.location)
+        pending, prefix, parent_node = self.pending.pop(
+            data.draw(st.integers(0, len(self.pending) - 1))
+        )
+        self.expect_commit(self.tree.commit(pending), prefix, pending.location, parent_node)
         with pytest.raises(InvalidArgumentError, match="pending"):
             self.tree.commit(pending)
 
     @precondition(lambda self: self.pending)
     @rule(data=st.data())
     def abort_one(self, data) -> None:
-        pending, prefix = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
+        pending, prefix, _ = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
         before = (self.tree.num_nodes, self.tree.num_replicas, self.tree.num_evictable)
         self.tree.abort(pending)
         assert (self.tree.num_nodes, self.tree.num_replicas, self.tree.num_evictable) == before
@@ -313,6 +321,9 @@ class TreeMachine(RuleBasedStateMachine):
             self.model.remove_replica(prefix, loc.instance_id)
             if not node.replicas:
                 assert self.tree.get(node.key) is None
+        else:
+            with pytest.raises(InvalidArgumentError, match="pinned"):
+                self.tree.remove_replica(entry.node, loc.instance_id)
 
     # ---- invariants ---------------------------------------------------------------------
     @invariant()
@@ -379,20 +390,19 @@ def test_collisions_cost_misses_never_wrong_segments(seg, seqs, queries, evictio
     truth: dict[Node, tuple] = {}  # node -> the full prefix the inserter meant
     slots = itertools.count()
     for tokens, num_evict in zip(seqs, itertools.cycle(evictions or [0])):
-        parent_key, pos = h.root_key, 0
+        parent, pos = tree.root, 0
         while pos < len(tokens):
             prefix = tuple(tokens[: pos + seg])
-            res = tree.insert(parent_key, arr(prefix[pos:]), Location(0, next(slots)))
+            res = tree.insert(parent, arr(prefix[pos:]), Location(0, next(slots)))
             tree.check_invariants()
             if res.node is None:
                 break
             if res.deduped:
                 assert truth[res.node] == prefix, "dedupe returned a different segment"
             truth[res.node] = prefix
-            # A node keyed like the root is its own bug (see the xfail test below); stop here.
-            if len(prefix) % seg or res.node.key == h.root_key:
+            if len(prefix) % seg:
                 break
-            parent_key, pos = res.node.key, pos + seg
+            parent, pos = res.node, pos + seg
         for _ in range(num_evict):
             tree.evict_lru()
         tree.check_invariants()
@@ -411,9 +421,9 @@ def test_commit_colliding_with_other_segment_is_refused_and_never_matched():
     h = SegmentHasher("t", key_bits=2)
     tree = PrefixTree(2, h)
     a, b = colliding_pair(h)
-    node_a = tree.insert(h.root_key, arr(a), Location(0, 0)).node
+    node_a = tree.insert(tree.root, arr(a), Location(0, 0)).node
     assert node_a is not None
-    res = tree.insert(h.root_key, arr(b), Location(0, 1))
+    res = tree.insert(tree.root, arr(b), Location(0, 1))
     assert res == CommitResult(None, False)
     tree.check_invariants()
     assert tree.num_nodes == 1 and tree.num_replicas == 1
@@ -422,56 +432,52 @@ def test_commit_colliding_with_other_segment_is_refused_and_never_matched():
     assert tree.match(list(a)).nodes == (node_a,)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: commit resolves parent_key to whatever committed node holds that key; when the "
-    "parent's own commit was refused as a collision, the child is attached under the colliding "
-    "segment and match() serves it for the wrong prefix",
-)
 def test_child_of_refused_collision_is_not_attached_to_the_colliding_segment():
     h = SegmentHasher("t", key_bits=2)
     tree = PrefixTree(2, h)
     a, b = colliding_pair(h)
     ka = h.key(h.root_key, arr(a))
     c = next(c for c in SEGS2 if h.key(ka, arr(c)) not in (ka, h.root_key))
-    node_b = tree.insert(h.root_key, arr(b), Location(0, 0)).node
-    pa = tree.reserve(h.root_key, ka, arr(a), Location(0, 1))  # a request writes a, then c
-    pc = tree.reserve(ka, h.key(ka, arr(c)), arr(c), Location(0, 2))
+    tree.insert(tree.root, arr(b), Location(0, 0))
+    pa = tree.reserve(tree.root, arr(a), Location(0, 1))  # a request writes a, then c
+    pc = tree.reserve(pa, arr(c), Location(0, 2))
     assert tree.commit(pa) == CommitResult(None, False)
-    res = tree.commit(pc)
-    assert res.node is None or res.node.parent is not node_b
+    assert tree.commit(pc) == CommitResult(None, False)
     m = tree.match(list(b) + list(c))  # the KV at Location(0, 2) is for a + c, not b + c
     assert all(n.replicas != [Location(0, 2)] for n in m.nodes)
+    tree.check_invariants()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a segment whose key equals root.key is committed, and commit() then resolves "
-    "its children's parent_key to the root, so a second segment is served as a first one",
-)
 def test_child_of_segment_keyed_like_root_is_not_served_as_first_segment():
     h = SegmentHasher("t", key_bits=2)
     tree = PrefixTree(2, h)
     first = next(s for s in SEGS2 if h.key(h.root_key, arr(s)) == h.root_key)
     second = next(s for s in SEGS2 if s != first and h.key(h.root_key, arr(s)) != h.root_key)
-    node = tree.insert(h.root_key, arr(first), Location(0, 0)).node
-    tree.insert(node.key if node else h.root_key, arr(second), Location(0, 1))
+    node = tree.insert(tree.root, arr(first), Location(0, 0)).node
+    tree.insert(node if node else tree.root, arr(second), Location(0, 1))
     tree.check_invariants()
     # Location(0, 1) holds the KV of `second` after `first`: never a match for `second` alone.
     assert all(n.replicas != [Location(0, 1)] for n in tree.match(list(second)).nodes)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: reserve()/insert() keep a view of the caller's writable int32 array instead of "
-    "a copy, so the caller reusing its buffer silently rewrites committed segments",
-)
 def test_tree_owns_its_tokens():
     tree = PrefixTree(2, SegmentHasher("t"))
     buf = arr([1, 2])
-    node = tree.insert(tree.root.key, buf, Location(0, 0)).node
+    node = tree.insert(tree.root, buf, Location(0, 0)).node
     buf[:] = [2, 2]  # the caller reuses its buffer
     assert tree.match([1, 2]).nodes == (node,)
+    tree.check_invariants()
+
+
+def test_commit_before_parent_reservation_raises_and_changes_nothing():
+    tree = PrefixTree(2, SegmentHasher("t"))
+    parent = tree.reserve(tree.root, arr([1, 2]), Location(0, 0))
+    child = tree.reserve(parent, arr([0, 0]), Location(0, 1))
+    with pytest.raises(InvalidArgumentError, match="parent"):
+        tree.commit(child)
+    assert tree.num_pending == 2
+    assert tree.commit(parent).node is not None
+    assert tree.commit(child).node.parent is parent.result
     tree.check_invariants()
 
 
@@ -479,12 +485,12 @@ def test_tree_owns_its_tokens():
 def test_touch_makes_ancestors_newer_so_leaves_are_evicted_first():
     tree = PrefixTree(2, SegmentHasher("t"))
     slots = itertools.count()
-    key, chain = tree.root.key, []
+    parent, chain = tree.root, []
     for seg in ([0, 1], [1, 1], [2, 2], [0, 0]):
-        node = tree.insert(key, arr(seg), Location(0, next(slots))).node
+        node = tree.insert(parent, arr(seg), Location(0, next(slots))).node
         chain.append(node)
-        key = node.key
-    side = tree.insert(chain[0].key, arr([2, 0]), Location(1, next(slots))).node
+        parent = node
+    side = tree.insert(chain[0], arr([2, 0]), Location(1, next(slots))).node
     # Inserting deepest-last left the leaf newest; one match touches the whole path.
     tree.match([0, 1, 1, 1, 2, 2, 0, 0], touch=True)
     assert [n.last_access for n in chain] == sorted((n.last_access for n in chain), reverse=True)
@@ -496,7 +502,7 @@ def test_touch_makes_ancestors_newer_so_leaves_are_evicted_first():
 
 def test_pinned_last_copy_is_never_evicted_but_extra_replicas_are():
     tree = PrefixTree(2, SegmentHasher("t"))
-    node = tree.insert(tree.root.key, arr([1, 2]), Location(0, 0)).node
+    node = tree.insert(tree.root, arr([1, 2]), Location(0, 0)).node
     tree.add_replica(node, Location(1, 0))
     tree.pin(node)
     assert tree.num_evictable == 1
@@ -511,8 +517,8 @@ def test_pinned_last_copy_is_never_evicted_but_extra_replicas_are():
 
 def test_remove_replica_of_node_with_children_raises():
     tree = PrefixTree(2, SegmentHasher("t"))
-    parent = tree.insert(tree.root.key, arr([1, 2]), Location(0, 0)).node
-    tree.insert(parent.key, arr([0]), Location(0, 1))  # a tail
+    parent = tree.insert(tree.root, arr([1, 2]), Location(0, 0)).node
+    tree.insert(parent, arr([0]), Location(0, 1))  # a tail
     with pytest.raises(InvalidArgumentError, match="children"):
         tree.remove_replica(parent, 0)
     with pytest.raises(InvalidArgumentError, match="instance_id"):
@@ -525,7 +531,7 @@ def test_remove_replica_of_node_with_children_raises():
 
 def test_add_replica_on_same_instance_twice_raises():
     tree = PrefixTree(2, SegmentHasher("t"))
-    node = tree.insert(tree.root.key, arr([1, 2]), Location(0, 0)).node
+    node = tree.insert(tree.root, arr([1, 2]), Location(0, 0)).node
     tree.add_replica(node, Location(1, 3))
     with pytest.raises(InvalidArgumentError, match="location"):
         tree.add_replica(node, Location(1, 4))
@@ -537,8 +543,7 @@ def test_add_replica_on_same_instance_twice_raises():
 
 def test_reserved_segment_is_invisible_and_abort_changes_nothing():
     tree = PrefixTree(2, SegmentHasher("t"))
-    h = tree.hasher
-    pending = tree.reserve(h.root_key, h.key(h.root_key, arr([1, 2])), arr([1, 2]), Location(0, 0))
+    pending = tree.reserve(tree.root, arr([1, 2]), Location(0, 0))
     m = tree.match([1, 2, 0])
     assert m.num_tokens == 0 and m.partial is None
     assert tree.num_nodes == 0 and tree.num_pending == 1 and tree.num_evictable == 0
@@ -552,15 +557,15 @@ def test_reserved_segment_is_invisible_and_abort_changes_nothing():
 
 def test_dedupe_returns_existing_node_and_partial_match_of_tail():
     tree = PrefixTree(3, SegmentHasher("t"))
-    first = tree.insert(tree.root.key, arr([1, 2, 0]), Location(0, 0))
-    again = tree.insert(tree.root.key, arr([1, 2, 0]), Location(1, 0))
+    first = tree.insert(tree.root, arr([1, 2, 0]), Location(0, 0))
+    again = tree.insert(tree.root, arr([1, 2, 0]), Location(1, 0))
     assert again == CommitResult(first.node, True)
     assert first.node.replicas == [Location(0, 0)]
-    tail = tree.insert(first.node.key, arr([2, 2]), Location(0, 1)).node
+    tail = tree.insert(first.node, arr([2, 2]), Location(0, 1)).node
     m = tree.match([1, 2, 0, 2, 2, 1, 0])
     assert m.nodes == (first.node,) and m.partial is tail and m.partial_len == 2
     assert m.num_tokens == 5
     with pytest.raises(InvalidArgumentError, match="tokens"):
-        tree.reserve(tree.root.key, 0, arr([1, 2, 0, 1]), Location(0, 2))
-    assert tree.insert(tail.key, arr([1]), Location(0, 3)) == CommitResult(None, False)
+        tree.reserve(tree.root, arr([1, 2, 0, 1]), Location(0, 2))
+    assert tree.insert(tail, arr([1]), Location(0, 3)) == CommitResult(None, False)
     tree.check_invariants()

@@ -43,7 +43,7 @@ class ModelShape:
                 f"ModelShape.num_q_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, "
                 f"got {self.num_q_heads}"
             )
-        if self.dtype not in _DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in _DTYPES:
             raise InvalidArgumentError(
                 f"ModelShape.dtype: expected one of {sorted(_DTYPES)}, got {self.dtype!r}"
             )

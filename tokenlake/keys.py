@@ -17,24 +17,32 @@ TOKEN_DTYPE = np.int32
 
 
 def as_tokens(token_ids: Sequence[int] | np.ndarray, name: str = "token_ids") -> np.ndarray:
-    """Return ``token_ids`` as a read-only 1-D int32 array (no copy if it already is one)."""
+    """Return ``token_ids`` as a read-only 1-D int32 array.
+
+    A read-only int32 array is returned as is; anything else is validated (integers in
+    ``[0, 2**31)``) and copied, so later writes to the caller's buffer cannot change it.
+    """
     if isinstance(token_ids, np.ndarray) and token_ids.dtype == TOKEN_DTYPE:
-        arr = token_ids
+        if not token_ids.flags.writeable and token_ids.ndim == 1:
+            return token_ids
+        arr = np.array(token_ids, copy=True)
     else:
         try:
-            arr = np.asarray(token_ids, dtype=np.int64)
+            arr = np.asarray(token_ids)
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"{name}: expected a sequence of ints ({exc})") from None
-        if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(TOKEN_DTYPE).max):
-            raise InvalidArgumentError(
-                f"{name}: expected token ids in [0, 2**31), got out-of-range ids"
-            )
-        arr = arr.astype(TOKEN_DTYPE)
+        if arr.size == 0:
+            arr = arr.astype(TOKEN_DTYPE)
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise InvalidArgumentError(f"{name}: expected integer token ids, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise InvalidArgumentError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
-    if arr.flags.writeable:
-        arr = arr.view()
-        arr.flags.writeable = False
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(TOKEN_DTYPE).max):
+        raise InvalidArgumentError(
+            f"{name}: expected token ids in [0, 2**31), got out-of-range ids"
+        )
+    arr = arr.astype(TOKEN_DTYPE, copy=arr.dtype != TOKEN_DTYPE)
+    arr.flags.writeable = False
     return arr
 
 

@@ -177,7 +177,8 @@ class Pool:
             loc = state.open.location
             kept = None
             if not state.detached:
-                res = self.tree.insert(state.open.parent_key, state.open.tokens, loc)
+                parent = state.nodes[-1] if state.nodes else self.tree.root
+                res = self.tree.insert(parent, state.open.tokens, loc)
                 kept = res.node if res.node is not None and not res.deduped else None
             if kept is None:
                 self.allocators[loc.instance_id].free(loc.slot_id)

@@ -79,12 +79,20 @@ class PrefixMatch(NamedTuple):
         return len(self.nodes) * self.segment_len + self.partial_len
 
 
-class PendingInsert(NamedTuple):
-    insert_id: int
-    parent_key: int
-    key: int
-    tokens: np.ndarray
-    location: Location
+class PendingInsert:
+    """A reserved segment. ``parent`` is a committed node or an earlier reservation of the
+    same writer (a chunk spanning several segments); ``result`` is set by ``commit``."""
+
+    __slots__ = ("insert_id", "parent", "key", "tokens", "location", "result", "state")
+
+    def __init__(self, insert_id, parent, key, tokens, location) -> None:
+        self.insert_id: int = insert_id
+        self.parent: Node | PendingInsert = parent
+        self.key: int = key
+        self.tokens: np.ndarray = tokens
+        self.location: Location = location
+        self.result: Node | None = None
+        self.state = "reserved"  # then "committed" or "aborted"
 
 
 class CommitResult(NamedTuple):
@@ -190,50 +198,72 @@ class PrefixTree:
 
     # ---- two-phase insert ----------------------------------------------------------------
     def reserve(
-        self, parent_key: int, key: int, tokens: np.ndarray, location: Location
+        self, parent: Node | PendingInsert, tokens: np.ndarray, location: Location
     ) -> PendingInsert:
-        """Announce a segment being written at ``location``; invisible until :meth:`commit`."""
+        """Announce a segment being written at ``location`` under ``parent`` (a committed
+        node, or a reservation committed before this one); invisible until :meth:`commit`."""
+        tokens = np.array(as_tokens(tokens), copy=True)  # the tree owns its tokens
+        tokens.flags.writeable = False
         if not 0 < len(tokens) <= self.segment_len:
             raise InvalidArgumentError(
                 f"tokens: expected 1..{self.segment_len} tokens, got {len(tokens)}"
             )
-        pending = PendingInsert(
-            next(self._insert_ids), parent_key, key, as_tokens(tokens), location
-        )
+        if not isinstance(parent, Node | PendingInsert):
+            raise InvalidArgumentError(
+                f"parent: expected a Node or PendingInsert, got {type(parent).__name__}"
+            )
+        key = self.hasher.key(parent.key, tokens)
+        pending = PendingInsert(next(self._insert_ids), parent, key, tokens, location)
         self._pending[pending.insert_id] = pending
         return pending
 
     def abort(self, pending: PendingInsert) -> None:
-        if self._pending.pop(pending.insert_id, None) is None:
-            raise InvalidArgumentError(f"pending: insert {pending.insert_id} is not reserved")
+        self._take_pending(pending).state = "aborted"
+
+    def _take_pending(self, pending: PendingInsert) -> PendingInsert:
+        if self._pending.pop(getattr(pending, "insert_id", None), None) is not pending:
+            raise InvalidArgumentError(f"pending: {pending!r} is not a live reservation")
+        return pending
+
+    def _resolve_parent(self, pending: PendingInsert) -> Node | None:
+        parent = pending.parent
+        if isinstance(parent, PendingInsert):
+            parent = parent.result
+        if parent is None or (
+            parent is not self.root and self._nodes.get(parent.key) is not parent
+        ):
+            return None  # parent refused (collision) or gone
+        return parent if len(parent.tokens) in (0, self.segment_len) else None
 
     def commit(self, pending: PendingInsert) -> CommitResult:
         """Make a reserved segment visible, or resolve it to an identical existing one."""
-        if self._pending.pop(pending.insert_id, None) is None:
-            raise InvalidArgumentError(f"pending: insert {pending.insert_id} is not reserved")
-        parent = (
-            self.root
-            if pending.parent_key == self.root.key
-            else self._nodes.get(pending.parent_key)
-        )
-        if parent is None or len(parent.tokens) not in (0, self.segment_len):
-            return CommitResult(None, False)  # parent gone or collided: keep private
-        existing = self._nodes.get(pending.key)
+        parent = getattr(pending, "parent", None)
+        if isinstance(parent, PendingInsert) and parent.state == "reserved":
+            raise InvalidArgumentError("pending: commit its parent reservation first")
+        self._take_pending(pending).state = "committed"
+        parent = self._resolve_parent(pending)
+        if parent is None:
+            return CommitResult(None, False)  # keep the segment private
+        existing = parent.children.get(pending.key)
+        if existing is None and pending.key in self._nodes:
+            return CommitResult(None, False)  # same key elsewhere in the tree: a collision
         if existing is not None:
-            same = existing.parent is parent and np.array_equal(existing.tokens, pending.tokens)
-            return CommitResult(existing, True) if same else CommitResult(None, False)
+            if not np.array_equal(existing.tokens, pending.tokens):
+                return CommitResult(None, False)
+            pending.result = existing
+            return CommitResult(existing, True)
         node = Node(pending.key, parent, pending.tokens, parent.depth + 1)
         parent.children[node.key] = node
         parent.by_first.setdefault(int(node.tokens[0]), []).append(node)
         self._nodes[node.key] = node
         self._add_replica(node, pending.location)
         self.touch([node])
+        pending.result = node
         return CommitResult(node, False)
 
-    def insert(self, parent_key: int, tokens: np.ndarray, location: Location) -> CommitResult:
+    def insert(self, parent: Node, tokens: np.ndarray, location: Location) -> CommitResult:
         """Reserve and commit at once (the KV at ``location`` is already complete)."""
-        key = self.hasher.key(parent_key, as_tokens(tokens))
-        return self.commit(self.reserve(parent_key, key, tokens, location))
+        return self.commit(self.reserve(parent, tokens, location))
 
     # ---- replicas and eviction -----------------------------------------------------------
     def add_replica(self, node: Node, location: Location) -> None:
@@ -258,6 +288,8 @@ class PrefixTree:
             raise InvalidArgumentError(f"instance_id: {node!r} has no replica on {instance_id}")
         if len(node.replicas) == 1 and node.children:
             raise InvalidArgumentError(f"node: {node!r} has children; remove them first")
+        if len(node.replicas) == 1 and node.pin_count:
+            raise InvalidArgumentError(f"node: {node!r} is pinned; its last copy cannot go")
         if len(node.replicas) > 1 or node.pin_count == 0:
             self._num_evictable -= 1
         loc = node.replicas.pop(idx)

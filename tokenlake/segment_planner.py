@@ -53,6 +53,7 @@ class SegmentPlanner:
         tokens = pc.token_ids
         pos = pc.start
         parent_key = state.last_key(tree.root.key)
+        parent_ref = state.nodes[-1] if state.nodes else tree.root  # for tree reservations
         while pos < pc.end:
             offset = pos % seg
             seg_start = pos - offset
@@ -81,9 +82,8 @@ class SegmentPlanner:
                 copy_from=copy_from,
             )
             if len(content) == seg:
-                key = tree.hasher.key(parent_key, content)
                 if not state.detached:
-                    write.pending = tree.reserve(parent_key, key, content, location)
-                parent_key = key
+                    write.pending = parent_ref = tree.reserve(parent_ref, content, location)
+                parent_key = tree.hasher.key(parent_key, content)
             pc.writes.append(write)
             pos = seg_end

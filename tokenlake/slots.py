@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import heapq
+
 from tokenlake.errors import InvalidArgumentError
 
 
 class SlotAllocator:
-    """A free list over slot ids ``0..num_slots-1``; lowest ids are handed out first."""
+    """A free heap over slot ids ``0..num_slots-1``; the lowest free id is handed out first."""
 
     def __init__(self, num_slots: int) -> None:
         if num_slots <= 0:
             raise InvalidArgumentError(f"num_slots: expected > 0, got {num_slots}")
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = list(range(num_slots))  # a valid heap already
         self._used = bytearray(num_slots)
 
     @property
@@ -27,18 +29,18 @@ class SlotAllocator:
         """A free slot id, or ``None`` when the instance is full (an expected miss)."""
         if not self._free:
             return None
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self._used[slot] = 1
         return slot
 
     def free(self, slot: int) -> None:
-        if not 0 <= slot < self.num_slots or not self._used[slot]:
+        if not self.is_used(slot):
             raise InvalidArgumentError(f"slot: {slot} is not an allocated slot")
         self._used[slot] = 0
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     def is_used(self, slot: int) -> bool:
-        return bool(self._used[slot])
+        return 0 <= slot < self.num_slots and bool(self._used[slot])
 
     def check_invariants(self) -> None:
         assert len(set(self._free)) == len(self._free), "slot on the free list twice"
