@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--scale", type=int, default=16, help="divide every length by this")
     p.add_argument("--max-outputs", type=int, default=4, help="cap on output tokens per request")
     p.add_argument("--instances", type=int, default=4)
-    p.add_argument("--slots", type=int, default=768, help="segment slots per instance")
+    p.add_argument("--slots", type=int, default=1536, help="segment slots per instance")
     p.add_argument("--chunk-segments", type=int, default=8, help="prefill chunk, in segments")
     p.add_argument("--max-decode-batch", type=int, default=32)
     p.add_argument("--verify-fraction", type=float, default=0.05)
