@@ -15,9 +15,10 @@ namespace tokenlake {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-// Query vectors per prefill item: enough to reuse each staged K/V block many times, few enough
-// that the item's accumulators stay in L2.
-constexpr int64_t kWideTileVectors = 64;
+// Query vectors per prefill item: each staged K/V block is reused this many times, so the K/V
+// stream from memory stays small next to the FMAs; the item's 2 x 128 KiB of transposed queries
+// and accumulators (D = 128) stay in L2.
+constexpr int64_t kWideTileVectors = 256;
 // Splitting a request's pages aims for this many items per thread, so uneven requests balance.
 constexpr int64_t kItemsPerThread = 4;
 // A split shorter than this spends more on its merge and scheduling than it saves.

@@ -24,13 +24,13 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Per-thread buffers, grown on demand and reused across calls.
 struct Scratch {
   // Query lane i = h * nqg + (row - row_begin) * group + (q head within the group).
-  std::vector<float> q;        // narrow: [nq][Dp] scaled queries; wide: [D][nql] transposed
+  std::vector<float> q;        // narrow: [nq][Dp] scaled queries; wide: [D][ld] transposed
   std::vector<float> acc;      // [nq][Dp] unnormalised outputs
   std::vector<float> m;        // [nql] running max, log2 units
   std::vector<float> l;        // [nql] running softmax denominator
   std::vector<float> alpha;    // [nql] rescale factor of the current block
   std::vector<int32_t> limit;  // [nql] last visible key position per lane (-1: padding lane)
-  std::vector<float> s;        // [kKeyBlock][nql] scores, then probabilities
+  std::vector<float> s;        // [kKeyBlock][ld] scores, then probabilities
   std::vector<float> k;        // [H][kKeyBlock][Dp] staged fp32 keys (when staging)
   std::vector<float> v;        // [H][kKeyBlock][Dp] staged fp32 values
 };
@@ -74,15 +74,16 @@ class Tile {
       : p_(p), w_(w), D_(p.head_dim), group_(p.num_q_heads / p.num_kv_heads),
         num_heads_(w.head_end - w.head_begin), nqg_((w.row_end - w.row_begin) * group_),
         nq_(num_heads_ * nqg_), nql_((nq_ + kLanes - 1) / kLanes * kLanes),
-        wide_(wide_item(p, w)), staged_(wide_ || D_ != kDp || p.bf16 != (sizeof(T) == 2)) {
+        wide_(wide_item(p, w)), ld_(nql_ + (wide_ ? kLanes : 0)),
+        staged_(wide_ || D_ != kDp || p.bf16 != (sizeof(T) == 2)) {
     const size_t h = num_heads_;
-    q_ = grow(s.q, wide_ ? D_ * nql_ : nq_ * kDp);
+    q_ = grow(s.q, wide_ ? D_ * ld_ : nq_ * kDp);
     acc_ = grow(s.acc, nq_ * kDp);
     m_ = grow(s.m, nql_);
     l_ = grow(s.l, nql_);
     alpha_ = grow(s.alpha, nql_);
     limit_ = grow(s.limit, nql_);
-    s_ = grow(s.s, kKeyBlock * nql_);
+    s_ = grow(s.s, kKeyBlock * ld_);
     if (staged_) {
       k_ = grow(s.k, h * kKeyBlock * kDp);
       v_ = grow(s.v, h * kKeyBlock * kDp);
@@ -119,7 +120,7 @@ class Tile {
         if (staged_) stage_block(slots[page], kb, nb);
         for (int h = 0; h < num_heads_; ++h) {
           if (wide_) {
-            blocks::scores_wide<NC>(q_, D_, nql_, k_, nb, s_);
+            blocks::scores_wide<NC>(q_, D_, nql_, ld_, k_, nb, s_);
           } else {
             // This head's values are needed right after the softmax: pull them into L1 now.
             const Rows<T> values = rows(k_offset + half, h, v_);
@@ -129,12 +130,12 @@ class Tile {
               }
             }
             blocks::scores_narrow<NC>(q_ + h * nqg_ * kDp, nqg_, rows(k_offset, h, k_), nb,
-                                      s_ + h * nqg_, nql_);
+                                      s_ + h * nqg_, ld_);
           }
         }
         softmax(nb, key0);
         for (int h = 0; h < num_heads_; ++h) {
-          blocks::accumulate_values<NC>(s_, nql_, h * nqg_, nqg_, rows(k_offset + half, h, v_),
+          blocks::accumulate_values<NC>(s_, ld_, h * nqg_, nqg_, rows(k_offset + half, h, v_),
                                         nb, acc_ + h * nqg_ * kDp);
         }
       }
@@ -166,12 +167,12 @@ class Tile {
       stage_row(src, p_.bf16, D_, kDp, dst);
       for (int64_t d = 0; d < kDp; ++d) dst[d] *= scale;
       if (wide_) {
-        for (int64_t d = 0; d < D_; ++d) q_[d * nql_ + i] = row[d];
+        for (int64_t d = 0; d < D_; ++d) q_[d * ld_ + i] = row[d];
       }
     }
     if (wide_) {
       for (int64_t d = 0; d < D_; ++d) {
-        for (int64_t i = nq_; i < nql_; ++i) q_[d * nql_ + i] = 0.0f;
+        for (int64_t i = nq_; i < nql_; ++i) q_[d * ld_ + i] = 0.0f;
       }
     }
     for (int64_t i = 0; i < nq_ * kDp; ++i) acc_[i] = 0.0f;
@@ -225,7 +226,7 @@ class Tile {
       const Vec m_old = simd::load(m + v);
       Vec block_max = neg_inf;
       for (int j = 0; j < nb; ++j) {
-        float* sj = s_ + j * nql_ + v;
+        float* sj = s_ + j * ld_ + v;
         const Vec sv = limit < static_cast<int32_t>(key0 + j) ? neg_inf : simd::load(sj);
         simd::store(sj, sv);
         block_max = simd::vmax(block_max, sv);
@@ -236,7 +237,7 @@ class Tile {
       const Vec alpha = simd::exp2(m_old - m_safe);
       Vec sum = simd::splat(0.0f);
       for (int j = 0; j < nb; ++j) {
-        float* sj = s_ + j * nql_ + v;
+        float* sj = s_ + j * ld_ + v;
         const Vec pv = simd::exp2(simd::load(sj) - m_safe);
         simd::store(sj, pv);
         sum += pv;
@@ -283,6 +284,9 @@ class Tile {
   const int64_t nq_;   // query vectors (lanes) of the item: heads x nqg_
   const int64_t nql_;  // nq_ rounded up to whole vectors (padding lanes are always masked)
   const bool wide_;
+  // Row stride of s_ and of the transposed queries; wide strides are padded off a power of two
+  // (256 lanes = 1 KiB rows would map all of qt onto 4 of L1's 64 sets).
+  const int64_t ld_;
   const bool staged_;
   float* q_;
   float* acc_;
