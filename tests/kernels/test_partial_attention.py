@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
+import threading
 
 import pytest
 import torch
@@ -133,6 +135,49 @@ def test_non_contiguous_query():
     q_strided = q.transpose(0, 1).contiguous().transpose(0, 1)
     assert not q_strided.is_contiguous()
     assert_matches((q_strided, q_indptr, pool, kv_indptr, slots, last_len), torch.float32)
+
+
+def test_concurrent_calls_from_python_threads():
+    # The GIL is released during the call, so several threads share the C++ pool at once.
+    args = make_case([1, 1, 3], [40, 3, 20], 16, 8, 2, 128, torch.float32)
+    expected = partial_attention(*args, backend="cpu")
+    results: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def work() -> None:
+        for _ in range(5):
+            results.append(partial_attention(*args, backend="cpu"))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 20
+    for o, lse in results:
+        assert torch.equal(o, expected[0]) and torch.equal(lse, expected[1])
+
+
+def _attention_in_child(queue) -> None:
+    args = make_case([1, 2], [30, 2], 16, 4, 2, 64, torch.float32)
+    o, _ = partial_attention(*args, backend="cpu")
+    queue.put(float(o.abs().sum()))
+
+
+def test_forked_child_gets_a_working_pool():
+    # The parent's workers do not exist in a forked child; its first call must not hang.
+    cpu.set_num_threads(2)
+    args = make_case([1, 2], [30, 2], 16, 4, 2, 64, torch.float32)
+    expected = float(partial_attention(*args, backend="cpu")[0].abs().sum())
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_attention_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=30)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("kernel call in a forked child hung")
+    assert child.exitcode == 0
+    assert queue.get(timeout=5) == expected
 
 
 def _bad(name: str, **overrides) -> None:
