@@ -2,7 +2,10 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
+#include <stdexcept>
+
 #include "attention.h"
+#include "replica_choice.h"
 #include "thread_pool.h"
 
 namespace nb = nanobind;
@@ -53,6 +56,24 @@ NB_MODULE(_C, m) {
       },
       "o_a"_a.noconvert(), "lse_a"_a.noconvert(), "o_b"_a.noconvert(), "lse_b"_a.noconvert(),
       "o"_a.noconvert(), "lse"_a.noconvert(), nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "choose_replicas",
+      [](nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> rep_inst,
+         nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> num_replicas,
+         nb::ndarray<const double, nb::ndim<1>, nb::c_contig, nb::device::cpu> weight,
+         nb::ndarray<double, nb::ndim<1>, nb::c_contig, nb::device::cpu> load, uint64_t seed,
+         nb::ndarray<int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> chosen) {
+        const int64_t n = static_cast<int64_t>(rep_inst.shape(0));
+        if (num_replicas.shape(0) != n || weight.shape(0) != n || chosen.shape(0) != n) {
+          throw std::invalid_argument("choose_replicas: rep_inst, num_replicas, weight and "
+                                      "chosen must have the same length");
+        }
+        tokenlake::choose_replicas(rep_inst.data(), static_cast<int64_t>(rep_inst.shape(1)),
+                                   num_replicas.data(), weight.data(), n, load.data(),
+                                   static_cast<int64_t>(load.shape(0)), seed, chosen.data());
+      },
+      "rep_inst"_a, "num_replicas"_a, "weight"_a, "load"_a.noconvert(), "seed"_a,
+      "chosen"_a.noconvert());
   m.def("set_num_threads", &tokenlake::set_num_threads, "num_threads"_a);
   m.def("get_num_threads", &tokenlake::get_num_threads);
 }

@@ -1,34 +1,48 @@
-"""Dispatch: which instances run each batch. This is the simple locality rule; the
-bipartite-matching dispatcher of §5 replaces it."""
+"""Dispatch (paper §5): which instance runs each sub-batch, by minimum-cost bipartite
+matching of sub-batches to instances, the cost being the bytes the choice puts on the wire."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import numpy as np
+from scipy.optimize import linear_sum_assignment
 
 from tokenlake.errors import InvalidArgumentError
 
 
-def simple_dispatch(scores: np.ndarray, dops: Sequence[int]) -> list[tuple[int, ...]]:
-    """Give each batch the ``dops[b]`` free instances holding most of its data.
+def traffic_cost(
+    query_rows: np.ndarray, put_tokens: np.ndarray, q_row_bytes: float, kv_token_bytes: float
+) -> np.ndarray:
+    """Bytes sent if sub-batch ``u`` runs on instance ``v`` (§5.2's edge weight, negated).
 
     Args:
-        scores: float ``[num_batches, num_instances]``, e.g. segments of the batch per instance.
-        dops: degree of parallelism of each batch; ``sum(dops) <= num_instances``.
+        query_rows: ``[U, N]`` query rows sub-batch ``u`` must send to holder ``k``
+            (its requests with prefix pages on ``k``).
+        put_tokens: ``[U, N]`` new-KV tokens sub-batch ``u`` stores on home ``k``.
+        q_row_bytes: bytes per query row and remote holder (q out, ``(o, lse)`` back).
+        kv_token_bytes: bytes per new-KV token.
     Returns:
-        ``groups[b]``: the instance ids of batch ``b``, distinct across batches.
+        ``[U, N]``: everything not local to ``v`` crosses the network.
     """
-    num_batches, num_instances = scores.shape
-    if sum(dops) > num_instances:
+    q_total = query_rows.sum(axis=1, keepdims=True)
+    p_total = put_tokens.sum(axis=1, keepdims=True)
+    return q_row_bytes * (q_total - query_rows) + kv_token_bytes * (p_total - put_tokens)
+
+
+def hungarian_dispatch(cost: np.ndarray, live: Sequence[int]) -> np.ndarray:
+    """Assign every sub-batch (row) a distinct live instance with minimum total cost.
+
+    Returns ``origins[u]``, instance ids. Raises if there are more sub-batches than live
+    instances (a batch's DoP sub-batches each need an instance of their own).
+    """
+    num_sub, _ = cost.shape
+    live = np.asarray(live, dtype=np.int64)
+    if num_sub > len(live):
         raise InvalidArgumentError(
-            f"dops: {sum(dops)} sub-batches need more than the {num_instances} instances"
+            f"dops: {num_sub} sub-batches need more than the {len(live)} live instances"
         )
-    taken = np.zeros(num_instances, dtype=bool)
-    groups: list[tuple[int, ...]] = [()] * num_batches
-    for b in np.argsort(-scores.sum(axis=1), kind="stable"):
-        masked = np.where(taken, -np.inf, scores[b])
-        chosen = [int(i) for i in np.argsort(-masked, kind="stable")[: dops[b]]]
-        taken[chosen] = True
-        groups[b] = tuple(chosen)
-    return groups
+    rows, cols = linear_sum_assignment(cost[:, live])
+    origins = np.empty(num_sub, dtype=np.int64)
+    origins[rows] = live[cols]
+    return origins

@@ -1,12 +1,19 @@
-"""Turns planned chunks and dispatch groups into immutable Query/Transfer plans."""
+"""Turns planned chunks into immutable plans: gathers every prefix page of every request
+as flat arrays, picks replicas (power of two choices), matches sub-batches to instances
+(Hungarian, §5) and cuts the arrays into per-sub-batch CSR plans."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from tokenlake import _C
+from tokenlake.balancer import AccessStats
+from tokenlake.dispatch import hungarian_dispatch, traffic_cost
 from tokenlake.plans import Plans, QueryPlan, TransferPlan, frozen_i32
+from tokenlake.prefix_tree import Location, Node, PrefixTree
 from tokenlake.requests import PlannedChunk
 
 Piece = tuple[int, int, int]  # (chunk index in batch, first row, end row) within the chunk
@@ -29,124 +36,265 @@ def split_rows(chunks: Sequence[PlannedChunk], dop: int) -> list[list[Piece]]:
     return subs
 
 
-class PlanBuilder:
-    """Builds plans; ``load`` accumulates tokens read per instance (rows × prefix tokens)."""
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one iteration moves between instances and the load it puts on each."""
 
-    def __init__(self, segment_len: int, num_instances: int) -> None:
-        self.segment_len = segment_len
+    query_bytes: float
+    put_bytes: float
+    replication_bytes: float
+    num_replications: int
+    load: np.ndarray  # [N] prefix tokens read per instance (rows × tokens)
+
+
+class PlanBuilder:
+    def __init__(
+        self,
+        tree: PrefixTree,
+        stats: AccessStats,
+        num_instances: int,
+        q_row_bytes: float,
+        kv_token_bytes: float,
+        segment_bytes: float,
+        seed: int = 0,
+    ) -> None:
+        self.tree, self.table, self.stats = tree, tree.table, stats
+        self.segment_len = tree.segment_len
         self.num_instances = num_instances
+        self.q_row_bytes, self.kv_token_bytes = q_row_bytes, kv_token_bytes
+        self.segment_bytes = segment_bytes
+        self._seed = seed
 
     def build(
         self,
         epoch: int,
         batches: Sequence[Sequence[PlannedChunk]],
-        groups: Sequence[tuple[int, ...]],
-    ) -> tuple[Plans, np.ndarray]:
-        load = np.zeros(self.num_instances, dtype=np.float64)
-        query_plans, transfer_plans = [], []
-        for b, (chunks, group) in enumerate(zip(batches, groups, strict=True)):
-            for j, pieces in enumerate(split_rows(chunks, len(group))):
-                args = (epoch, b, j, group[j], chunks, pieces)
-                query_plans.append(self._query_plan(*args, load))
-                transfer_plans.append(self._transfer_plan(*args))
-        plans = Plans(epoch, tuple(query_plans), tuple(transfer_plans), tuple(groups))
-        return plans, load
+        dops: Sequence[int],
+        live: Sequence[int],
+        replications: Sequence[tuple[Node, Location, Location]] = (),
+    ) -> tuple[Plans, Traffic]:
+        n_inst = self.num_instances
+        subs = [
+            (b, j, [(batch[ci], lo, hi) for ci, lo, hi in pieces])
+            for b, (batch, dop) in enumerate(zip(batches, dops, strict=True))
+            for j, pieces in enumerate(split_rows(batch, dop))
+        ]
+        piece_sub, piece_rows, pieces = [], [], []
+        for u, (_, _, sub_pieces) in enumerate(subs):
+            for piece in sub_pieces:
+                piece_sub.append(u)
+                piece_rows.append(piece[2] - piece[1])
+                pieces.append(piece)
+        piece_sub = np.asarray(piece_sub, dtype=np.int64)
+        piece_rows = np.asarray(piece_rows, dtype=np.float64)
+        acc = self._gather(pieces, piece_rows)
+        inst, slot, tokens, piece_of, partial = acc
+        weights = tokens * piece_rows[piece_of]
+        load = np.bincount(inst, weights=weights, minlength=n_inst)
 
-    def _query_plan(self, epoch, b, j, origin, chunks, pieces, load) -> QueryPlan:
-        seg = self.segment_len
-        holders: dict[int, list[tuple[int, list[int], int]]] = {}
-        q_indptr, positions, prefix_lens = [0], [], []
-        for r, (ci, lo, hi) in enumerate(pieces):
-            pc = chunks[ci]
-            q_indptr.append(q_indptr[-1] + hi - lo)
-            positions.append(pc.start + lo)
-            prefix_lens.append(pc.start)
-            per_instance: dict[int, tuple[list[int], int]] = {}
-            for node, loc, num_tokens in pc.prefix_pages(seg):
-                slots, _ = per_instance.get(loc.instance_id, ([], 0))
-                slots.append(loc.slot_id)
-                # the one partial page is the last prefix page, hence last on its holder
-                per_instance[loc.instance_id] = (slots, num_tokens)
-                load[loc.instance_id] += (hi - lo) * num_tokens
-                if node is not None:
-                    node.num_accesses += hi - lo
-            for instance_id, (slots, last) in per_instance.items():
-                holders.setdefault(instance_id, []).append((r, slots, last))
-        holder_ids = sorted(holders)
-        holder_indptr, entry_req, kv_indptr, kv_indices, last_len = [0], [], [0], [], []
-        for instance_id in holder_ids:
-            for r, slots, last in holders[instance_id]:
-                entry_req.append(r)
-                kv_indices.extend(slots)
-                kv_indptr.append(len(kv_indices))
-                last_len.append(last)
-            holder_indptr.append(len(entry_req))
-        return QueryPlan(
-            epoch=epoch,
-            batch_index=b,
-            sub_batch_index=j,
-            origin=origin,
-            request_ids=tuple(chunks[ci].state.request_id for ci, _, _ in pieces),
-            q_indptr=frozen_i32(q_indptr),
-            positions=frozen_i32(positions),
-            prefix_lens=frozen_i32(prefix_lens),
-            holder_ids=frozen_i32(holder_ids),
-            holder_indptr=frozen_i32(holder_indptr),
-            entry_req=frozen_i32(entry_req),
-            kv_indptr=frozen_i32(kv_indptr),
-            kv_indices=frozen_i32(kv_indices),
-            last_len=frozen_i32(last_len),
+        # traffic matrices for dispatch: rows to each holder once per request, tokens to homes
+        pair = np.unique(piece_of * n_inst + inst)
+        query_rows = np.zeros((len(subs), n_inst))
+        np.add.at(
+            query_rows, (piece_sub[pair // n_inst], pair % n_inst), piece_rows[pair // n_inst]
         )
+        runs, copies = self._runs(pieces, piece_sub)
+        put_tokens = np.zeros((len(subs), n_inst))
+        if len(runs):
+            np.add.at(put_tokens, (runs[:, 0], runs[:, 1]), runs[:, 3])
+        cost = traffic_cost(query_rows, put_tokens, self.q_row_bytes, self.kv_token_bytes)
+        origins = hungarian_dispatch(cost, live)
+        copies += self._replication_copies(replications, origins)
 
-    def _transfer_plan(self, epoch, b, j, origin, chunks, pieces) -> TransferPlan:
-        runs: list[tuple[int, int, int, int, int]] = []  # dst, src_row, len, slot, offset
-        copies: list[tuple[int, int, int, int, int]] = []
-        row_base = 0
-        for ci, lo, hi in pieces:
-            pc = chunks[ci]
+        local = np.arange(len(subs))
+        remote_rows = float((query_rows.sum(axis=1) - query_rows[local, origins]).sum())
+        remote_tokens = float((put_tokens.sum(axis=1) - put_tokens[local, origins]).sum())
+        traffic = Traffic(
+            query_bytes=remote_rows * self.q_row_bytes,
+            put_bytes=remote_tokens * self.kv_token_bytes,
+            replication_bytes=len(replications) * self.segment_bytes,
+            num_replications=len(replications),
+            load=load,
+        )
+        query_plans = self._query_plans(epoch, subs, origins, piece_sub, acc)
+        transfer_plans = self._transfer_plans(epoch, subs, origins, runs, copies)
+        groups: list[list[int]] = [[] for _ in batches]
+        for (b, _, _), origin in zip(subs, origins, strict=True):
+            groups[b].append(int(origin))
+        plans = Plans(epoch, tuple(query_plans), tuple(transfer_plans), tuple(map(tuple, groups)))
+        return plans, traffic
+
+    def _gather(self, pieces, piece_rows):
+        """Every prefix page of every piece: ``(inst, slot, tokens, piece, is_partial)``."""
+        seg, table = self.segment_len, self.table
+        idx_parts, piece_parts, tok_parts = [], [], []
+        fixed = []  # open tails: (inst, slot, tokens, piece)
+        for p, (pc, _, _) in enumerate(pieces):
+            pages = pc.state.page_idx
+            if len(pages):
+                idx_parts.append(pages)
+                piece_parts.append(np.full(len(pages), p))
+                tok_parts.append(np.full(len(pages), seg))
+            if pc.source is not None:
+                idx_parts.append(np.array([pc.source.idx]))
+                piece_parts.append(np.array([p]))
+                tok_parts.append(np.array([pc.source_len]))
+            elif pc.state.open is not None and len(pc.state.open.tokens):
+                loc = pc.state.open.location
+                fixed.append((loc.instance_id, loc.slot_id, len(pc.state.open.tokens), p))
+        cat = lambda parts, dt: np.concatenate(parts).astype(dt) if parts else np.zeros(0, dt)  # noqa: E731
+        idx = cat(idx_parts, np.int64)
+        node_piece = cat(piece_parts, np.int64)
+        node_tokens = cat(tok_parts, np.float64)
+        inst = table.rep_inst[idx, 0].astype(np.int64)
+        slot = table.rep_slot[idx, 0].astype(np.int64)
+        self._choose_replicas(idx, inst, slot, node_tokens * piece_rows[node_piece])
+        self.stats.record_accesses(idx, piece_rows[node_piece], node_tokens)
+        f = np.asarray(fixed, dtype=np.int64).reshape(-1, 4)
+        inst = np.concatenate([inst, f[:, 0]])
+        slot = np.concatenate([slot, f[:, 1]])
+        tokens = np.concatenate([node_tokens, f[:, 2].astype(np.float64)])
+        piece_of = np.concatenate([node_piece, f[:, 3]])
+        partial = (tokens < seg).astype(np.int64)
+        return inst, slot, tokens, piece_of, partial
+
+    def _choose_replicas(self, idx, inst, slot, weights) -> None:
+        """Power of two choices for pages with several replicas, on the window load plus the
+        load this iteration has already placed (in place on ``inst`` / ``slot``)."""
+        nrep = self.table.num_replicas[idx]
+        multi = nrep > 1
+        if not multi.any():
+            return
+        load = self.stats.window_load + np.bincount(
+            inst[~multi], weights=weights[~multi], minlength=self.num_instances
+        )
+        m_idx = idx[multi]
+        chosen = np.empty(len(m_idx), dtype=np.int32)
+        self._seed += 1
+        _C.choose_replicas(
+            np.ascontiguousarray(self.table.rep_inst[m_idx]),
+            np.ascontiguousarray(nrep[multi]),
+            np.ascontiguousarray(weights[multi]),
+            load,
+            self._seed,
+            chosen,
+        )
+        inst[multi] = self.table.rep_inst[m_idx, chosen]
+        slot[multi] = self.table.rep_slot[m_idx, chosen]
+        for key in np.unique(m_idx * self.num_instances + inst[multi]).tolist():
+            self.tree.touch_replica(key // self.num_instances, key % self.num_instances)
+
+    def _runs(self, pieces, piece_sub):
+        """Put runs ``[sub, dst_inst, src_row, len, slot, offset]`` and copy-on-extend orders."""
+        runs, copies = [], []
+        row_base, prev_sub = 0, -1
+        for p, (pc, lo, hi) in enumerate(pieces):
+            u = int(piece_sub[p])
+            if u != prev_sub:
+                row_base, prev_sub = 0, u
             for w in pc.writes:
-                w_lo, w_hi = w.chunk_offset, w.chunk_offset + w.num_new
-                a, z = max(lo, w_lo), min(hi, w_hi)
+                w_lo = w.chunk_offset
+                a, z = max(lo, w_lo), min(hi, w_lo + w.num_new)
                 if a < z:
                     loc = w.location
-                    runs.append(
-                        (
-                            loc.instance_id,
-                            row_base + a - lo,
-                            z - a,
-                            loc.slot_id,
-                            w.num_before + a - w_lo,
-                        )
-                    )
+                    offset = w.num_before + a - w_lo
+                    runs.append((u, loc.instance_id, row_base + a - lo, z - a, loc.slot_id, offset))
                 if lo == 0 and w.copy_from is not None:
                     src, dst = w.copy_from, w.location
                     copies.append(
-                        (src.instance_id, src.slot_id, dst.instance_id, dst.slot_id, w.num_before)
+                        (
+                            u,
+                            src.instance_id,
+                            src.slot_id,
+                            dst.instance_id,
+                            dst.slot_id,
+                            w.num_before,
+                        )
                     )
             row_base += hi - lo
-        runs.sort(key=lambda run: run[0])
-        dst_ids, counts = np.unique(
-            np.array([run[0] for run in runs], dtype=np.int64), return_counts=True
+        return np.asarray(runs, dtype=np.int64).reshape(-1, 6), copies
+
+    def _replication_copies(self, replications, origins) -> list[tuple]:
+        """Attach each replication order to the sub-batch running on its destination (else
+        its source, else the first) so one transfer engine executes it at ``init_transfer``."""
+        out = []
+        where = {int(o): u for u, o in enumerate(origins)}
+        for node, src, dst in replications:
+            u = where.get(dst.instance_id, where.get(src.instance_id, 0))
+            out.append(
+                (u, src.instance_id, src.slot_id, dst.instance_id, dst.slot_id, len(node.tokens))
+            )
+        return out
+
+    def _query_plans(self, epoch, subs, origins, piece_sub, acc) -> list[QueryPlan]:
+        inst, slot, tokens, piece_of, partial = acc
+        sub_of = piece_sub[piece_of]
+        order = np.lexsort((partial, piece_of, inst, sub_of))
+        inst, slot, tokens, piece_of, sub_of = (
+            a[order] for a in (inst, slot, tokens, piece_of, sub_of)
         )
-        dst_indptr = np.concatenate([[0], np.cumsum(counts)])
-        cols = list(zip(*runs, strict=True)) if runs else [()] * 5
-        ccols = list(zip(*copies, strict=True)) if copies else [()] * 5
-        return TransferPlan(
-            epoch=epoch,
-            batch_index=b,
-            sub_batch_index=j,
-            origin=origin,
-            request_ids=tuple(chunks[ci].state.request_id for ci, _, _ in pieces),
-            num_rows=row_base,
-            dst_ids=frozen_i32(dst_ids),
-            dst_indptr=frozen_i32(dst_indptr),
-            run_src_row=frozen_i32(cols[1]),
-            run_len=frozen_i32(cols[2]),
-            run_dst_slot=frozen_i32(cols[3]),
-            run_dst_offset=frozen_i32(cols[4]),
-            copy_src_instance=frozen_i32(ccols[0]),
-            copy_src_slot=frozen_i32(ccols[1]),
-            copy_dst_instance=frozen_i32(ccols[2]),
-            copy_dst_slot=frozen_i32(ccols[3]),
-            copy_len=frozen_i32(ccols[4]),
-        )
+        bounds = np.searchsorted(sub_of, np.arange(len(subs) + 1))
+        first_piece = np.searchsorted(piece_sub, np.arange(len(subs) + 1))
+        plans = []
+        for u, (b, j, sub_pieces) in enumerate(subs):
+            lo, hi = bounds[u], bounds[u + 1]
+            s_inst, s_piece = inst[lo:hi], piece_of[lo:hi] - first_piece[u]
+            new_entry = np.ones(hi - lo, dtype=bool)
+            new_entry[1:] = (s_inst[1:] != s_inst[:-1]) | (s_piece[1:] != s_piece[:-1])
+            starts = np.flatnonzero(new_entry)
+            ends = np.append(starts[1:], hi - lo).astype(np.int64)[: len(starts)]
+            entry_inst = s_inst[starts]
+            new_holder = np.ones(len(starts), dtype=bool)
+            new_holder[1:] = entry_inst[1:] != entry_inst[:-1]
+            holder_starts = np.flatnonzero(new_holder)
+            rows = [hi_r - lo_r for _, lo_r, hi_r in sub_pieces]
+            plans.append(
+                QueryPlan(
+                    epoch=epoch,
+                    batch_index=b,
+                    sub_batch_index=j,
+                    origin=int(origins[u]),
+                    request_ids=tuple(pc.state.request_id for pc, _, _ in sub_pieces),
+                    q_indptr=frozen_i32(np.concatenate([[0], np.cumsum(rows)])),
+                    positions=frozen_i32([pc.start + lo_r for pc, lo_r, _ in sub_pieces]),
+                    prefix_lens=frozen_i32([pc.start for pc, _, _ in sub_pieces]),
+                    holder_ids=frozen_i32(entry_inst[holder_starts]),
+                    holder_indptr=frozen_i32(np.append(holder_starts, len(starts))),
+                    entry_req=frozen_i32(s_piece[starts]),
+                    kv_indptr=frozen_i32(np.append(starts, hi - lo)),
+                    kv_indices=frozen_i32(slot[lo:hi]),
+                    last_len=frozen_i32(tokens[lo:hi][ends - 1]),
+                )
+            )
+        return plans
+
+    def _transfer_plans(self, epoch, subs, origins, runs, copies) -> list[TransferPlan]:
+        copies_arr = np.asarray(copies, dtype=np.int64).reshape(-1, 6)
+        plans = []
+        for u, (b, j, sub_pieces) in enumerate(subs):
+            r = runs[runs[:, 0] == u]
+            r = r[np.argsort(r[:, 1], kind="stable")]
+            dst_ids, counts = np.unique(r[:, 1], return_counts=True)
+            c = copies_arr[copies_arr[:, 0] == u]
+            plans.append(
+                TransferPlan(
+                    epoch=epoch,
+                    batch_index=b,
+                    sub_batch_index=j,
+                    origin=int(origins[u]),
+                    request_ids=tuple(pc.state.request_id for pc, _, _ in sub_pieces),
+                    num_rows=sum(hi - lo for _, lo, hi in sub_pieces),
+                    dst_ids=frozen_i32(dst_ids),
+                    dst_indptr=frozen_i32(np.concatenate([[0], np.cumsum(counts)])),
+                    run_src_row=frozen_i32(r[:, 2]),
+                    run_len=frozen_i32(r[:, 3]),
+                    run_dst_slot=frozen_i32(r[:, 4]),
+                    run_dst_offset=frozen_i32(r[:, 5]),
+                    copy_src_instance=frozen_i32(c[:, 1]),
+                    copy_src_slot=frozen_i32(c[:, 2]),
+                    copy_dst_instance=frozen_i32(c[:, 3]),
+                    copy_dst_slot=frozen_i32(c[:, 4]),
+                    copy_len=frozen_i32(c[:, 5]),
+                )
+            )
+        return plans

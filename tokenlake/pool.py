@@ -1,16 +1,15 @@
 """The control-plane facade: composes the prefix tree, placement, slot allocators, segment
-planner, dispatcher and plan builder; owns the table of running requests and the one
-iteration that may be in flight (reserve → transfer → commit | abort)."""
+planner, balancer, dispatcher and plan builder; owns the table of running requests and the
+one iteration that may be in flight (reserve → transfer → commit | abort)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import numpy as np
-
+from tokenlake import admission
+from tokenlake.balancer import AccessStats, BalancerConfig, plan_replications
 from tokenlake.config import PoolConfig
-from tokenlake.dispatch import simple_dispatch
 from tokenlake.errors import (
     InvalidArgumentError,
     IterationStateError,
@@ -19,44 +18,24 @@ from tokenlake.errors import (
     UnknownRequestError,
 )
 from tokenlake.keys import SegmentHasher
+from tokenlake.load_model import LoadModel
 from tokenlake.placement import Placement
 from tokenlake.plan_builder import PlanBuilder
 from tokenlake.plans import Chunk, Plans
 from tokenlake.pool_checks import check_pool_invariants
-from tokenlake.prefix_tree import Node, PrefixMatch, PrefixTree
+from tokenlake.pool_view import PrefixTreeView
+from tokenlake.prefix_tree import Location, Node, PrefixTree
 from tokenlake.requests import OpenSegment, PlannedChunk, RequestState
 from tokenlake.segment_planner import SegmentPlanner
 from tokenlake.slots import SlotAllocator
 from tokenlake.stats import PoolStats
 
 
-class PrefixTreeView:
-    """Read-only view of the pool's prefix tree (``Pool.get_prefix_tree``)."""
-
-    def __init__(self, tree: PrefixTree) -> None:
-        self._tree = tree
-
-    def match(self, token_ids) -> PrefixMatch:
-        """Cached prefix of ``token_ids`` (``.num_tokens``); does not count as an access."""
-        return self._tree.match(token_ids)
-
-    @property
-    def segment_len(self) -> int:
-        return self._tree.segment_len
-
-    @property
-    def num_segments(self) -> int:
-        return self._tree.num_nodes
-
-    @property
-    def num_replicas(self) -> int:
-        return self._tree.num_replicas
-
-
 @dataclass(eq=False)
 class _Iteration:
     epoch: int
     batches: list[list[PlannedChunk]]
+    replications: list[tuple[Node, Location, Location]] = field(default_factory=list)
 
     @property
     def chunks(self) -> list[PlannedChunk]:
@@ -66,20 +45,38 @@ class _Iteration:
 class Pool:
     """A pool of ``config.num_instances`` instances' KV slots behind one prefix tree.
 
-    Per iteration: ``gen_plans`` (reserves slots, pins prefixes) → the data plane executes
-    the plans → ``commit`` (seals full segments, deduplicating) or ``abort`` (undoes all).
-    ``finish`` releases a request's pins and keeps its partial tail for a later turn.
+    Per iteration: ``gen_plans`` (reserves slots, pins prefixes, orders replications) → the
+    data plane executes the plans → ``commit`` (seals full segments, deduplicating; adds the
+    new replicas) or ``abort`` (undoes all). ``finish`` releases a request's pins and keeps
+    its partial tail for a later turn. ``load_model`` enables :meth:`get_cache_load`.
     """
 
-    def __init__(self, config: PoolConfig, hasher: SegmentHasher | None = None) -> None:
+    def __init__(
+        self,
+        config: PoolConfig,
+        hasher: SegmentHasher | None = None,
+        balancer: BalancerConfig | None = None,
+        load_model: LoadModel | None = None,
+        seed: int = 0,
+    ) -> None:
         self.config = config
         self.hasher = hasher if hasher is not None else SegmentHasher(config.namespace)
-        self.tree = PrefixTree(config.segment_len, self.hasher)
-        self.placement = Placement(range(config.num_instances), seed=self.hasher.seed)
-        self.allocators = [SlotAllocator(config.num_slots) for _ in range(config.num_instances)]
+        self.balancer = balancer if balancer is not None else BalancerConfig()
+        self.load_model = load_model
+        n = config.num_instances
+        self.tree = PrefixTree(config.segment_len, self.hasher, max_replicas=n)
+        self.placement = Placement(range(n), seed=self.hasher.seed)
+        self.allocators = [SlotAllocator(config.num_slots) for _ in range(n)]
         self.planner = SegmentPlanner(self.tree, self.placement, self.allocators)
-        self.builder = PlanBuilder(config.segment_len, config.num_instances)
-        self.stats = PoolStats(config.num_instances)
+        self.access = AccessStats(n, self.tree, self.balancer)
+        m = config.model
+        q_row_bytes = m.num_layers * (
+            m.q_bytes_per_token_layer + 4 * m.num_q_heads * (m.head_dim + 1)
+        )
+        self.builder = PlanBuilder(
+            self.tree, self.access, n, q_row_bytes, m.kv_bytes_per_token, config.segment_bytes, seed
+        )
+        self.stats = PoolStats(n)
         self.requests: dict[int | str, RequestState] = {}
         self._view = PrefixTreeView(self.tree)
         self._epoch = 0
@@ -90,12 +87,28 @@ class Pool:
         return self._view
 
     @property
+    def live_instances(self) -> tuple[int, ...]:
+        return tuple(sorted(self.placement.live))
+
+    @property
     def active_epoch(self) -> int | None:
         """Epoch of the iteration in flight, or ``None``."""
         return self._inflight.epoch if self._inflight else None
 
     def num_stored_tokens(self, request_id: int | str) -> int:
         return self._state(request_id).num_tokens
+
+    def get_cache_load(
+        self, reqs: Sequence[tuple[int, int]], tree: PrefixTreeView | None = None
+    ) -> float:
+        """``L`` in ``[0, 1)``: the share of the cluster's time TokenLake needs for ``reqs``,
+        a list of ``(prefix_len, input_len)`` (§6.1). Needs ``load_model``."""
+        self._check_view(tree)
+        if self.load_model is None:
+            raise InvalidArgumentError(
+                "load_model: construct the Pool with a LoadModel to use get_cache_load"
+            )
+        return self.load_model.cache_load(reqs, len(self.placement.live))
 
     def gen_plans(
         self,
@@ -108,54 +121,73 @@ class Pool:
         Args:
             batches: the scheduler's batches, each a non-empty list of :class:`Chunk`;
                 a request appears at most once per iteration.
-            dops: degree of parallelism per batch (default 1); ``sum(dops) <= num_instances``.
+            dops: degree of parallelism per batch (default 1); every sub-batch gets its own
+                instance, so ``sum(dops)`` must not exceed the live instances.
             tree: the view from :meth:`get_prefix_tree` (optional; must be this pool's).
         Returns:
-            :class:`Plans` for this iteration's epoch. Call :meth:`commit` after the data
-            plane has executed them, or :meth:`abort`.
+            :class:`Plans` for this iteration's epoch (with replication orders in the
+            transfer plans' copies). Call :meth:`commit` after the data plane executed
+            them, or :meth:`abort`.
         Raises:
             InvalidArgumentError, UnknownRequestError: bad input; nothing changed.
-            PoolFullError: the pinned data leaves too few slots; nothing changed.
+            PoolFullError: pinned data leaves too few slots; nothing changed.
         """
         if self._inflight is not None:
             raise IterationStateError(
                 f"iteration {self._inflight.epoch} is in flight; commit or abort it first"
             )
-        if tree is not None and tree is not self._view:
-            raise InvalidArgumentError(
-                "tree: expected the view returned by this pool's get_prefix_tree()"
-            )
-        dops = self._check_batches(batches, dops)
-        matches = self._check_chunks(batches)
+        self._check_view(tree)
+        dops = admission.check_batches(batches, dops, len(self.placement.live))
+        matches = admission.check_chunks(batches, self.requests, self.tree)
         planned = [
-            [self._admit(chunk, matches.get(chunk.request_id)) for chunk in b] for b in batches
+            [
+                admission.admit(
+                    c, self.requests.get(c.request_id), matches.get(c.request_id), self.tree
+                )
+                for c in batch
+            ]
+            for batch in batches
         ]
         chunks = [pc for batch in planned for pc in batch]
+        for pc in chunks:
+            if pc.is_new:
+                self.requests[pc.state.request_id] = pc.state
+                self.stats.record_admission(len(pc.token_ids), pc.start)
         needed = sum(self.planner.num_new_slots(pc) for pc in chunks)
         if needed > self.planner.free_capacity():
-            self._release_admissions(chunks)
+            admission.release(chunks, self.requests, self.tree)
+            self.stats.undo_admissions([pc for pc in chunks if pc.is_new])
             raise PoolFullError(
                 f"batches: need {needed} new slots, only {self.planner.free_capacity()} "
                 "free or evictable (the rest is pinned by running requests)"
             )
         for pc in chunks:
             self.planner.plan_writes(pc)
-        groups = simple_dispatch(self._dispatch_scores(planned), dops)
+        self.access.begin_iteration()
+        replications = self._reserve_replications()
         self._epoch += 1
-        plans, load = self.builder.build(self._epoch, planned, groups)
-        self.stats.load += load
-        self.stats.num_iterations += 1
-        self._inflight = _Iteration(self._epoch, planned)
+        plans, traffic = self.builder.build(
+            self._epoch, planned, dops, self.live_instances, replications
+        )
+        self.access.record_load(traffic.load)
+        self.stats.record_iteration(traffic)
+        self._inflight = _Iteration(self._epoch, planned, replications)
         return plans
 
     def commit(self, plans: Plans) -> None:
-        """Seal what the iteration wrote; the data plane must have finished every put."""
+        """Seal what the iteration wrote and add its new replicas; the data plane must have
+        finished every put and copy."""
         iteration = self._take_inflight(plans)
         for pc in iteration.chunks:
             self._commit_chunk(pc)
+        for node, _, dst in iteration.replications:
+            if self.tree.get(node.key) is node:
+                self.tree.add_replica(node, dst)
+            else:  # cannot happen while no iteration is in flight; keep the slot consistent
+                self.allocators[dst.instance_id].free(dst.slot_id)
 
     def abort(self, plans: Plans) -> None:
-        """Undo an iteration: free its new slots, forget its new requests."""
+        """Undo an iteration: free its new slots, forget its new requests and replicas."""
         iteration = self._take_inflight(plans)
         for pc in reversed(iteration.chunks):
             for w in pc.writes:
@@ -163,7 +195,10 @@ class Pool:
                     self.tree.abort(w.pending)
                 if w.new_slot:
                     self.allocators[w.location.instance_id].free(w.location.slot_id)
-        self._release_admissions(iteration.chunks)
+        for _, _, dst in iteration.replications:
+            self.allocators[dst.instance_id].free(dst.slot_id)
+        admission.release(iteration.chunks, self.requests, self.tree)
+        self.stats.undo_admissions([pc for pc in iteration.chunks if pc.is_new])
 
     def finish(self, request_id: int | str) -> None:
         """Release a finished request: unpin its prefix, keep its partial tail as a leaf."""
@@ -182,134 +217,107 @@ class Pool:
                 kept = res.node if res.node is not None and not res.deduped else None
             if kept is None:
                 self.allocators[loc.instance_id].free(loc.slot_id)
+        self.tree.touch(state.tree_nodes)  # just used: the most recent, for LRU
         for node in state.tree_nodes:
             self.tree.unpin(node)
-        for node in state.private_nodes:
-            self.allocators[node.replicas[0].instance_id].free(node.replicas[0].slot_id)
+        self._free_private(state)
+
+    def drop_instance(self, instance_id: int) -> list[int | str]:
+        """Mark an instance lost (its engine died): forget its replicas and slots, stop
+        placing segments on it, and fail the running requests whose data was only there.
+
+        Returns the failed request ids; the caller recomputes them (their cached prefix
+        elsewhere is still matched). No iteration may be in flight (``abort`` it first).
+        """
+        if self._inflight is not None:
+            raise IterationStateError("abort the iteration in flight before drop_instance")
+        if instance_id not in self.placement.live:
+            raise InvalidArgumentError(f"instance_id: {instance_id} is not a live instance")
+        if len(self.placement.live) == 1:
+            raise InvalidArgumentError("instance_id: cannot drop the last live instance")
+        lost = self._lost_nodes(instance_id)
+        failed = []
+        for rid, state in list(self.requests.items()):
+            on_lost = state.open is not None and state.open.location.instance_id == instance_id
+            on_lost |= any(n.key in lost for n in state.tree_nodes)
+            on_lost |= any(n.replicas[0].instance_id == instance_id for n in state.private_nodes)
+            if on_lost:
+                failed.append(rid)
+                del self.requests[rid]
+                for node in state.tree_nodes:
+                    self.tree.unpin(node)
+                if state.open is not None and state.open.location.instance_id != instance_id:
+                    self.allocators[state.open.location.instance_id].free(
+                        state.open.location.slot_id
+                    )
+                self._free_private(state, skip_instance=instance_id)
+        for loc in self.tree.drop_instance(instance_id):
+            self.allocators[loc.instance_id].free(loc.slot_id)
+        self.placement.remove(instance_id)
+        self.allocators[instance_id] = SlotAllocator(self.config.num_slots)  # nothing lives there
+        return failed
 
     def get_stats(self) -> dict:
-        """One plain dict of counters; see :meth:`PoolStats.as_dict`, plus storage figures."""
-        out = self.stats.as_dict()
-        seg_bytes = self.config.segment_bytes
-        out.update(
-            num_segments=self.tree.num_nodes,
-            num_replicas=self.tree.num_replicas,
-            num_running_requests=len(self.requests),
-            num_evictions=self.planner.num_evictions,
-            slots_used=[a.num_used for a in self.allocators],
-            bytes_stored=sum(a.num_used for a in self.allocators) * seg_bytes,
-            bytes_saved_by_dedup=self.stats.num_dedup_segments * seg_bytes,
-        )
-        return out
+        """One plain dict of counters; see :meth:`tokenlake.stats.PoolStats.as_dict`."""
+        return self.stats.as_dict(self)
 
     def check_invariants(self) -> None:
         check_pool_invariants(self)
 
     # ---- internals -----------------------------------------------------------------------
+    def _check_view(self, tree) -> None:
+        if tree is not None and tree is not self._view:
+            raise InvalidArgumentError(
+                "tree: expected the view returned by this pool's get_prefix_tree()"
+            )
+
     def _state(self, request_id) -> RequestState:
         try:
             return self.requests[request_id]
         except (KeyError, TypeError):
             raise UnknownRequestError(f"request_id: unknown request {request_id!r}") from None
 
-    def _check_batches(self, batches, dops) -> list[int]:
-        if not isinstance(batches, Sequence) or not batches:
-            raise InvalidArgumentError("batches: expected a non-empty list of batches")
-        for b, batch in enumerate(batches):
-            if not isinstance(batch, Sequence) or not batch:
-                raise InvalidArgumentError(f"batches[{b}]: expected a non-empty list of Chunk")
-            for chunk in batch:
-                if not isinstance(chunk, Chunk):
-                    raise InvalidArgumentError(
-                        f"batches[{b}]: expected Chunk items, got {type(chunk).__name__}"
-                    )
-        dops = [1] * len(batches) if dops is None else list(dops)
-        if len(dops) != len(batches):
-            raise InvalidArgumentError(f"dops: expected {len(batches)} entries, got {len(dops)}")
-        for b, (dop, batch) in enumerate(zip(dops, batches, strict=True)):
-            rows = sum(c.num_new_tokens for c in batch)
-            if isinstance(dop, bool) or not isinstance(dop, int) or not 1 <= dop <= max(rows, 1):
-                raise InvalidArgumentError(f"dops[{b}]: expected an int in 1..{rows}, got {dop!r}")
-        if sum(dops) > self.config.num_instances:
-            raise InvalidArgumentError(
-                f"dops: {sum(dops)} sub-batches exceed the {self.config.num_instances} instances"
-            )
-        return dops
-
-    def _check_chunks(self, batches) -> dict:
-        seen, matches = set(), {}
-        for batch in batches:
-            for c in batch:
-                try:
-                    hash(c.request_id)
-                except TypeError:
-                    raise InvalidArgumentError("Chunk.request_id: expected an int or str") from None
-                if c.request_id in seen:
-                    raise InvalidArgumentError(f"batches: request {c.request_id!r} appears twice")
-                seen.add(c.request_id)
-                if not 0 <= c.start < c.end <= len(c.token_ids):
-                    raise InvalidArgumentError(
-                        f"Chunk.start/end: expected 0 <= start < end <= len(token_ids)="
-                        f"{len(c.token_ids)}, got start={c.start}, end={c.end} ({c.request_id!r})"
-                    )
-                state = self.requests.get(c.request_id)
-                if state is not None and c.start != state.num_tokens:
-                    raise InvalidArgumentError(
-                        f"Chunk.start: request {c.request_id!r} has {state.num_tokens} tokens "
-                        f"in the pool, got start={c.start}"
-                    )
-                if state is None:
-                    m = self.tree.match(c.token_ids[: c.start])
-                    if m.num_tokens < c.start:
-                        raise InvalidArgumentError(
-                            f"Chunk.start: new request {c.request_id!r} has only {m.num_tokens} "
-                            f"cached tokens, got start={c.start}"
-                        )
-                    matches[c.request_id] = m
-        return matches
-
-    def _admit(self, chunk: Chunk, match: PrefixMatch | None) -> PlannedChunk:
-        state = self.requests.get(chunk.request_id)
-        pc = PlannedChunk(
-            state if state else RequestState(chunk.request_id),
-            chunk.start,
-            chunk.end,
-            chunk.token_ids,
-            is_new=state is None,
+    def _lost_nodes(self, instance_id: int) -> set[int]:
+        lost, stack = (
+            set(),
+            [n for n in self.tree.nodes() if all(r.instance_id == instance_id for r in n.replicas)],
         )
-        if state is not None:
-            return pc
-        seg = self.config.segment_len
-        full, rest = divmod(chunk.start, seg)
-        pc.state.nodes = list(match.nodes[:full])
-        path = list(pc.state.nodes)
-        if rest:
-            pc.source = match.nodes[full] if full < len(match.nodes) else match.partial
-            pc.source_len = rest
-            path.append(pc.source)
-        for node in path:
-            self.tree.pin(node)
-        self.tree.touch(path)
-        self.requests[chunk.request_id] = pc.state
-        self.stats.record_admission(len(chunk.token_ids), chunk.start)
-        return pc
+        while stack:
+            node = stack.pop()
+            lost.add(node.key)
+            stack.extend(node.children.values())
+        return lost
 
-    def _release_admissions(self, chunks: list[PlannedChunk]) -> None:
-        for pc in chunks:
-            if pc.is_new:
-                for node in pc.state.nodes + ([pc.source] if pc.source else []):
-                    self.tree.unpin(node)
-                del self.requests[pc.state.request_id]
+    def _free_private(self, state: RequestState, skip_instance: int | None = None) -> None:
+        for node in state.private_nodes:
+            loc = node.replicas[0]
+            if loc.instance_id != skip_instance:
+                self.allocators[loc.instance_id].free(loc.slot_id)
+            self.tree.table.free(node.idx)
 
-    def _dispatch_scores(self, planned: list[list[PlannedChunk]]) -> np.ndarray:
-        scores = np.zeros((len(planned), self.config.num_instances))
-        for b, batch in enumerate(planned):
-            for pc in batch:
-                for _, loc, _ in pc.prefix_pages(self.config.segment_len):
-                    scores[b, loc.instance_id] += 1
-                for w in pc.writes:
-                    scores[b, w.location.instance_id] += 1
-        return scores
+    def _reserve_replications(self) -> list[tuple[Node, Location, Location]]:
+        """Slots for this iteration's replication orders: free ones on the destination, or
+        an unpinned LRU replica there. An order whose source went in the process is dropped."""
+        orders = plan_replications(self.tree, self.access, list(self.live_instances), self.balancer)
+        reserved = []
+        for node, src, dst in orders:
+            slot = self.allocators[dst].allocate()
+            if slot is None:
+                evicted = self.tree.evict_lru(instance_id=dst)
+                if evicted is None:
+                    continue
+                self.planner.num_evictions += 1
+                loc = evicted[1]
+            else:
+                loc = Location(dst, slot)
+            reserved.append((node, src, loc))
+        kept = []
+        for node, src, loc in reserved:
+            if self.tree.get(node.key) is node and src in node.replicas:
+                kept.append((node, src, loc))
+            else:
+                self.allocators[loc.instance_id].free(loc.slot_id)
+        return kept
 
     def _take_inflight(self, plans: Plans) -> _Iteration:
         if not isinstance(plans, Plans):
@@ -324,6 +332,7 @@ class Pool:
     def _commit_chunk(self, pc: PlannedChunk) -> None:
         state, seg = pc.state, self.config.segment_len
         state.open = None
+        sealed: list[Node] = []
         for w in pc.writes:
             self.stats.num_put_tokens += w.num_new
             if w.copy_from is not None:
@@ -333,11 +342,11 @@ class Pool:
                 continue
             res = self.tree.commit(w.pending) if w.pending is not None else None
             if res is None or res.node is None:
-                private = Node(
-                    self.hasher.key(w.parent_key, w.tokens), None, w.tokens, len(state.nodes)
-                )
+                private = Node(self.hasher.key(w.parent_key, w.tokens), None, w.tokens, -1)
+                private.idx = self.tree.table.alloc()
                 private.replicas.append(w.location)
-                state.nodes.append(private)
+                self.tree.table.set_replicas(private.idx, private.replicas)
+                sealed.append(private)
                 state.num_private += 1
                 state.detached = True
                 continue
@@ -345,7 +354,8 @@ class Pool:
                 self.allocators[w.location.instance_id].free(w.location.slot_id)
                 self.stats.num_dedup_segments += 1
             self.tree.pin(res.node)
-            state.nodes.append(res.node)
+            sealed.append(res.node)
+        state.append_nodes(sealed)
         if pc.source is not None:
             self.tree.unpin(pc.source)
         state.num_tokens = pc.end

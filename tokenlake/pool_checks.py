@@ -21,6 +21,7 @@ def check_pool_invariants(pool: Pool) -> None:
     for node in tree.nodes():
         owners.update(node.replicas)
     expected_pins: Counter = Counter()
+    num_private = 0
     inflight = pool._inflight.chunks if pool._inflight else []
     for state in pool.requests.values():
         open_len = len(state.open.tokens) if state.open else 0
@@ -38,6 +39,11 @@ def check_pool_invariants(pool: Pool) -> None:
             parent = node
         for node in state.private_nodes:
             owners.update(node.replicas)
+            num_private += 1
+        assert state.page_idx.tolist() == [n.idx for n in state.nodes], "page_idx drifted"
+    for _, _, dst in pool._inflight.replications if pool._inflight else []:
+        owners[dst] += 1
+        assert dst.instance_id in pool.placement.live, "replica reserved on a dead instance"
     for pc in inflight:
         if pc.source is not None:
             expected_pins[pc.source.key] += 1
@@ -49,6 +55,9 @@ def check_pool_invariants(pool: Pool) -> None:
         assert pool.allocators[loc.instance_id].is_used(loc.slot_id), f"slot {loc} owned but free"
     used = sum(a.num_used for a in pool.allocators)
     assert used == len(owners), f"{used - len(owners)} used slots have no owner (leak)"
+    assert tree.table.num_live == tree.num_nodes + num_private, "segment table rows leaked"
+    for loc in owners:
+        assert loc.instance_id in pool.placement.live, f"slot {loc} on a dead instance"
     for node in tree.nodes():
         assert node.pin_count == expected_pins[node.key], (
             f"{node!r}: pin_count {node.pin_count}, expected {expected_pins[node.key]}"

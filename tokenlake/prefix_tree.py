@@ -19,6 +19,7 @@ import numpy as np
 
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.keys import SegmentHasher, as_tokens
+from tokenlake.segment_table import SegmentTable
 
 
 class Location(NamedTuple):
@@ -39,7 +40,7 @@ class Node:
         "last_access",
         "children",
         "by_first",
-        "num_accesses",
+        "idx",
     )
 
     def __init__(self, key: int, parent: Node | None, tokens: np.ndarray, depth: int) -> None:
@@ -52,7 +53,7 @@ class Node:
         self.last_access = 0
         self.children: dict[int, Node] = {}
         self.by_first: dict[int, list[Node]] = {}
-        self.num_accesses = 0.0
+        self.idx = -1  # row in the tree's SegmentTable while the node is live
 
     @property
     def num_tokens(self) -> int:
@@ -112,16 +113,18 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
 class PrefixTree:
     """Global prefix tree over segments of ``segment_len`` tokens."""
 
-    def __init__(self, segment_len: int, hasher: SegmentHasher) -> None:
+    def __init__(self, segment_len: int, hasher: SegmentHasher, max_replicas: int = 8) -> None:
         self.segment_len = segment_len
         self.hasher = hasher
+        self.table = SegmentTable(max_replicas)
         self.root = Node(hasher.root_key, None, as_tokens([]), -1)
         self._nodes: dict[int, Node] = {}
+        self._by_idx: dict[int, Node] = {}
         self._pending: dict[int, PendingInsert] = {}
         self._insert_ids = itertools.count()
         self._lru: OrderedDict[tuple[int, int], None] = OrderedDict()
         self._clock = 0
-        self._num_evictable = 0  # replicas that repeated leaf eviction could free
+        self._num_evictable = 0  # replicas of unpinned nodes: repeated eviction frees them all
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -182,10 +185,17 @@ class PrefixTree:
             for loc in node.replicas:
                 self._lru.move_to_end((node.key, loc.instance_id))
 
+    def touch_replica(self, idx: int, instance_id: int) -> None:
+        """Mark one replica (of the node in table row ``idx``) as just read."""
+        self._lru.move_to_end((self._by_idx[idx].key, instance_id))
+
+    def node_at(self, idx: int) -> Node:
+        return self._by_idx[idx]
+
     def pin(self, node: Node) -> None:
         self._require_committed(node)
         if node.pin_count == 0:
-            self._num_evictable -= 1
+            self._num_evictable -= len(node.replicas)
         node.pin_count += 1
 
     def unpin(self, node: Node) -> None:
@@ -194,7 +204,7 @@ class PrefixTree:
             raise InvalidArgumentError(f"node: {node!r} is not pinned")
         node.pin_count -= 1
         if node.pin_count == 0:
-            self._num_evictable += 1
+            self._num_evictable += len(node.replicas)
 
     # ---- two-phase insert ----------------------------------------------------------------
     def reserve(
@@ -253,6 +263,8 @@ class PrefixTree:
             pending.result = existing
             return CommitResult(existing, True)
         node = Node(pending.key, parent, pending.tokens, parent.depth + 1)
+        node.idx = self.table.alloc()
+        self._by_idx[node.idx] = node
         parent.children[node.key] = node
         parent.by_first.setdefault(int(node.tokens[0]), []).append(node)
         self._nodes[node.key] = node
@@ -276,8 +288,10 @@ class PrefixTree:
 
     def _add_replica(self, node: Node, location: Location) -> None:
         node.replicas.append(location)
+        self.table.set_replicas(node.idx, node.replicas)
         self._lru[(node.key, location.instance_id)] = None
-        self._num_evictable += 1
+        if node.pin_count == 0:
+            self._num_evictable += 1
 
     def remove_replica(self, node: Node, instance_id: int) -> Location:
         """Drop ``node``'s replica on ``instance_id``; dropping the last one removes the node,
@@ -290,9 +304,10 @@ class PrefixTree:
             raise InvalidArgumentError(f"node: {node!r} has children; remove them first")
         if len(node.replicas) == 1 and node.pin_count:
             raise InvalidArgumentError(f"node: {node!r} is pinned; its last copy cannot go")
-        if len(node.replicas) > 1 or node.pin_count == 0:
+        if node.pin_count == 0:
             self._num_evictable -= 1
         loc = node.replicas.pop(idx)
+        self.table.set_replicas(node.idx, node.replicas)
         del self._lru[(node.key, instance_id)]
         if not node.replicas:
             self._detach(node)
@@ -306,20 +321,57 @@ class PrefixTree:
         if not siblings:
             del parent.by_first[int(node.tokens[0])]
         del self._nodes[node.key]
+        self.table.free(node.idx)
+        del self._by_idx[node.idx]
         node.parent = None
+        node.idx = -1
 
-    def _evictable(self, node: Node) -> bool:
-        if len(node.replicas) > 1:
-            return True
-        return node.pin_count == 0 and not node.children
-
-    def evict_lru(self) -> tuple[Node, Location] | None:
-        """Remove the least recently used evictable replica; ``None`` if there is none."""
-        for key, instance_id in self._lru:
+    def evict_lru(self, instance_id: int | None = None) -> tuple[Node, Location] | None:
+        """Remove the least recently used evictable replica (on ``instance_id`` if given);
+        ``None`` if there is none. A pinned node keeps all its replicas (a plan of this
+        iteration may read any of them); an unpinned one loses extra replicas first and its
+        last only as a leaf."""
+        for key, inst in self._lru:
             node = self._nodes[key]
-            if self._evictable(node):
-                return node, self.remove_replica(node, instance_id)
+            if instance_id is not None and inst != instance_id:
+                continue
+            if node.pin_count == 0 and (len(node.replicas) > 1 or not node.children):
+                return node, self.remove_replica(node, inst)
         return None
+
+    def drop_instance(self, instance_id: int) -> list[Location]:
+        """Forget every replica on a lost instance. A node whose only replica was there goes
+        with its whole subtree (those prefixes are incomplete now); such nodes must be
+        unpinned. Returns the freed locations on other instances."""
+        lost = [
+            n for n in self._nodes.values() if all(r.instance_id == instance_id for r in n.replicas)
+        ]
+        doomed: list[Node] = []
+        stack = list(lost)
+        while stack:
+            node = stack.pop()
+            doomed.append(node)
+            stack.extend(node.children.values())
+        pinned = [n for n in doomed if n.pin_count]
+        if pinned:
+            raise InvalidArgumentError(
+                f"instance_id: {len(pinned)} pinned segments would be lost; fail their requests first"
+            )
+        doomed_keys = {n.key for n in doomed}
+        for node in list(self._nodes.values()):
+            if node.key not in doomed_keys and any(
+                r.instance_id == instance_id for r in node.replicas
+            ):
+                self.remove_replica(node, instance_id)
+        freed: list[Location] = []
+        for node in reversed(doomed):  # descendants were pushed after their ancestors
+            if self._nodes.get(node.key) is not node:
+                continue
+            for loc in list(node.replicas):
+                self.remove_replica(node, loc.instance_id)
+                if loc.instance_id != instance_id:
+                    freed.append(loc)
+        return freed
 
     def _require_committed(self, node: Node) -> None:
         if self._nodes.get(node.key) is not node:
@@ -343,13 +395,19 @@ class PrefixTree:
                 assert child in node.by_first[int(child.tokens[0])], "first-token index missing"
                 assert child.pin_count >= 0, "negative pin count"
                 assert child.replicas, "node without replicas"
+                table = self.table
+                n = int(table.num_replicas[child.idx])
+                assert n == len(child.replicas), "segment table replica count drifted"
+                assert list(
+                    zip(table.rep_inst[child.idx, :n], table.rep_slot[child.idx, :n], strict=True)
+                ) == [tuple(r) for r in child.replicas], "segment table replicas drifted"
                 insts = [r.instance_id for r in child.replicas]
                 assert len(set(insts)) == len(insts), "two replicas on one instance"
                 for loc in child.replicas:
                     assert loc not in locations, f"location {loc} used twice"
                     locations.add(loc)
                     assert (child.key, loc.instance_id) in self._lru, "replica missing from LRU"
-                evictable += len(child.replicas) - (1 if child.pin_count else 0)
+                evictable += 0 if child.pin_count else len(child.replicas)
                 seen += 1
                 stack.append(child)
             assert sum(len(v) for v in node.by_first.values()) == len(node.children), "index size"

@@ -30,6 +30,12 @@ class RequestState:
     open: OpenSegment | None = None
     detached: bool = False
     num_private: int = 0  # the last ``num_private`` of ``nodes`` are outside the tree
+    # SegmentTable rows of ``nodes``, in order: plan building gathers locations from these
+    page_idx: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    def append_nodes(self, nodes: list[Node]) -> None:
+        self.nodes.extend(nodes)
+        self.page_idx = np.concatenate([self.page_idx, [n.idx for n in nodes]]).astype(np.int64)
 
     @property
     def tree_nodes(self) -> list[Node]:
@@ -79,14 +85,3 @@ class PlannedChunk:
     source: Node | None = None  # partially used segment for copy-on-extend (pinned)
     source_len: int = 0
     writes: list[SegmentWrite] = field(default_factory=list)
-
-    def prefix_pages(self, segment_len: int) -> list[tuple[Node | None, Location, int]]:
-        """``(node or None, location, num_tokens)`` of every prefix page, in token order."""
-        pages: list[tuple[Node | None, Location, int]] = [
-            (n, n.replicas[0], segment_len) for n in self.state.nodes
-        ]
-        if self.source is not None:
-            pages.append((self.source, self.source.replicas[0], self.source_len))
-        elif self.state.open is not None and len(self.state.open.tokens):
-            pages.append((None, self.state.open.location, len(self.state.open.tokens)))
-        return pages

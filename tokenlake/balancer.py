@@ -1,0 +1,170 @@
+"""Heavy-hitter-aware load balancing (paper §4.3): per-instance load over a sliding window,
+decayed per-segment access counts, the top ``k·N·log N`` segments found by best-first search
+from the root, and replication orders that move load off overloaded instances."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenlake.errors import InvalidArgumentError
+from tokenlake.prefix_tree import Location, Node, PrefixTree
+
+
+@dataclass(frozen=True)
+class BalancerConfig:
+    """Args:
+    window: iterations in the per-instance load window.
+    decay: per-iteration decay of segment access counts (``0 < decay <= 1``).
+    overload_factor: an instance is overloaded when its window load exceeds the mean by it.
+    heavy_hitter_k: the heavy hitters are the top ``k·N·ln N`` segments (at least ``k·N``).
+    max_replications: replication orders per iteration (bounds copy traffic).
+    replicate: turn replication off to measure its effect.
+    """
+
+    window: int = 16
+    decay: float = 0.95
+    overload_factor: float = 1.05
+    heavy_hitter_k: float = 2.0
+    max_replications: int = 8
+    replicate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise InvalidArgumentError(f"BalancerConfig.window: expected >= 1, got {self.window}")
+        if not 0 < self.decay <= 1:
+            raise InvalidArgumentError(f"BalancerConfig.decay: expected (0, 1], got {self.decay}")
+        if self.overload_factor < 1:
+            raise InvalidArgumentError(
+                f"BalancerConfig.overload_factor: expected >= 1, got {self.overload_factor}"
+            )
+        if self.heavy_hitter_k <= 0 or self.max_replications < 0:
+            raise InvalidArgumentError("BalancerConfig: heavy_hitter_k > 0, max_replications >= 0")
+
+    def num_heavy_hitters(self, num_instances: int) -> int:
+        n = max(num_instances, 2)
+        return max(1, math.ceil(self.heavy_hitter_k * n * math.log(n)))
+
+
+class AccessStats:
+    """Decayed access counts live in ``table.access`` scaled by ``scale`` (= decay^-t), so an
+    access adds ``rows · scale`` and nothing is rescanned each iteration; counts stay
+    comparable and a read divides by ``scale``."""
+
+    def __init__(self, num_instances: int, tree: PrefixTree, config: BalancerConfig) -> None:
+        self.config = config
+        self.tree = tree
+        self.scale = 1.0
+        self.total_access_tokens = 0.0  # scaled, like table.access
+        self._window: deque[np.ndarray] = deque(maxlen=config.window)
+        self._window_sum = np.zeros(num_instances)
+        self.history: deque[np.ndarray] = deque(maxlen=4096)  # per-iteration loads, for stats
+
+    def begin_iteration(self) -> None:
+        self.scale /= self.config.decay
+        if self.scale > 1e100:  # renormalise before overflow
+            self.tree.table.access /= self.scale
+            self.total_access_tokens /= self.scale
+            self.scale = 1.0
+
+    def record_accesses(self, idx: np.ndarray, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """Segments ``idx`` were read by ``rows`` query rows each, ``tokens`` tokens each."""
+        np.add.at(self.tree.table.access, idx, rows * self.scale)
+        self.total_access_tokens += float(np.dot(rows, tokens)) * self.scale
+
+    def record_load(self, load: np.ndarray) -> None:
+        if len(self._window) == self._window.maxlen:
+            self._window_sum -= self._window[0]
+        self._window.append(load)
+        self._window_sum += load
+        self.history.append(load)
+
+    @property
+    def window_load(self) -> np.ndarray:
+        return self._window_sum.copy()
+
+    def access_count(self, node: Node) -> float:
+        return float(self.tree.table.access[node.idx]) / self.scale
+
+
+def heavy_hitters(tree: PrefixTree, k: int) -> list[Node]:
+    """The ``k`` most accessed segments, best first.
+
+    A request that reads a segment reads its whole prefix, so counts never grow from parent
+    to child: a best-first search from the root that expands only the ``k`` best children
+    of each popped node finds the exact top ``k`` while touching ``O(k · fan-out)`` nodes.
+    """
+    access = tree.table.access
+    out: list[Node] = []
+    heap: list[tuple[float, int, Node]] = []
+    tie = 0
+
+    def push_children(node: Node) -> None:
+        nonlocal tie
+        best = heapq.nlargest(k, node.children.values(), key=lambda c: access[c.idx])
+        for child in best:
+            tie += 1
+            heapq.heappush(heap, (-float(access[child.idx]), tie, child))
+
+    push_children(tree.root)
+    while heap and len(out) < k:
+        neg, _, node = heapq.heappop(heap)
+        if neg == 0.0:
+            break
+        out.append(node)
+        push_children(node)
+    return out
+
+
+@dataclass(frozen=True)
+class ReplicationOrder:
+    node: Node
+    source: Location
+    destination: int  # instance id; the slot is reserved by the pool
+
+
+def plan_replications(
+    tree: PrefixTree, stats: AccessStats, live: list[int], config: BalancerConfig
+) -> list[tuple[Node, Location, int]]:
+    """Replication orders ``(node, source replica, destination instance)`` for this iteration.
+
+    For each overloaded instance, its heavy hitters (most accessed first) are copied to the
+    least-loaded live instance without a copy, while the estimated load says it helps.
+    """
+    if not config.replicate or len(live) < 2:
+        return []
+    load = stats.window_load
+    mean = float(load[live].mean())
+    threshold = config.overload_factor * mean
+    over = [i for i in sorted(live, key=lambda i: -load[i]) if load[i] > threshold]
+    if not over or stats.total_access_tokens <= 0:
+        return []
+    hot = heavy_hitters(tree, config.num_heavy_hitters(len(live)))
+    est = load.astype(np.float64)
+    total = float(load[live].sum())
+    live_set = set(live)
+    orders: list[tuple[Node, Location, int]] = []
+    for src in over:
+        for node in hot:
+            if len(orders) >= config.max_replications or est[src] <= threshold:
+                break
+            holders = {r.instance_id for r in node.replicas}
+            source = next((r for r in node.replicas if r.instance_id == src), None)
+            free = [i for i in live_set - holders]
+            if source is None or not free:
+                continue
+            share = tree.table.access[node.idx] * len(node.tokens) / stats.total_access_tokens
+            node_load = share * total
+            n = len(node.replicas)
+            dst = min(free, key=lambda i: est[i])
+            gain = node_load / n - node_load / (n + 1)
+            if est[dst] + node_load / (n + 1) >= est[src] - gain:
+                continue  # the copy would not lower the maximum
+            orders.append((node, source, dst))
+            est[src] -= gain
+            est[dst] += node_load / (n + 1)
+    return orders
