@@ -6,6 +6,7 @@
 
 #include "attention.h"
 #include "replica_choice.h"
+#include "scheduler_dp.h"
 #include "thread_pool.h"
 
 namespace nb = nanobind;
@@ -74,6 +75,48 @@ NB_MODULE(_C, m) {
       },
       "rep_inst"_a, "num_replicas"_a, "weight"_a, "load"_a.noconvert(), "seed"_a,
       "chosen"_a.noconvert());
+  m.def(
+      "schedule_dp",
+      [](nb::ndarray<const double, nb::ndim<1>, nb::c_contig, nb::device::cpu> lens,
+         nb::ndarray<const double, nb::ndim<1>, nb::c_contig, nb::device::cpu> slos,
+         int64_t num_prefill,
+         nb::ndarray<const double, nb::ndim<2>, nb::c_contig, nb::device::cpu> prefill_coef,
+         nb::ndarray<const double, nb::ndim<1>, nb::c_contig, nb::device::cpu> decode_coef,
+         int64_t num_instances, int64_t max_prefill_instances, int64_t max_decode_instances,
+         double load, nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> batch_ends,
+         nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> dops,
+         nb::ndarray<double, nb::ndim<1>, nb::c_contig, nb::device::cpu> info) {
+        const size_t n = lens.shape(0);
+        if (slos.shape(0) != n || batch_ends.shape(0) < n || dops.shape(0) < n ||
+            prefill_coef.shape(1) != 3 || decode_coef.shape(0) != 3 || info.shape(0) != 2) {
+          throw std::invalid_argument(
+              "schedule_dp: expected slos [n], batch_ends/dops [>= n], prefill_coef [K, 3], "
+              "decode_coef [3], info [2] for lens [n]");
+        }
+        tokenlake::ScheduleProblem p;
+        p.lens = lens.data();
+        p.slos = slos.data();
+        p.num_items = static_cast<int64_t>(n);
+        p.num_prefill = num_prefill;
+        p.prefill_coef = prefill_coef.data();
+        p.max_prefill_dop = static_cast<int64_t>(prefill_coef.shape(0));
+        p.decode_coef = decode_coef.data();
+        p.num_instances = num_instances;
+        p.max_prefill_instances = max_prefill_instances;
+        p.max_decode_instances = max_decode_instances;
+        p.load = load;
+        const tokenlake::ScheduleResult r = tokenlake::schedule_dp(p);
+        for (size_t b = 0; b < r.batch_ends.size(); ++b) {
+          batch_ends.data()[b] = r.batch_ends[b];
+          dops.data()[b] = r.dops[b];
+        }
+        info.data()[0] = r.cost;
+        info.data()[1] = r.slo_met ? 1.0 : 0.0;
+        return static_cast<int64_t>(r.batch_ends.size());
+      },
+      "lens"_a, "slos"_a, "num_prefill"_a, "prefill_coef"_a, "decode_coef"_a, "num_instances"_a,
+      "max_prefill_instances"_a, "max_decode_instances"_a, "load"_a, "batch_ends"_a.noconvert(),
+      "dops"_a.noconvert(), "info"_a.noconvert(), nb::call_guard<nb::gil_scoped_release>());
   m.def("set_num_threads", &tokenlake::set_num_threads, "num_threads"_a);
   m.def("get_num_threads", &tokenlake::get_num_threads);
 }

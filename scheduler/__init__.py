@@ -1,1 +1,55 @@
-"""scheduler"""
+"""The elastic scheduler (DESIGN §2.3, paper §6): a client of the pool that decides batches and
+degrees of parallelism each iteration and never manages cache placement.
+
+Modules: :mod:`.config` (``SchedulerConfig``), :mod:`.request` (lifecycle), :mod:`.policy`
+(pure decisions), :mod:`.dp` / :mod:`.dp_reference` (the §6.2 DP, C++ and Python),
+:mod:`.latency_model` (fitted ``T(batch, k)``), :mod:`.cost_model` (roofline for simulated
+hardware), :mod:`.profiler` (measured rows on a CPU engine), :mod:`.scheduler` (the facade).
+"""
+
+from tokenlake.scheduler.config import COLOCATED, ELASTIC, MODES, XPYD, SchedulerConfig
+from tokenlake.scheduler.cost_model import CostModel
+from tokenlake.scheduler.dp import DPProblem, DPResult, solve
+from tokenlake.scheduler.dp_reference import solve_reference
+from tokenlake.scheduler.latency_model import (
+    DECODE,
+    PREFILL,
+    Coeffs,
+    LatencyModel,
+    ProfileRow,
+    fit_coeffs,
+    fit_latency_model,
+)
+from tokenlake.scheduler.policy import MIXED, Decision, WorkItem, plan_batches, select_work
+from tokenlake.scheduler.request import Phase, Request, chunk_end
+from tokenlake.scheduler.scheduler import ElasticScheduler, IterationPlan
+
+__all__ = [
+    "COLOCATED",
+    "DECODE",
+    "ELASTIC",
+    "MIXED",
+    "MODES",
+    "PREFILL",
+    "XPYD",
+    "Coeffs",
+    "CostModel",
+    "DPProblem",
+    "DPResult",
+    "Decision",
+    "ElasticScheduler",
+    "IterationPlan",
+    "LatencyModel",
+    "Phase",
+    "ProfileRow",
+    "Request",
+    "SchedulerConfig",
+    "WorkItem",
+    "chunk_end",
+    "fit_coeffs",
+    "fit_latency_model",
+    "plan_batches",
+    "select_work",
+    "solve",
+    "solve_reference",
+]

@@ -1,0 +1,159 @@
+// Keep a*b + c as two roundings (no FMA contraction) so costs, and therefore tie-breaks, are
+// bit-identical to the plain-Python reference scheduler/dp_reference.py.
+#pragma GCC optimize("fp-contract=off")
+
+#include "scheduler_dp.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace tokenlake {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// cost(i, k): least total cost of the phase's first i items on exactly k instances.
+struct PhaseTable {
+  int64_t n = 0;
+  int64_t num_k = 0;  // k = 0..num_k-1
+  std::vector<double> cost;
+  std::vector<int32_t> from;  // j of the last batch
+  std::vector<int32_t> dop;   // its DoP
+
+  double& at(int64_t i, int64_t k) { return cost[i * num_k + k]; }
+};
+
+// The recursion f(i, k) = min_{j < i, d} f(j, k - d) + (i - j) * T(j..i-1, d), over one phase.
+// Loop order (i up, j down, d up, k up) and strict '<' fix the tie-breaks the Python reference
+// reproduces.
+PhaseTable phase_dp(const double* lens, const double* slos, int64_t n, const double* coef,
+                    int64_t max_dop, int64_t max_k, double load, bool enforce_slo) {
+  PhaseTable t;
+  t.n = n;
+  t.num_k = max_k + 1;
+  t.cost.assign((n + 1) * t.num_k, kInf);
+  t.from.assign((n + 1) * t.num_k, -1);
+  t.dop.assign((n + 1) * t.num_k, 0);
+  t.at(0, 0) = 0.0;
+  std::vector<double> s1(n + 1, 0.0), s2(n + 1, 0.0);
+  for (int64_t i = 1; i <= n; ++i) {
+    s1[i] = s1[i - 1] + lens[i - 1];
+    s2[i] = s2[i - 1] + lens[i - 1] * lens[i - 1];
+  }
+  const double keep = 1.0 - load;
+  for (int64_t i = 1; i <= n; ++i) {
+    double slo = kInf;
+    for (int64_t j = i - 1; j >= 0; --j) {
+      slo = std::min(slo, slos[j]);
+      const double sum1 = s1[i] - s1[j];
+      const double sum2 = s2[i] - s2[j];
+      const double count = static_cast<double>(i - j);
+      // gen_plans needs at least one row per sub-batch
+      const int64_t dmax =
+          std::min({max_dop, max_k, static_cast<int64_t>(std::floor(sum1))});
+      for (int64_t d = 1; d <= dmax; ++d) {
+        const double* c = coef + 3 * (d - 1);
+        const double latency = (c[0] + c[1] * sum1 + c[2] * sum2) / keep;
+        if (enforce_slo && !(latency <= slo)) continue;
+        const double add = count * latency;
+        for (int64_t k = d; k <= max_k; ++k) {
+          const double prev = t.at(j, k - d);
+          if (prev == kInf) continue;
+          const double value = prev + add;
+          if (value < t.at(i, k)) {
+            t.at(i, k) = value;
+            t.from[i * t.num_k + k] = static_cast<int32_t>(j);
+            t.dop[i * t.num_k + k] = static_cast<int32_t>(d);
+          }
+        }
+      }
+    }
+  }
+  return t;
+}
+
+// Appends the batches of the phase's best plan on k instances (ends offset by `base`).
+void backtrack(const PhaseTable& t, int64_t k, int64_t base, ScheduleResult& out) {
+  std::vector<std::pair<int64_t, int64_t>> batches;  // (end, dop), last first
+  for (int64_t i = t.n; i > 0;) {
+    const int32_t j = t.from[i * t.num_k + k];
+    const int32_t d = t.dop[i * t.num_k + k];
+    batches.emplace_back(base + i, d);
+    i = j;
+    k -= d;
+  }
+  for (auto it = batches.rbegin(); it != batches.rend(); ++it) {
+    out.batch_ends.push_back(it->first);
+    out.dops.push_back(it->second);
+  }
+}
+
+bool solve(const ScheduleProblem& p, bool enforce_slo, ScheduleResult& out) {
+  const int64_t num_decode = p.num_items - p.num_prefill;
+  const int64_t kp = std::min(p.max_prefill_instances, p.num_instances);
+  const int64_t kd = std::min(p.max_decode_instances, p.num_instances);
+  const PhaseTable pre = phase_dp(p.lens, p.slos, p.num_prefill, p.prefill_coef,
+                                  p.max_prefill_dop, kp, p.load, enforce_slo);
+  const PhaseTable dec = phase_dp(p.lens + p.num_prefill, p.slos + p.num_prefill, num_decode,
+                                  p.decode_coef, 1, kd, p.load, enforce_slo);
+  double best = kInf;
+  int64_t best_p = -1, best_d = -1;
+  for (int64_t a = 0; a <= kp; ++a) {
+    for (int64_t b = 0; b <= kd && a + b <= p.num_instances; ++b) {
+      const double value = pre.cost[pre.n * pre.num_k + a] + dec.cost[dec.n * dec.num_k + b];
+      if (value < best) {
+        best = value;
+        best_p = a;
+        best_d = b;
+      }
+    }
+  }
+  if (best == kInf) return false;
+  out.cost = best;
+  backtrack(pre, best_p, 0, out);
+  backtrack(dec, best_d, p.num_prefill, out);
+  return true;
+}
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+
+void validate(const ScheduleProblem& p) {
+  require(p.num_items >= 0, "num_items: expected >= 0");
+  require(p.num_items < (int64_t{1} << 30), "num_items: expected < 2**30");
+  require(p.num_prefill >= 0 && p.num_prefill <= p.num_items,
+          "num_prefill: expected 0 <= num_prefill <= num_items");
+  require(p.num_instances >= 1, "num_instances: expected >= 1");
+  require(p.max_prefill_instances >= 0, "max_prefill_instances: expected >= 0");
+  require(p.max_decode_instances >= 0, "max_decode_instances: expected >= 0");
+  require(p.max_prefill_dop >= 1, "prefill_coef: expected at least one row");
+  require(p.load >= 0.0 && p.load < 1.0, "load: expected 0 <= load < 1");
+  for (int64_t i = 0; i < p.num_items; ++i) {
+    require(std::isfinite(p.lens[i]) && p.lens[i] >= 1.0, "lens: expected finite values >= 1");
+    require(p.slos[i] > 0.0, "slos: expected positive values (inf: no SLO)");
+  }
+  for (int64_t i = 0; i < 3 * p.max_prefill_dop; ++i)
+    require(std::isfinite(p.prefill_coef[i]), "prefill_coef: expected finite values");
+  for (int64_t i = 0; i < 3; ++i)
+    require(std::isfinite(p.decode_coef[i]), "decode_coef: expected finite values");
+}
+
+}  // namespace
+
+ScheduleResult schedule_dp(const ScheduleProblem& problem) {
+  validate(problem);
+  ScheduleResult out;
+  if (solve(problem, /*enforce_slo=*/true, out)) return out;
+  out = ScheduleResult();
+  out.slo_met = false;
+  if (solve(problem, /*enforce_slo=*/false, out)) return out;
+  throw std::invalid_argument(
+      "max_prefill_instances/max_decode_instances: no plan fits the instances even without "
+      "SLOs");
+}
+
+}  // namespace tokenlake

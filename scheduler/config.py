@@ -1,0 +1,112 @@
+"""The scheduler's frozen, validated configuration."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tokenlake.errors import InvalidArgumentError
+
+ELASTIC = "elastic"
+XPYD = "xpyd"
+COLOCATED = "colocated"
+MODES = (ELASTIC, XPYD, COLOCATED)
+
+
+def _positive_int(name: str, value: object, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidArgumentError(
+            f"SchedulerConfig.{name}: expected an int >= {low}, got {value!r}"
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the scheduler batches one iteration.
+
+    Args:
+        num_instances: instances ``N`` (the pool's ``num_instances``).
+        segment_len: segment length ``C`` (the pool's ``segment_len``).
+        mode: ``"elastic"`` (PD-disaggregated batches, prefill DoP 1..N, the default);
+            ``"xpyd"`` (fixed PD: prefill batches use at most ``num_prefill_instances`` instances
+            in total, decode batches at most the other ``N - P``); ``"colocated"`` (no PD:
+            mixed prefill/decode batches of DoP 1, Sarathi-style token budget).
+        chunk_len: most new tokens of one prefill chunk; a multiple of ``C``. In colocated mode
+            also the token budget of one instance per iteration (decode tokens included).
+        max_prefill_tokens: prefill tokens admitted per iteration; 0 means ``chunk_len`` × the
+            instances prefill may use.
+        num_prefill_instances: ``P`` of xPyD (``1 <= P < N``); ignored in other modes.
+        tbt_slo: seconds allowed between two output tokens (``inf``: no SLO).
+        input_token_slo: seconds allowed per input token of a prefill chunk (``inf``: no SLO).
+        sync_iterations: an iteration lasts as long as its slowest batch (the pool runs one
+            iteration at a time), so while any decode runs every batch must also meet
+            ``tbt_slo``; set False for a data plane whose batches run asynchronously.
+    """
+
+    num_instances: int
+    segment_len: int
+    mode: str = ELASTIC
+    chunk_len: int = 4096
+    max_prefill_tokens: int = 0
+    num_prefill_instances: int = 0
+    tbt_slo: float = math.inf
+    input_token_slo: float = math.inf
+    sync_iterations: bool = True
+
+    def __post_init__(self) -> None:
+        _positive_int("num_instances", self.num_instances)
+        _positive_int("segment_len", self.segment_len)
+        _positive_int("chunk_len", self.chunk_len)
+        _positive_int("max_prefill_tokens", self.max_prefill_tokens, 0)
+        if self.mode not in MODES:
+            raise InvalidArgumentError(
+                f"SchedulerConfig.mode: expected one of {MODES}, got {self.mode!r}"
+            )
+        if self.chunk_len % self.segment_len:
+            raise InvalidArgumentError(
+                f"SchedulerConfig.chunk_len: expected a multiple of segment_len="
+                f"{self.segment_len}, got {self.chunk_len}"
+            )
+        if self.mode == XPYD:
+            _positive_int("num_prefill_instances", self.num_prefill_instances)
+            if self.num_prefill_instances >= self.num_instances:
+                raise InvalidArgumentError(
+                    f"SchedulerConfig.num_prefill_instances: expected < num_instances="
+                    f"{self.num_instances} (xPyD needs a decode instance), "
+                    f"got {self.num_prefill_instances}"
+                )
+        for name in ("tbt_slo", "input_token_slo"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise InvalidArgumentError(
+                    f"SchedulerConfig.{name}: expected positive seconds, got {value!r}"
+                )
+        if not isinstance(self.sync_iterations, bool):
+            raise InvalidArgumentError("SchedulerConfig.sync_iterations: expected a bool")
+
+    @property
+    def prefill_instances(self) -> int:
+        """Instances prefill batches may use in total."""
+        return self.num_prefill_instances if self.mode == XPYD else self.num_instances
+
+    @property
+    def decode_instances(self) -> int:
+        """Instances (= batches) decode batches may use in total; 0 in colocated mode."""
+        if self.mode == COLOCATED:
+            return 0
+        return (
+            self.num_instances - self.num_prefill_instances
+            if self.mode == XPYD
+            else self.num_instances
+        )
+
+    @property
+    def max_prefill_dop(self) -> int:
+        return 1 if self.mode == COLOCATED else self.prefill_instances
+
+    @property
+    def prefill_token_budget(self) -> int:
+        """Prefill tokens admitted per iteration (colocated: minus the decode tokens)."""
+        if self.max_prefill_tokens:
+            return self.max_prefill_tokens
+        return self.chunk_len * self.prefill_instances

@@ -1,0 +1,169 @@
+"""Deciding one iteration, with no side effects: which work runs (chunking, admission) and how
+it is batched (the DP). The :class:`ElasticScheduler` and the cluster simulator both call these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from tokenlake.errors import InvalidArgumentError
+from tokenlake.plans import Chunk
+from tokenlake.scheduler.config import COLOCATED, SchedulerConfig
+from tokenlake.scheduler.dp import DPProblem, DPResult, solve
+from tokenlake.scheduler.dp_reference import solve_reference
+from tokenlake.scheduler.latency_model import DECODE, PREFILL, LatencyModel
+from tokenlake.scheduler.request import Phase, Request, chunk_end
+
+MIXED = "mixed"
+SOLVERS: dict[str, Callable[[DPProblem], DPResult]] = {"cpp": solve, "python": solve_reference}
+
+
+class WorkItem(NamedTuple):
+    """One request's work this iteration: compute ``token_ids[start:end]``."""
+
+    request_id: int | str
+    phase: str  # PREFILL or DECODE
+    token_ids: np.ndarray
+    start: int
+    end: int
+    arrival: int
+
+    @property
+    def num_new(self) -> int:
+        return self.end - self.start
+
+
+class Decision(NamedTuple):
+    """What one iteration runs: ``batches[b]`` on ``dops[b]`` instances.
+
+    ``phases[b]`` is ``"prefill"``, ``"decode"`` or (colocated mode) ``"mixed"``;
+    ``latencies[b]`` the predicted seconds under cache load ``load``; ``slo_met`` False when
+    no SLO-feasible plan existed and the DP fell back to throughput; ``cost`` the DP objective.
+    """
+
+    batches: tuple[tuple[Chunk, ...], ...]
+    dops: tuple[int, ...]
+    phases: tuple[str, ...]
+    latencies: tuple[float, ...]
+    load: float
+    slo_met: bool
+    cost: float
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return [c for batch in self.batches for c in batch]
+
+
+def select_work(
+    requests: Iterable[Request],
+    config: SchedulerConfig,
+    cached_tokens: Callable[[Request], int],
+    phases: Sequence[str] = (PREFILL, DECODE),
+    max_new_requests: int | None = None,
+) -> list[WorkItem]:
+    """Every decode step, then prefill chunks (running prefills first, then waiting requests in
+    arrival order) until the iteration's prefill token budget is spent.
+
+    A waiting request starts at ``min(cached_tokens(r), prompt_len - 1)`` (at least one token
+    is computed, to produce the first output token). ``phases`` limits the work to one phase
+    (one instance cannot run both in elastic mode); ``max_new_requests`` caps admissions.
+    """
+    pending = [r for r in requests if r.phase is not Phase.FINISHED]
+    items = []
+    if DECODE in phases:
+        for r in pending:
+            if r.phase is Phase.DECODE:
+                ids = r.token_ids
+                items.append(WorkItem(r.request_id, DECODE, ids, len(ids) - 1, len(ids), r.arrival))
+    if PREFILL not in phases:
+        return items
+    budget = config.prefill_token_budget
+    if config.mode == COLOCATED:
+        budget = config.chunk_len * config.num_instances - len(items)
+    admitted = 0
+    running = [r for r in pending if r.phase is Phase.PREFILL]
+    waiting = [r for r in pending if r.phase is Phase.WAITING]
+    for r in running + waiting:
+        new = r.phase is Phase.WAITING
+        if new and max_new_requests is not None and admitted >= max_new_requests:
+            break
+        start = min(cached_tokens(r), r.prompt_len - 1) if new else r.num_stored
+        end = chunk_end(start, r.prompt_len, min(config.chunk_len, budget), config.segment_len)
+        if end <= start:
+            break
+        budget -= end - start
+        admitted += new
+        items.append(WorkItem(r.request_id, PREFILL, r.token_ids, start, end, r.arrival))
+    return items
+
+
+def item_slo(item: WorkItem, config: SchedulerConfig, decoding: bool) -> float:
+    """Seconds the batch holding ``item`` may take: the TBT SLO for a decode step; the input
+    token SLO × chunk length for a prefill chunk, and no more than the TBT SLO while decodes
+    run in a synchronous iteration (a decode's next token waits for the whole iteration)."""
+    if item.phase == DECODE:
+        return config.tbt_slo
+    slo = config.input_token_slo * item.num_new
+    if decoding and config.sync_iterations:
+        slo = min(slo, config.tbt_slo)
+    return slo
+
+
+def plan_batches(
+    items: Sequence[WorkItem],
+    config: SchedulerConfig,
+    model: LatencyModel,
+    load: float = 0.0,
+    solver: str = "cpp",
+) -> Decision:
+    """Batch ``items`` and choose DoPs with the §6.2 DP under cache load ``load``.
+
+    Elastic/xPyD: prefill items sorted by context length, then decode items sorted by context
+    length; a batch is all-prefill or all-decode, decode DoP 1. Colocated: one phase sorted by
+    context length, mixed batches of DoP 1 priced with the prefill coefficients.
+    """
+    if solver not in SOLVERS:
+        raise InvalidArgumentError(f"solver: expected one of {sorted(SOLVERS)}, got {solver!r}")
+    if not items:
+        return Decision((), (), (), (), float(load), True, 0.0)
+    decoding = any(it.phase == DECODE for it in items)
+    order = sorted(items, key=lambda it: (it.end, it.arrival))
+    if config.mode != COLOCATED:
+        order = [it for it in order if it.phase == PREFILL] + [
+            it for it in order if it.phase == DECODE
+        ]
+        num_prefill = sum(it.phase == PREFILL for it in items)
+    else:
+        num_prefill = len(order)
+    problem = DPProblem(
+        lens=[it.num_new for it in order],
+        slos=[item_slo(it, config, decoding) for it in order],
+        num_prefill=num_prefill,
+        prefill_coef=model.table(config.max_prefill_dop),
+        decode_coef=list(model.coeffs(DECODE)),
+        num_instances=config.num_instances,
+        max_prefill_instances=config.prefill_instances,
+        max_decode_instances=config.decode_instances,
+        load=load,
+    )
+    result = SOLVERS[solver](problem)
+    batches, phases, latencies = [], [], []
+    for start, end, dop in result.batches:
+        group = order[start:end]
+        batches.append(tuple(Chunk(it.request_id, it.token_ids, it.start, it.end) for it in group))
+        kinds = {it.phase for it in group}
+        phases.append(kinds.pop() if len(kinds) == 1 else MIXED)
+        latencies.append(problem.latency(start, end, dop))
+    dops = tuple(dop for _, _, dop in result.batches)
+    return Decision(
+        tuple(batches),
+        dops,
+        tuple(phases),
+        tuple(latencies),
+        problem.load,
+        result.slo_met,
+        result.cost,
+    )
