@@ -27,10 +27,11 @@ class Harness:
         num_layers: int = 2,
         backend: str | None = "torch",
         hasher: tl.SegmentHasher | None = None,
+        balancer=None,
     ) -> None:
         self.shape = tl.ModelShape(num_layers, num_q_heads, num_kv_heads, head_dim, dtype)
         self.config = tl.PoolConfig(self.shape, num_instances, num_slots, segment_len)
-        self.pool = tl.Pool(self.config, hasher)
+        self.pool = tl.Pool(self.config, hasher, balancer=balancer)
         self.cluster = LocalCluster(self.pool, backend=backend)
         self.model = SyntheticModel(self.shape, seed=1)
         self.tolerance = TOLERANCE[dtype]

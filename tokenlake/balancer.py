@@ -29,7 +29,7 @@ class BalancerConfig:
     window: int = 16
     decay: float = 0.95
     overload_factor: float = 1.05
-    heavy_hitter_k: float = 2.0
+    heavy_hitter_k: float = 4.0
     max_replications: int = 8
     replicate: bool = True
 
@@ -148,13 +148,14 @@ def plan_replications(
     total = float(load[live].sum())
     live_set = set(live)
     orders: list[tuple[Node, Location, int]] = []
+    planned: dict[int, set[int]] = {}  # node key -> destinations ordered this iteration
     for src in over:
         for node in hot:
             if len(orders) >= config.max_replications or est[src] <= threshold:
                 break
-            holders = {r.instance_id for r in node.replicas}
+            holders = {r.instance_id for r in node.replicas} | planned.get(node.key, set())
             source = next((r for r in node.replicas if r.instance_id == src), None)
-            free = [i for i in live_set - holders]
+            free = list(live_set - holders)
             if source is None or not free:
                 continue
             share = tree.table.access[node.idx] * len(node.tokens) / stats.total_access_tokens
@@ -165,6 +166,7 @@ def plan_replications(
             if est[dst] + node_load / (n + 1) >= est[src] - gain:
                 continue  # the copy would not lower the maximum
             orders.append((node, source, dst))
+            planned.setdefault(node.key, set()).add(dst)
             est[src] -= gain
             est[dst] += node_load / (n + 1)
     return orders
