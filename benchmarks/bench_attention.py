@@ -15,14 +15,18 @@ Baselines:
   layout -- favourable to SDPA, which in serving would have to gather the pages first.
 
 Memory bandwidth: ``cpp_gbps`` = bytes of K+V the kernel must read / its time; ``memcpy_gbps`` =
-bytes copied / time for ``torch.Tensor.copy_`` of a 1 GiB buffer (larger than the LLC), measured
-in the same run (each copied byte is also written, so this is a read-bandwidth-favourable
-yardstick); ``fraction_of_memcpy_bw`` = cpp_gbps / memcpy_gbps.
+bytes copied / time for ``torch.Tensor.copy_`` of a buffer of the same size as the case's K+V
+(at least 512 MiB, so larger than the LLC), measured just before each case so both see the same
+machine load (each copied byte is also written, so memcpy moves twice the bytes it is credited
+with); ``fraction_of_memcpy_bw`` = cpp_gbps / memcpy_gbps.
 
-Timings are medians over ``--repeats`` runs after ``--warmup`` runs (the reference, being slow,
-gets at most 3 repeats). Threads: torch uses ``torch.get_num_threads()``; the C++ kernel its own
-pool of ``--threads`` (default: all hardware threads). Prints one table, then one JSON line per
-case.
+Every timed call starts with a cold last-level cache (``--flush-mib`` of writes first, excluded
+from the time): in serving each layer's K/V is read once per step from a pool far larger than
+the LLC, and an 8K-token batch (256-512 MiB) could otherwise sit in a large LLC between repeats.
+Timings are medians over ``--repeats`` runs after ``--warmup`` runs; the reference, seconds per
+call, gets ``--ref-repeats`` runs after one warmup. Threads: torch uses
+``torch.get_num_threads()``; the C++ kernel its own pool of ``--threads`` (default: all hardware
+threads). Prints one table, then one JSON line per case.
 """
 
 from __future__ import annotations
@@ -91,27 +95,36 @@ def make_inputs(case: Case, pool: torch.Tensor, slots: torch.Tensor, gen) -> Inp
     return Inputs(args, sdpa_q, k.contiguous(), v.contiguous())
 
 
-def median_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+class Timer:
+    """Median wall time of a callable, each run preceded by writes that evict the LLC."""
+
+    def __init__(self, flush_mib: int):
+        self.flush_buf = torch.empty(flush_mib << 20, dtype=torch.uint8)
+
+    def median_ms(self, fn: Callable[[], object], repeats: int, warmup: int) -> float:
+        times = []
+        for i in range(warmup + repeats):
+            self.flush_buf.fill_(i & 0xFF)
+            start = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    def memcpy_gbps(self, num_bytes: int, repeats: int) -> float:
+        src = torch.ones(max(num_bytes, 512 << 20), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        ms = self.median_ms(lambda: dst.copy_(src), repeats, warmup=1)
+        return src.numel() / ms / 1e6
 
 
-def memcpy_gbps(repeats: int) -> float:
-    src = torch.ones(1 << 30, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), repeats, warmup=1)
-    return src.numel() / ms / 1e6
-
-
-def run_case(case: Case, dtype: str, inputs: Inputs, args: argparse.Namespace, bw: float) -> dict:
+def run_case(
+    case: Case, dtype: str, inputs: Inputs, args: argparse.Namespace, timer: Timer
+) -> dict:
     kernel_args = inputs.args
     pool = kernel_args[2]
+    kv_bytes = case.num_reqs * case.prefix_len * 2 * pool[0, 0, 0].numel() * pool.element_size()
+    bw = timer.memcpy_gbps(kv_bytes, args.repeats)
 
     def cpp():
         return partial_attention(*kernel_args, backend="cpu")
@@ -121,14 +134,12 @@ def run_case(case: Case, dtype: str, inputs: Inputs, args: argparse.Namespace, b
             inputs.sdpa_q, inputs.sdpa_k, inputs.sdpa_v, enable_gqa=True
         )
 
-    cpp_ms = median_ms(cpp, args.repeats, args.warmup)
-    sdpa_ms = median_ms(sdpa, args.repeats, args.warmup)
-    ref_ms = median_ms(
-        lambda: reference.partial_attention(*kernel_args), min(3, args.repeats), warmup=1
-    )
+    cpp_ms = timer.median_ms(cpp, args.repeats, args.warmup)
+    sdpa_ms = timer.median_ms(sdpa, args.repeats, args.warmup)
+    ref = lambda: reference.partial_attention(*kernel_args)  # noqa: E731
+    ref_ms = timer.median_ms(ref, args.ref_repeats, warmup=1)
     o_cpp, _ = cpp()
     o_sdpa = sdpa().float().transpose(1, 2).reshape(o_cpp.shape)
-    kv_bytes = case.num_reqs * case.prefix_len * 2 * pool[0, 0, 0].numel() * pool.element_size()
     cpp_gbps = kv_bytes / cpp_ms / 1e6
     return {
         "case": case.name,
@@ -170,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
                         default=["decode", "prefill"])  # fmt: skip
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--ref-repeats", type=int, default=1)
+    parser.add_argument("--flush-mib", type=int, default=512, help="LLC-evicting writes per run")
     parser.add_argument("--threads", type=int, default=None, help="C++ kernel threads")
     parser.add_argument("--decode-heads", type=int, nargs=3, default=[32, 8, 128],
                         metavar=("H_Q", "H_KV", "D"))  # fmt: skip
@@ -190,8 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         "32K keys stays affordable for the reference on 2 cores)",
         file=sys.stderr,
     )
-    bw = memcpy_gbps(args.repeats)
-    print(f"memcpy (torch copy_ of 1 GiB): {bw:.2f} GB/s", file=sys.stderr)
+    timer = Timer(args.flush_mib)
     results = []
     for prefix_len in args.prefix_lens:
         for name in args.cases:
@@ -201,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
             pool, slots = build_pool(case, gen)
             for dtype in args.dtypes:
                 inputs = make_inputs(case, pool.to(DTYPES[dtype]), slots, gen)
-                results.append(run_case(case, dtype, inputs, args, bw))
+                results.append(run_case(case, dtype, inputs, args, timer))
                 print(json.dumps(results[-1]), file=sys.stderr)
                 del inputs
             del pool

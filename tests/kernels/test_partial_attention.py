@@ -82,13 +82,16 @@ def test_head_dims(head_dim, rows, dtype):
 @pytest.mark.parametrize("num_threads", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_long_prefix_split_across_threads(num_threads, dtype):
-    # Long decode prefixes are split over threads and the pieces merged by LSE.
+    # Long prefixes are split over threads and the pieces merged by LSE.
     before = cpu.get_num_threads()
     cpu.set_num_threads(num_threads)
     try:
-        args = make_case([1, 1, 2], [80, 3, 50], 16, 8, 2, 128, dtype)
-        assert_matches(args, dtype)
-        assert_matches(args, dtype, causal=True)
+        for args in (
+            make_case([1, 1, 2], [80, 3, 50], 16, 8, 2, 128, dtype),  # decode items
+            make_case([40], [60], 16, 8, 2, 64, dtype),  # prefill items
+        ):
+            assert_matches(args, dtype)
+            assert_matches(args, dtype, causal=True)
     finally:
         cpu.set_num_threads(before)
 
