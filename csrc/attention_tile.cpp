@@ -102,8 +102,8 @@ class Tile {
     }
     const int64_t last_visible = p_.causal ? limit_[nqg_ - 1] : kv_len - 1;
     const int64_t Hkv = p_.num_kv_heads;
-    const int64_t half = C_() * Hkv * D_;  // elements of K (or V) in one slot
-    const int64_t C = C_();
+    const int64_t C = p_.page_len;
+    const int64_t half = C * Hkv * D_;  // elements of K (or V) in one slot
     const int32_t* slots = p_.kv_indices + p_.kv_indptr[w_.req];
     for (int64_t page = w_.page_begin; page < w_.page_end; ++page) {
       const int64_t page_keys = std::min(C, kv_len - page * C);
@@ -144,7 +144,6 @@ class Tile {
   }
 
  private:
-  int64_t C_() const { return p_.page_len; }
   int64_t q_head(int64_t i) const { return (w_.head_begin + i / nqg_) * group_ + i % group_; }
   int64_t q_row(int64_t i) const { return w_.row_begin + i % nqg_ / group_; }
 
@@ -187,7 +186,7 @@ class Tile {
   void prefetch_block(int64_t slot, int64_t kb, int64_t num_keys) {
     const int64_t Hkv = p_.num_kv_heads;
     const int64_t elem = p_.bf16 ? 2 : 4;
-    const int64_t half = C_() * Hkv * D_ * elem;
+    const int64_t half = p_.page_len * Hkv * D_ * elem;
     const int64_t row_bytes = num_heads_ * D_ * elem;  // the item's heads are adjacent
     const char* k = static_cast<const char*>(p_.pool) + slot * 2 * half;
     for (int64_t j = kb; j < kb + std::min<int64_t>(kKeyBlock, num_keys); ++j) {
@@ -199,11 +198,11 @@ class Tile {
     }
   }
 
-  // Reads the block token-major across this item's heads, so a whole-head-range item (decode)
-  // streams each page sequentially.
+  // Converts the block to zero-padded fp32 [H][kKeyBlock][Dp], reading token-major across the
+  // item's heads so the reads are sequential.
   void stage_block(int64_t slot, int64_t kb, int nb) {
     const int64_t Hkv = p_.num_kv_heads;
-    const int64_t half = C_() * Hkv * D_;
+    const int64_t half = p_.page_len * Hkv * D_;
     const size_t elem = p_.bf16 ? 2 : 4;
     const char* base = static_cast<const char*>(p_.pool) + slot * 2 * half * elem;
     for (int j = 0; j < nb; ++j) {
