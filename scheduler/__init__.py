@@ -20,7 +20,15 @@ from tokenlake.scheduler.latency_model import (
     fit_coeffs,
     fit_latency_model,
 )
-from tokenlake.scheduler.policy import MIXED, Decision, WorkItem, plan_batches, select_work
+from tokenlake.scheduler.policy import (
+    MIXED,
+    Decision,
+    WorkItem,
+    build_problem,
+    plan_batches,
+    select_work,
+)
+from tokenlake.scheduler.profiler import default_cases, measure_rows
 from tokenlake.scheduler.request import Phase, Request, chunk_end
 from tokenlake.scheduler.scheduler import ElasticScheduler, IterationPlan
 
@@ -45,9 +53,12 @@ __all__ = [
     "Request",
     "SchedulerConfig",
     "WorkItem",
+    "build_problem",
     "chunk_end",
+    "default_cases",
     "fit_coeffs",
     "fit_latency_model",
+    "measure_rows",
     "plan_batches",
     "select_work",
     "solve",

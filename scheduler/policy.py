@@ -112,23 +112,15 @@ def item_slo(item: WorkItem, config: SchedulerConfig, decoding: bool) -> float:
     return slo
 
 
-def plan_batches(
-    items: Sequence[WorkItem],
-    config: SchedulerConfig,
-    model: LatencyModel,
-    load: float = 0.0,
-    solver: str = "cpp",
-) -> Decision:
-    """Batch ``items`` and choose DoPs with the §6.2 DP under cache load ``load``.
+def build_problem(
+    items: Sequence[WorkItem], config: SchedulerConfig, model: LatencyModel, load: float = 0.0
+) -> tuple[DPProblem, list[WorkItem]]:
+    """The DP input for ``items`` and the item order it uses.
 
     Elastic/xPyD: prefill items sorted by context length, then decode items sorted by context
-    length; a batch is all-prefill or all-decode, decode DoP 1. Colocated: one phase sorted by
-    context length, mixed batches of DoP 1 priced with the prefill coefficients.
+    length. Colocated: one phase sorted by context length (mixed batches, DoP 1, priced with
+    the prefill coefficients).
     """
-    if solver not in SOLVERS:
-        raise InvalidArgumentError(f"solver: expected one of {sorted(SOLVERS)}, got {solver!r}")
-    if not items:
-        return Decision((), (), (), (), float(load), True, 0.0)
     decoding = any(it.phase == DECODE for it in items)
     order = sorted(items, key=lambda it: (it.end, it.arrival))
     if config.mode != COLOCATED:
@@ -149,6 +141,24 @@ def plan_batches(
         max_decode_instances=config.decode_instances,
         load=load,
     )
+    return problem, order
+
+
+def plan_batches(
+    items: Sequence[WorkItem],
+    config: SchedulerConfig,
+    model: LatencyModel,
+    load: float = 0.0,
+    solver: str = "cpp",
+) -> Decision:
+    """Batch ``items`` and choose DoPs with the §6.2 DP under cache load ``load``: a batch is
+    all-prefill or all-decode (except in colocated mode), decode DoP 1 (see
+    :func:`build_problem` for the order)."""
+    if solver not in SOLVERS:
+        raise InvalidArgumentError(f"solver: expected one of {sorted(SOLVERS)}, got {solver!r}")
+    if not items:
+        return Decision((), (), (), (), float(load), True, 0.0)
+    problem, order = build_problem(items, config, model, load)
     result = SOLVERS[solver](problem)
     batches, phases, latencies = [], [], []
     for start, end, dop in result.batches:

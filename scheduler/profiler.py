@@ -1,0 +1,93 @@
+"""Measure latency-model profile rows on a real engine.
+
+The engine is injected, so this package does not import :mod:`tokenlake.engines`: ``execute(
+plans, chunks)`` must run a (partial) :class:`~tokenlake.Plans` on the data plane, e.g.
+``lambda p, c: run_iteration(cluster, p, c, model)`` with the in-process ``LocalCluster`` and
+``SyntheticModel`` (deterministic K/V, real kernels, real puts and queries).
+
+Rows measure what the latency model covers: the compute engine's work on new tokens. Every
+measured request is fresh (random tokens, empty prefix), so no prefix attention is included
+(that is the cache load ``L``). A decode row is a batch of one-token requests: the same
+per-row work as a decode step without its prefix. A DoP-``k`` batch runs on ``k`` instances
+in parallel; the in-process cluster runs its sub-batches one after another, so each is timed
+alone and the row keeps the slowest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from tokenlake.errors import InvalidArgumentError
+from tokenlake.plans import Chunk, Plans
+from tokenlake.pool import Pool
+from tokenlake.scheduler.latency_model import DECODE, PHASES, PREFILL, ProfileRow
+
+Execute = Callable[[Plans, Mapping[int | str, Chunk]], object]
+Case = tuple[str, int, tuple[int, ...]]  # (phase, dop, new tokens per request)
+
+
+def default_cases(
+    dops: Sequence[int] = (1, 2), max_len: int = 512, num_prefill: int = 12, seed: int = 0
+) -> list[Case]:
+    """Prefill batches of 1..4 requests of 1..``max_len`` tokens at each DoP, and decode
+    batches of 1..32 requests."""
+    rng = np.random.default_rng(seed)
+    cases: list[Case] = []
+    for dop in dops:
+        for _ in range(num_prefill):
+            n = int(rng.integers(1, 5))
+            lengths = tuple(int(x) for x in rng.integers(max(dop, 1), max_len + 1, n))
+            cases.append((PREFILL, dop, lengths))
+    cases += [(DECODE, 1, (1,) * bs) for bs in (1, 2, 4, 8, 16, 32)]
+    return cases
+
+
+def measure_rows(
+    pool: Pool,
+    execute: Execute,
+    cases: Sequence[Case],
+    repeats: int = 3,
+    seed: int = 0,
+    vocab: int = 32000,
+) -> list[ProfileRow]:
+    """One row per case: the fastest of ``repeats`` runs of ``execute`` on a fresh batch.
+
+    Each run plans the batch with ``pool.gen_plans``, executes and commits it, then finishes
+    its requests, so the pool is left without running requests.
+    """
+    if repeats < 1:
+        raise InvalidArgumentError(f"repeats: expected >= 1, got {repeats}")
+    rng = np.random.default_rng(seed)
+    rows = []
+    for c, (phase, dop, lengths) in enumerate(cases):
+        if phase not in PHASES or (phase == DECODE and (dop != 1 or set(lengths) != {1})):
+            raise InvalidArgumentError(f"cases[{c}]: bad case {(phase, dop, lengths)!r}")
+        best = min(
+            _run_once(pool, execute, dop, lengths, rng, vocab, f"profile-{c}-{r}")
+            for r in range(repeats)
+        )
+        rows.append(ProfileRow(phase, dop, tuple(lengths), best))
+    return rows
+
+
+def _run_once(pool, execute, dop, lengths, rng, vocab, tag) -> float:
+    chunks = [
+        Chunk(f"{tag}-{i}", rng.integers(0, vocab, n).astype(np.int32), 0)
+        for i, n in enumerate(lengths)
+    ]
+    by_id = {c.request_id: c for c in chunks}
+    plans = pool.gen_plans([chunks], [dop], pool.get_prefix_tree())
+    slowest = 0.0
+    for qp, tp in zip(plans.query_plans, plans.transfer_plans, strict=True):
+        sub = dataclasses.replace(plans, query_plans=(qp,), transfer_plans=(tp,))
+        t0 = time.perf_counter()
+        execute(sub, by_id)
+        slowest = max(slowest, time.perf_counter() - t0)
+    pool.commit(plans)
+    for c in chunks:
+        pool.finish(c.request_id)
+    return slowest
