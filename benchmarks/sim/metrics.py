@@ -1,0 +1,160 @@
+"""Per-request latency records, the paper's SLO, goodput bisection and load CV.
+
+Input-token latency = TTFT / input length; output-token latency = time between tokens. The SLO
+(§7): every input and output token latency <= ``slo_scale`` (10) times its batch-size-1 latency,
+i.e. the same request alone on an idle instance with an empty cache. A request that never
+finishes misses the SLO.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(eq=False)
+class RequestRecord:
+    """Timeline of one request. ``solo_prefill_s`` is its batch-size-1 prefill time;
+    ``solo_decode`` (a, b) gives its batch-size-1 decode step as ``a + b * context``."""
+
+    rid: int
+    arrival_s: float
+    input_len: int
+    output_len: int
+    solo_prefill_s: float
+    solo_decode: tuple[float, float]
+    first_token_s: float = math.nan
+    last_token_s: float = math.nan
+    finish_s: float = math.nan
+    num_tokens: int = 0
+    max_tbt_ratio: float = 0.0  # max over tokens of gap / batch-size-1 decode step
+    max_tbt_s: float = 0.0
+    cached_tokens: int = 0  # prefix matched in the cache at admission (uncapped)
+    hit_tokens: int = 0  # prompt tokens not recomputed
+
+    def emit(self, now: float) -> None:
+        """One output token at ``now`` (the first one ends the prefill)."""
+        if self.num_tokens == 0:
+            self.first_token_s = now
+        else:
+            gap = now - self.last_token_s
+            ctx = self.input_len + self.num_tokens
+            solo = self.solo_decode[0] + self.solo_decode[1] * ctx
+            self.max_tbt_s = max(self.max_tbt_s, gap)
+            self.max_tbt_ratio = max(self.max_tbt_ratio, gap / solo)
+        self.last_token_s = now
+        self.num_tokens += 1
+        if self.num_tokens == self.output_len:
+            self.finish_s = now
+
+    @property
+    def finished(self) -> bool:
+        return not math.isnan(self.finish_s)
+
+    @property
+    def input_token_latency(self) -> float:
+        return (self.first_token_s - self.arrival_s) / self.input_len
+
+    @property
+    def input_ratio(self) -> float:
+        """TTFT over the batch-size-1 prefill time (both per input token)."""
+        return (self.first_token_s - self.arrival_s) / self.solo_prefill_s
+
+    def meets_slo(self, slo_scale: float = 10.0) -> bool:
+        return self.finished and self.input_ratio <= slo_scale and self.max_tbt_ratio <= slo_scale
+
+
+def slo_attainment(records: Sequence[RequestRecord], slo_scale: float = 10.0) -> float:
+    return sum(r.meets_slo(slo_scale) for r in records) / len(records) if records else 0.0
+
+
+def hit_rate(records: Sequence[RequestRecord]) -> float:
+    """Prompt tokens served from a cache over prompt tokens (the pool's definition)."""
+    total = sum(r.input_len for r in records)
+    return sum(r.hit_tokens for r in records) / total if total else 0.0
+
+
+def coefficient_of_variation(values: np.ndarray) -> float:
+    mean = float(np.mean(values)) if len(values) else 0.0
+    return float(np.std(values) / mean) if mean > 0 else 0.0
+
+
+@dataclass
+class LoadTimeline:
+    """KV tokens read per instance in fixed time windows (the paper's Fig. 10 "prefix cache
+    accesses"): ``add(t, instance, tokens)``; ``cv()`` averages the per-window CV across
+    instances over windows with any load."""
+
+    num_instances: int
+    window_s: float = 1.0
+    windows: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def add(self, t: float, instance: int, tokens: float) -> None:
+        w = self.windows.get(int(t // self.window_s))
+        if w is None:
+            w = self.windows[int(t // self.window_s)] = np.zeros(self.num_instances)
+        w[instance] += tokens
+
+    def matrix(self) -> tuple[np.ndarray, np.ndarray]:
+        """(window start times [W], loads [W, num_instances]) in time order."""
+        keys = sorted(self.windows)
+        loads = np.array([self.windows[k] for k in keys]).reshape(len(keys), self.num_instances)
+        return np.array(keys, dtype=float) * self.window_s, loads
+
+    def cv(self) -> float:
+        _, loads = self.matrix()
+        cvs = [coefficient_of_variation(row) for row in loads if row.sum() > 0]
+        return float(np.mean(cvs)) if cvs else 0.0
+
+
+@dataclass(frozen=True)
+class GoodputResult:
+    goodput: float  # highest rate found with attainment >= target (0 if none)
+    points: tuple[tuple[float, float], ...]  # (rate, attainment) evaluated, in order
+
+
+def bisect_goodput(
+    attainment_at: Callable[[float], float],
+    lo: float,
+    hi: float,
+    target: float = 0.9,
+    rel_tol: float = 0.1,
+    max_evals: int = 10,
+) -> GoodputResult:
+    """Highest rate with ``attainment_at(rate) >= target``, by bisection in log space.
+
+    Starts from ``lo`` (halved until it passes or 4 halvings fail) and ``hi`` (doubled until
+    it fails, at most 4 times); stops when hi/lo <= 1 + rel_tol. Assumes attainment falls as
+    the rate rises, as it does on average (a simulation is one sample).
+    """
+    points: list[tuple[float, float]] = []
+
+    def ok(rate: float) -> bool:
+        a = attainment_at(rate)
+        points.append((rate, a))
+        return a >= target
+
+    hi_failed = False
+    for _ in range(4):
+        if ok(lo):
+            break
+        hi, lo, hi_failed = lo, lo / 2, True
+    else:
+        return GoodputResult(0.0, tuple(points))
+    for _ in range(4 if not hi_failed else 0):
+        if not ok(hi):
+            break
+        lo, hi = hi, hi * 2
+    else:
+        if not hi_failed:
+            return GoodputResult(lo, tuple(points))
+    while hi / lo > 1 + rel_tol and len(points) < max_evals:
+        mid = math.sqrt(lo * hi)
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return GoodputResult(lo, tuple(points))
