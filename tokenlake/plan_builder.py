@@ -21,6 +21,8 @@ Piece = tuple[int, int, int]  # (chunk index in batch, first row, end row) withi
 
 def split_rows(chunks: Sequence[PlannedChunk], dop: int) -> list[list[Piece]]:
     """Split a batch's rows into ``dop`` contiguous, near-equal sub-batches."""
+    if dop == 1:
+        return [[(ci, 0, pc.end - pc.start) for ci, pc in enumerate(chunks)]]
     sizes = [pc.end - pc.start for pc in chunks]
     total = sum(sizes)
     bounds = [round(total * j / dop) for j in range(dop + 1)]
@@ -127,33 +129,28 @@ class PlanBuilder:
     def _gather(self, pieces, piece_rows):
         """Every prefix page of every piece: ``(inst, slot, tokens, piece, is_partial)``."""
         seg, table = self.segment_len, self.table
-        idx_parts, piece_parts, tok_parts = [], [], []
-        fixed = []  # open tails: (inst, slot, tokens, piece)
+        page_lists = [pc.state.page_idx for pc, _, _ in pieces]
+        sources, fixed = [], []  # partial last pages: a shared source node, or an open tail
         for p, (pc, _, _) in enumerate(pieces):
-            pages = pc.state.page_idx
-            if len(pages):
-                idx_parts.append(pages)
-                piece_parts.append(np.full(len(pages), p))
-                tok_parts.append(np.full(len(pages), seg))
             if pc.source is not None:
-                idx_parts.append(np.array([pc.source.idx]))
-                piece_parts.append(np.array([p]))
-                tok_parts.append(np.array([pc.source_len]))
+                sources.append((pc.source.idx, p, pc.source_len))
             elif pc.state.open is not None and len(pc.state.open.tokens):
                 loc = pc.state.open.location
                 fixed.append((loc.instance_id, loc.slot_id, len(pc.state.open.tokens), p))
-        cat = lambda parts, dt: np.concatenate(parts).astype(dt) if parts else np.zeros(0, dt)  # noqa: E731
-        idx = cat(idx_parts, np.int64)
-        node_piece = cat(piece_parts, np.int64)
-        node_tokens = cat(tok_parts, np.float64)
+        lens = np.fromiter(map(len, page_lists), dtype=np.int64, count=len(page_lists))
+        src = np.asarray(sources, dtype=np.int64).reshape(-1, 3)
+        idx = np.concatenate([*page_lists, src[:, 0]]).astype(np.int64, copy=False)
+        node_piece = np.concatenate([np.repeat(np.arange(len(pieces)), lens), src[:, 1]])
+        node_tokens = np.concatenate([np.full(int(lens.sum()), float(seg)), src[:, 2]])
         inst = table.rep_inst[idx, 0].astype(np.int64)
         slot = table.rep_slot[idx, 0].astype(np.int64)
-        self._choose_replicas(idx, inst, slot, node_tokens * piece_rows[node_piece])
-        self.stats.record_accesses(idx, piece_rows[node_piece], node_tokens)
+        rows = piece_rows[node_piece]
+        self._choose_replicas(idx, inst, slot, node_tokens * rows)
+        self.stats.record_accesses(idx, rows, node_tokens)
         f = np.asarray(fixed, dtype=np.int64).reshape(-1, 4)
         inst = np.concatenate([inst, f[:, 0]])
         slot = np.concatenate([slot, f[:, 1]])
-        tokens = np.concatenate([node_tokens, f[:, 2].astype(np.float64)])
+        tokens = np.concatenate([node_tokens, f[:, 2]])
         piece_of = np.concatenate([node_piece, f[:, 3]])
         partial = (tokens < seg).astype(np.int64)
         return inst, slot, tokens, piece_of, partial
@@ -192,22 +189,38 @@ class PlanBuilder:
             u = int(piece_sub[p])
             if u != prev_sub:
                 row_base, prev_sub = 0, u
+            whole = lo == 0 and hi == pc.end - pc.start
             for w in pc.writes:
-                w_lo = w.chunk_offset
-                a, z = max(lo, w_lo), min(hi, w_lo + w.num_new)
-                if a < z:
-                    loc = w.location
-                    offset = w.num_before + a - w_lo
-                    runs.append((u, loc.instance_id, row_base + a - lo, z - a, loc.slot_id, offset))
+                loc = w.location
+                if whole:  # the common case: the sub-batch has every row of the chunk
+                    n_new = len(w.tokens) - w.num_before
+                    runs.append(
+                        (
+                            u,
+                            loc.instance_id,
+                            row_base + w.chunk_offset,
+                            n_new,
+                            loc.slot_id,
+                            w.num_before,
+                        )
+                    )
+                else:
+                    w_lo = w.chunk_offset
+                    a, z = max(lo, w_lo), min(hi, w_lo + w.num_new)
+                    if a < z:
+                        offset = w.num_before + a - w_lo
+                        runs.append(
+                            (u, loc.instance_id, row_base + a - lo, z - a, loc.slot_id, offset)
+                        )
                 if lo == 0 and w.copy_from is not None:
-                    src, dst = w.copy_from, w.location
+                    src = w.copy_from
                     copies.append(
                         (
                             u,
                             src.instance_id,
                             src.slot_id,
-                            dst.instance_id,
-                            dst.slot_id,
+                            loc.instance_id,
+                            loc.slot_id,
                             w.num_before,
                         )
                     )
@@ -227,26 +240,42 @@ class PlanBuilder:
         return out
 
     def _query_plans(self, epoch, subs, origins, piece_sub, acc) -> list[QueryPlan]:
+        """Sort every access by (sub-batch, holder, request, partial-last) once; then each
+        plan's CSR arrays are slices of the same global arrays."""
         inst, slot, tokens, piece_of, partial = acc
         sub_of = piece_sub[piece_of]
         order = np.lexsort((partial, piece_of, inst, sub_of))
         inst, slot, tokens, piece_of, sub_of = (
             a[order] for a in (inst, slot, tokens, piece_of, sub_of)
         )
-        bounds = np.searchsorted(sub_of, np.arange(len(subs) + 1))
+        n = len(order)
+        new_entry = np.ones(n, dtype=bool)
+        new_entry[1:] = (
+            (sub_of[1:] != sub_of[:-1]) | (inst[1:] != inst[:-1]) | (piece_of[1:] != piece_of[:-1])
+        )
+        e_start = np.flatnonzero(new_entry)
+        e_end = np.append(e_start[1:], n).astype(np.int64)[: len(e_start)]
+        e_sub, e_inst = sub_of[e_start], inst[e_start]
         first_piece = np.searchsorted(piece_sub, np.arange(len(subs) + 1))
+        e_req = (piece_of[e_start] - first_piece[e_sub]).astype(np.int32)
+        e_last = tokens[e_end - 1].astype(np.int32)
+        new_holder = np.ones(len(e_start), dtype=bool)
+        new_holder[1:] = (e_sub[1:] != e_sub[:-1]) | (e_inst[1:] != e_inst[:-1])
+        h_start = np.flatnonzero(new_holder)
+        h_sub, h_inst = e_sub[h_start], e_inst[h_start].astype(np.int32)
+        a_bounds = np.searchsorted(sub_of, np.arange(len(subs) + 1))
+        e_bounds = np.searchsorted(e_sub, np.arange(len(subs) + 1))
+        h_bounds = np.searchsorted(h_sub, np.arange(len(subs) + 1))
+        slot32 = slot.astype(np.int32)
         plans = []
         for u, (b, j, sub_pieces) in enumerate(subs):
-            lo, hi = bounds[u], bounds[u + 1]
-            s_inst, s_piece = inst[lo:hi], piece_of[lo:hi] - first_piece[u]
-            new_entry = np.ones(hi - lo, dtype=bool)
-            new_entry[1:] = (s_inst[1:] != s_inst[:-1]) | (s_piece[1:] != s_piece[:-1])
-            starts = np.flatnonzero(new_entry)
-            ends = np.append(starts[1:], hi - lo).astype(np.int64)[: len(starts)]
-            entry_inst = s_inst[starts]
-            new_holder = np.ones(len(starts), dtype=bool)
-            new_holder[1:] = entry_inst[1:] != entry_inst[:-1]
-            holder_starts = np.flatnonzero(new_holder)
+            a_lo, e_lo, e_hi, h_lo, h_hi = (
+                a_bounds[u],
+                e_bounds[u],
+                e_bounds[u + 1],
+                h_bounds[u],
+                h_bounds[u + 1],
+            )
             rows = [hi_r - lo_r for _, lo_r, hi_r in sub_pieces]
             plans.append(
                 QueryPlan(
@@ -258,24 +287,25 @@ class PlanBuilder:
                     q_indptr=frozen_i32(np.concatenate([[0], np.cumsum(rows)])),
                     positions=frozen_i32([pc.start + lo_r for pc, lo_r, _ in sub_pieces]),
                     prefix_lens=frozen_i32([pc.start for pc, _, _ in sub_pieces]),
-                    holder_ids=frozen_i32(entry_inst[holder_starts]),
-                    holder_indptr=frozen_i32(np.append(holder_starts, len(starts))),
-                    entry_req=frozen_i32(s_piece[starts]),
-                    kv_indptr=frozen_i32(np.append(starts, hi - lo)),
-                    kv_indices=frozen_i32(slot[lo:hi]),
-                    last_len=frozen_i32(tokens[lo:hi][ends - 1]),
+                    holder_ids=frozen_i32(h_inst[h_lo:h_hi]),
+                    holder_indptr=frozen_i32(np.append(h_start[h_lo:h_hi], e_hi) - e_lo),
+                    entry_req=frozen_i32(e_req[e_lo:e_hi]),
+                    kv_indptr=frozen_i32(np.append(e_start[e_lo:e_hi], a_bounds[u + 1]) - a_lo),
+                    kv_indices=frozen_i32(slot32[a_lo : a_bounds[u + 1]]),
+                    last_len=frozen_i32(e_last[e_lo:e_hi]),
                 )
             )
         return plans
 
     def _transfer_plans(self, epoch, subs, origins, runs, copies) -> list[TransferPlan]:
-        copies_arr = np.asarray(copies, dtype=np.int64).reshape(-1, 6)
+        runs = runs[np.lexsort((runs[:, 1], runs[:, 0]))].astype(np.int32)
+        copies_arr = np.asarray(copies, dtype=np.int32).reshape(-1, 6)
+        r_bounds = np.searchsorted(runs[:, 0], np.arange(len(subs) + 1))
         plans = []
         for u, (b, j, sub_pieces) in enumerate(subs):
-            r = runs[runs[:, 0] == u]
-            r = r[np.argsort(r[:, 1], kind="stable")]
+            r = runs[r_bounds[u] : r_bounds[u + 1]]
             dst_ids, counts = np.unique(r[:, 1], return_counts=True)
-            c = copies_arr[copies_arr[:, 0] == u]
+            c = copies_arr[copies_arr[:, 0] == u] if len(copies_arr) else copies_arr
             plans.append(
                 TransferPlan(
                     epoch=epoch,

@@ -17,8 +17,11 @@ from tokenlake.keys import as_tokens
 
 
 def frozen_i32(values: Sequence[int] | np.ndarray) -> np.ndarray:
+    """A read-only contiguous int32 array (a view when ``values`` already is one)."""
     arr = np.ascontiguousarray(values, dtype=np.int32)
-    arr.flags.writeable = False
+    if arr.flags.writeable:
+        arr = arr.view()
+        arr.flags.writeable = False
     return arr
 
 

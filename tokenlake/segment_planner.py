@@ -51,6 +51,21 @@ class SegmentPlanner:
         """Fill ``pc.writes`` for tokens ``pc.start:pc.end``, allocating slots as needed."""
         seg, tree, state = self.segment_len, self.tree, pc.state
         tokens = pc.token_ids
+        open_ = state.open
+        if open_ is not None and pc.end - pc.start + len(open_.tokens) < seg:
+            # the common decode step: new tokens go into the open tail, nothing seals
+            num_before = len(open_.tokens)
+            pc.writes.append(
+                SegmentWrite(
+                    open_.location,
+                    open_.parent_key,
+                    tokens[pc.start - num_before : pc.end],
+                    num_before,
+                    0,
+                    False,
+                )
+            )
+            return
         pos = pc.start
         parent_key = state.last_key(tree.root.key)
         parent_ref = state.nodes[-1] if state.nodes else tree.root  # for tree reservations
