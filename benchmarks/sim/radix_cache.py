@@ -116,16 +116,19 @@ class LocalPrefixCache:
         becomes a candidate once its children are gone (it is always more recent than them)."""
         freed = 0
         while freed < num_tokens:
-            victims, got = [], 0
+            victims: dict[int, _Node] = {}
+            got = 0
             for node in self._lru.values():
-                if node.lock == 0 and not node.children:
-                    victims.append(node)
+                # children are older than their parent, so a parent whose children are all
+                # victims already is the next leaf in LRU order
+                if node.lock == 0 and all(id(ch) in victims for ch in node.children.values()):
+                    victims[id(node)] = node
                     got += node.num_tokens
                     if freed + got >= num_tokens:
                         break
             if not victims:
                 break
-            for node in victims:
+            for node in victims.values():
                 del self._lru[id(node)]
                 del node.parent.children[node.key]
                 self.cached_tokens -= node.num_tokens

@@ -30,13 +30,15 @@ class StepTimer(Protocol):
 class ClusterSpec:
     """Args: hardware / model names from ``tokenlake.profiles``; num_instances; tp: GPUs per
     instance (tensor parallel, the paper uses 2); mem_fraction_static: share of HBM for weights
-    and KV (SGLang's default is about 0.88; the rest is the activation reserve)."""
+    and KV (SGLang's default is about 0.88; the rest is the activation reserve); cache_tokens:
+    KV tokens per instance if > 0, else derived from HBM."""
 
     hardware: str = "A100-80G"
     model: str = "LWM-Text-1M"
     num_instances: int = 4
     tp: int = 2
     mem_fraction_static: float = 0.88
+    cache_tokens: int = 0  # > 0 overrides the KV capacity per instance (cache-size sweeps)
 
     def __post_init__(self) -> None:
         if self.hardware not in HARDWARE:
@@ -63,6 +65,8 @@ class ClusterSpec:
     @property
     def capacity_tokens(self) -> int:
         """KV tokens one instance can hold: HBM x fraction - weights, over KV bytes/token."""
+        if self.cache_tokens > 0:
+            return self.cache_tokens
         free = self.hw.mem_bytes * self.tp * self.mem_fraction_static - self.mp.weight_bytes
         return int(free // self.kv_bytes_per_token)
 

@@ -100,7 +100,7 @@ def sharegpt(cfg: GeneratorConfig) -> Workload:
     for i, t in enumerate(arrivals):
         # ShareGPT: prompt mean ~300, answer mean ~250 tokens; prompt + answer < 2.4K.
         out = int(np.clip(_lognormal(rng, 250, 0.8), 8, 1024))
-        user = int(np.clip(_lognormal(rng, 300, 1.0), 8, 2400 - out))
+        user = int(np.clip(_lognormal(rng, 300, 1.0), 8, 2399 - out))
         total = cfg.system_prompt_len + user
         reqs.append(
             SimRequest(i, float(t), total, out, _blocks_for(system, len(system) * b, total, b, ids))
