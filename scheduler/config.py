@@ -28,9 +28,11 @@ class SchedulerConfig:
         num_instances: instances ``N`` (the pool's ``num_instances``).
         segment_len: segment length ``C`` (the pool's ``segment_len``).
         mode: ``"elastic"`` (PD-disaggregated batches, prefill DoP 1..N, the default);
-            ``"xpyd"`` (fixed PD: prefill batches use at most ``num_prefill_instances`` instances
-            in total, decode batches at most the other ``N - P``); ``"colocated"`` (no PD:
-            mixed prefill/decode batches of DoP 1, Sarathi-style token budget).
+            ``"xpyd"`` (fixed PD, the paper's TokenLake-xPyD: per iteration, prefill batches
+            use at most ``P = num_prefill_instances`` instances in total and decode batches at
+            most ``D = N - P``; which instances is still the pool dispatcher's choice, so the
+            split is of capacity, not of fixed instance ids); ``"colocated"`` (no PD: mixed
+            prefill/decode batches of DoP 1, Sarathi-style token budget).
         chunk_len: most new tokens of one prefill chunk; a multiple of ``C``. In colocated mode
             also the token budget of one instance per iteration (decode tokens included).
         max_prefill_tokens: prefill tokens admitted per iteration; 0 means ``chunk_len`` × the

@@ -145,3 +145,25 @@ def test_profiler_measures_rows_on_the_local_cluster():
     model = fit_latency_model(rows)
     assert sorted(model.prefill) == [1, 2]
     assert model.predict(PREFILL, [128]) > 0 and model.predict(DECODE, [1]) > 0
+
+
+def test_admits_fewer_requests_when_the_pool_is_full():
+    """8 slots in all; three 40-token prompts need 3 slots each: the scheduler admits what fits
+    (halving the new requests on PoolFullError) and still finishes everything."""
+    pool = tl.Pool(tl.PoolConfig(SHAPE, 2, num_slots=4, segment_len=C))
+    cluster = LocalCluster(pool)
+    synth = SyntheticModel(SHAPE, seed=1)
+    sched = ElasticScheduler(SchedulerConfig(2, C, chunk_len=4 * C), LATENCY, pool)
+    for i in range(3):
+        sched.add_request(i, tokens(40 + i, 40), 2)
+    admitted = []
+    while sched.has_work:
+        it = sched.step()
+        chunks = {c.request_id: c for c in it.decision.chunks}
+        admitted.append(sum(c.start == 0 for c in chunks.values()))
+        for r in run_iteration(cluster, it.plans, chunks, synth):
+            o, _ = synth.reference(chunks[r.request_id].token_ids, r.first, r.end, r.layer)
+            assert float((o - r.o).abs().max()) <= 1e-5
+        sched.complete(it)
+        pool.check_invariants()
+    assert admitted[0] == 1 and sum(admitted) == 3 and not pool.requests
