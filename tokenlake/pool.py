@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tokenlake import admission
+from tokenlake import admission, instance_loss
 from tokenlake.balancer import AccessStats, BalancerConfig, plan_replications
 from tokenlake.config import PoolConfig
 from tokenlake.errors import (
@@ -231,31 +231,7 @@ class Pool:
         """
         if self._inflight is not None:
             raise IterationStateError("abort the iteration in flight before drop_instance")
-        if instance_id not in self.placement.live:
-            raise InvalidArgumentError(f"instance_id: {instance_id} is not a live instance")
-        if len(self.placement.live) == 1:
-            raise InvalidArgumentError("instance_id: cannot drop the last live instance")
-        lost = self._lost_nodes(instance_id)
-        failed = []
-        for rid, state in list(self.requests.items()):
-            on_lost = state.open is not None and state.open.location.instance_id == instance_id
-            on_lost |= any(n.key in lost for n in state.tree_nodes)
-            on_lost |= any(n.replicas[0].instance_id == instance_id for n in state.private_nodes)
-            if on_lost:
-                failed.append(rid)
-                del self.requests[rid]
-                for node in state.tree_nodes:
-                    self.tree.unpin(node)
-                if state.open is not None and state.open.location.instance_id != instance_id:
-                    self.allocators[state.open.location.instance_id].free(
-                        state.open.location.slot_id
-                    )
-                self._free_private(state, skip_instance=instance_id)
-        for loc in self.tree.drop_instance(instance_id):
-            self.allocators[loc.instance_id].free(loc.slot_id)
-        self.placement.remove(instance_id)
-        self.allocators[instance_id] = SlotAllocator(self.config.num_slots)  # nothing lives there
-        return failed
+        return instance_loss.drop_instance(self, instance_id)
 
     def get_stats(self) -> dict:
         """One plain dict of counters; see :meth:`tokenlake.stats.PoolStats.as_dict`."""
@@ -276,17 +252,6 @@ class Pool:
             return self.requests[request_id]
         except (KeyError, TypeError):
             raise UnknownRequestError(f"request_id: unknown request {request_id!r}") from None
-
-    def _lost_nodes(self, instance_id: int) -> set[int]:
-        lost, stack = (
-            set(),
-            [n for n in self.tree.nodes() if all(r.instance_id == instance_id for r in n.replicas)],
-        )
-        while stack:
-            node = stack.pop()
-            lost.add(node.key)
-            stack.extend(node.children.values())
-        return lost
 
     def _free_private(self, state: RequestState, skip_instance: int | None = None) -> None:
         for node in state.private_nodes:

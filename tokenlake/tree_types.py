@@ -1,0 +1,95 @@
+"""Value types of the prefix tree: locations, nodes, match results and reservations."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Location(NamedTuple):
+    instance_id: int
+    slot_id: int
+
+
+class Node:
+    """One segment in the tree. Mutated only by :class:`PrefixTree`."""
+
+    __slots__ = (
+        "key",
+        "parent",
+        "tokens",
+        "depth",
+        "replicas",
+        "pin_count",
+        "last_access",
+        "children",
+        "by_first",
+        "idx",
+    )
+
+    def __init__(self, key: int, parent: Node | None, tokens: np.ndarray, depth: int) -> None:
+        self.key = key
+        self.parent = parent
+        self.tokens = tokens
+        self.depth = depth  # sealed segments before this one
+        self.replicas: list[Location] = []
+        self.pin_count = 0
+        self.last_access = 0
+        self.children: dict[int, Node] = {}
+        self.by_first: dict[int, list[Node]] = {}
+        self.idx = -1  # row in the tree's SegmentTable while the node is live
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        return f"Node(key={self.key:#x}, depth={self.depth}, len={len(self.tokens)}, replicas={self.replicas})"
+
+
+class PrefixMatch(NamedTuple):
+    """Result of :meth:`PrefixTree.match`; a short match is a value, not an error.
+
+    ``nodes`` are the fully matched sealed segments in order; ``partial`` is a child of the last
+    one whose first ``partial_len`` tokens continue the match (a tail or a sealed segment).
+    """
+
+    nodes: tuple[Node, ...]
+    partial: Node | None
+    partial_len: int
+    segment_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.nodes) * self.segment_len + self.partial_len
+
+
+class PendingInsert:
+    """A reserved segment. ``parent`` is a committed node or an earlier reservation of the
+    same writer (a chunk spanning several segments); ``result`` is set by ``commit``."""
+
+    __slots__ = ("insert_id", "parent", "key", "tokens", "location", "result", "state")
+
+    def __init__(self, insert_id, parent, key, tokens, location) -> None:
+        self.insert_id: int = insert_id
+        self.parent: Node | PendingInsert = parent
+        self.key: int = key
+        self.tokens: np.ndarray = tokens
+        self.location: Location = location
+        self.result: Node | None = None
+        self.state = "reserved"  # then "committed" or "aborted"
+
+
+class CommitResult(NamedTuple):
+    """``node`` is the committed node; ``deduped`` means it already existed and the reserved
+    slot is now unused; ``node is None`` means a key collision (keep the segment private)."""
+
+    node: Node | None
+    deduped: bool
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
