@@ -1,6 +1,10 @@
-// Keep a*b + c as two roundings (no FMA contraction) so costs, and therefore tie-breaks, are
-// bit-identical to the plain-Python reference scheduler/dp_reference.py.
+// Keep a*b + c as two roundings (no FMA contraction, whatever -ffp-contract says) so costs,
+// and therefore tie-breaks, are bit-identical to the plain-Python scheduler/dp_reference.py.
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=off")
+#endif
 
 #include "scheduler_dp.h"
 
