@@ -26,11 +26,11 @@ class BalancerConfig:
     replicate: turn replication off to measure its effect.
     """
 
-    window: int = 16
+    window: int = 64
     decay: float = 0.95
     overload_factor: float = 1.05
     heavy_hitter_k: float = 4.0
-    max_replications: int = 8
+    max_replications: int = 16
     replicate: bool = True
 
     def __post_init__(self) -> None:
