@@ -19,16 +19,55 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// cost(i, k): least total cost of the phase's first i items on exactly k instances.
+// cost(i, k): least total cost of the phase's first i items on exactly k instances. An `even`
+// table holds only the last row, and its plans are most-even splits (see even_split_dp).
 struct PhaseTable {
   int64_t n = 0;
   int64_t num_k = 0;  // k = 0..num_k-1
+  bool even = false;
   std::vector<double> cost;
   std::vector<int32_t> from;  // j of the last batch
   std::vector<int32_t> dop;   // its DoP
 
   double& at(int64_t i, int64_t k) { return cost[i * num_k + k]; }
+  double end_cost(int64_t k) const { return even ? cost[k] : cost[n * num_k + k]; }
 };
+
+// Decode steps are many and alike: when every item has the same l and SLO and the batch
+// cost s * T(s) = s * (A + B*l*s + C*l*l*s) / (1 - L) is convex in the batch size s (B, C >= 0),
+// the best split into k DoP-1 batches is the most even one, which also has the smallest largest
+// batch (so it meets the SLO iff some split does). O(K) instead of O(n^2 K).
+bool is_uniform(const double* lens, const double* slos, int64_t n, const double* coef,
+                int64_t max_dop) {
+  if (max_dop != 1 || n == 0 || coef[1] < 0.0 || coef[2] < 0.0) return false;
+  for (int64_t i = 1; i < n; ++i) {
+    if (lens[i] != lens[0] || slos[i] != slos[0]) return false;
+  }
+  return true;
+}
+
+PhaseTable even_split_dp(double len, double slo, int64_t n, const double* coef, int64_t max_k,
+                         double load, bool enforce_slo) {
+  PhaseTable t;
+  t.n = n;
+  t.num_k = max_k + 1;
+  t.even = true;
+  t.cost.assign(t.num_k, kInf);
+  const double keep = 1.0 - load;
+  // latency of a batch of s items; +inf when it misses the SLO
+  auto latency = [&](int64_t s) {
+    const double sum1 = static_cast<double>(s) * len;
+    const double sum2 = static_cast<double>(s) * (len * len);
+    const double value = (coef[0] + coef[1] * sum1 + coef[2] * sum2) / keep;
+    return enforce_slo && !(value <= slo) ? kInf : value;
+  };
+  for (int64_t k = 1; k <= std::min(max_k, n); ++k) {
+    const int64_t q = n / k, r = n % k;  // r batches of q + 1 items, k - r of q
+    const double small = static_cast<double>((k - r) * q) * latency(q);
+    t.cost[k] = small + (r ? static_cast<double>(r * (q + 1)) * latency(q + 1) : 0.0);
+  }
+  return t;
+}
 
 // The recursion f(i, k) = min_{j < i, d} f(j, k - d) + (i - j) * T(j..i-1, d), over one phase.
 // Loop order (i up, j down, d up, k up) and strict '<' fix the tie-breaks the Python reference
@@ -81,6 +120,14 @@ PhaseTable phase_dp(const double* lens, const double* slos, int64_t n, const dou
 
 // Appends the batches of the phase's best plan on k instances (ends offset by `base`).
 void backtrack(const PhaseTable& t, int64_t k, int64_t base, ScheduleResult& out) {
+  if (t.even) {  // larger batches first
+    for (int64_t b = 0, end = base; b < k; ++b) {
+      end += t.n / k + (b < t.n % k ? 1 : 0);
+      out.batch_ends.push_back(end);
+      out.dops.push_back(1);
+    }
+    return;
+  }
   std::vector<std::pair<int64_t, int64_t>> batches;  // (end, dop), last first
   for (int64_t i = t.n; i > 0;) {
     const int32_t j = t.from[i * t.num_k + k];
@@ -101,13 +148,17 @@ bool solve(const ScheduleProblem& p, bool enforce_slo, ScheduleResult& out) {
   const int64_t kd = std::min(p.max_decode_instances, p.num_instances);
   const PhaseTable pre = phase_dp(p.lens, p.slos, p.num_prefill, p.prefill_coef,
                                   p.max_prefill_dop, kp, p.load, enforce_slo);
-  const PhaseTable dec = phase_dp(p.lens + p.num_prefill, p.slos + p.num_prefill, num_decode,
-                                  p.decode_coef, 1, kd, p.load, enforce_slo);
+  const double* lens = p.lens + p.num_prefill;
+  const double* slos = p.slos + p.num_prefill;
+  const PhaseTable dec =
+      is_uniform(lens, slos, num_decode, p.decode_coef, 1)
+          ? even_split_dp(lens[0], slos[0], num_decode, p.decode_coef, kd, p.load, enforce_slo)
+          : phase_dp(lens, slos, num_decode, p.decode_coef, 1, kd, p.load, enforce_slo);
   double best = kInf;
   int64_t best_p = -1, best_d = -1;
   for (int64_t a = 0; a <= kp; ++a) {
     for (int64_t b = 0; b <= kd && a + b <= p.num_instances; ++b) {
-      const double value = pre.cost[pre.n * pre.num_k + a] + dec.cost[dec.n * dec.num_k + b];
+      const double value = pre.end_cost(a) + dec.end_cost(b);
       if (value < best) {
         best = value;
         best_p = a;

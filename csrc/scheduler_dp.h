@@ -11,6 +11,7 @@
 // minimizes the total cost subject to sum(dop) over prefill batches <= max_prefill_instances,
 // decode batches <= max_decode_instances and all instances <= num_instances. When no plan meets
 // every SLO it solves again ignoring SLOs (throughput fallback) and reports slo_met = false.
+// O(M_p^2 N^2 + M_d^2 N); alike decode items (same l and SLO) take O(N) (most-even split).
 #pragma once
 
 #include <cstdint>

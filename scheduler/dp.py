@@ -14,7 +14,9 @@ take the share ``L`` of every instance (their work is balanced over all instance
 batch gets ``1 - L`` of its instances' time and takes ``1 / (1 - L)`` longer. Decode batches
 have ``d = 1``. The cost ``(i - j) * T`` is the latency summed over the batch's requests; the
 answer is ``min_k f(M, k)`` under the instance limits. No SLO-feasible plan → the same DP
-without the SLO constraint (throughput fallback, ``slo_met=False``). ``O(M_p^2 N^2 + M_d^2 N)``.
+without the SLO constraint (throughput fallback, ``slo_met=False``). ``O(M_p^2 N^2 + M_d^2 N)``;
+when the decode items are alike (same ``l`` and SLO, ``B, C >= 0``: the scheduler's decode
+steps) their table is the most-even split, exact because the cost is convex: ``O(M_p^2 N^2)``.
 """
 
 from __future__ import annotations

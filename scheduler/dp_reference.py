@@ -47,6 +47,35 @@ def _phase_dp(lens, slos, coef, max_dop, max_k, load, enforce_slo):
     return cost, back
 
 
+def _is_uniform(lens, slos, coef) -> bool:
+    return bool(lens) and coef[1] >= 0 and coef[2] >= 0 and len(set(lens)) == len(set(slos)) == 1
+
+
+def _even_split_dp(length, slo, n, coef, max_k, load, enforce_slo):
+    """The C++ core's O(K) path for alike decode items: most-even splits (see its comment)."""
+    cost = [_INF] * (max_k + 1)
+    keep = 1.0 - load
+
+    def latency(size: int) -> float:
+        value = (coef[0] + coef[1] * (size * length) + coef[2] * (size * (length * length))) / keep
+        return _INF if enforce_slo and not value <= slo else value
+
+    for k in range(1, min(max_k, n) + 1):
+        q, r = divmod(n, k)
+        small = float((k - r) * q) * latency(q)
+        cost[k] = small + (float(r * (q + 1)) * latency(q + 1) if r else 0.0)
+    return cost
+
+
+def _even_batches(n: int, k: int, base: int) -> list[tuple[int, int, int]]:
+    out, end = [], base
+    for b in range(k):
+        size = n // k + (1 if b < n % k else 0)
+        out.append((end, end + size, 1))
+        end += size
+    return out
+
+
 def _backtrack(back, n: int, k: int, base: int) -> list[tuple[int, int, int]]:
     out = []
     i = n
@@ -64,20 +93,29 @@ def _solve(p: DPProblem, enforce_slo: bool) -> DPResult | None:
     pre_cost, pre_back = _phase_dp(
         lens[:m], slos[:m], p.prefill_coef.tolist(), len(p.prefill_coef), kp, p.load, enforce_slo
     )
-    dec_cost, dec_back = _phase_dp(
-        lens[m:], slos[m:], [p.decode_coef.tolist()], 1, kd, p.load, enforce_slo
-    )
+    dec_lens, dec_slos, dec_coef = lens[m:], slos[m:], p.decode_coef.tolist()
+    n_dec = len(dec_lens)
+    even = _is_uniform(dec_lens, dec_slos, dec_coef)
+    if even:
+        dec_end = _even_split_dp(dec_lens[0], dec_slos[0], n_dec, dec_coef, kd, p.load, enforce_slo)
+    else:
+        dec_cost, dec_back = _phase_dp(dec_lens, dec_slos, [dec_coef], 1, kd, p.load, enforce_slo)
+        dec_end = dec_cost[n_dec]
     best, best_p, best_d = _INF, -1, -1
     for a in range(kp + 1):
         for b in range(kd + 1):
             if a + b > p.num_instances:
                 break
-            value = pre_cost[m][a] + dec_cost[len(lens) - m][b]
+            value = pre_cost[m][a] + dec_end[b]
             if value < best:
                 best, best_p, best_d = value, a, b
     if best == _INF:
         return None
-    batches = _backtrack(pre_back, m, best_p, 0) + _backtrack(dec_back, len(lens) - m, best_d, m)
+    batches = _backtrack(pre_back, m, best_p, 0)
+    if even:
+        batches += _even_batches(n_dec, best_d, m)
+    else:
+        batches += _backtrack(dec_back, n_dec, best_d, m)
     return DPResult(tuple(batches), best, enforce_slo)
 
 

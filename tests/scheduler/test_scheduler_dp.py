@@ -74,9 +74,12 @@ def random_problem(rng: np.random.Generator, slo_scale: float) -> DPProblem:
     prefill_coef = rng.uniform(0.1, 1.0, (max_dop, 3)) * [0.2, 0.05, 0.002]
     if rng.random() < 0.5:  # sequence-parallel-like: per-token terms shrink with the DoP
         prefill_coef[:, 1:] /= np.arange(1, max_dop + 1)[:, None]
+    slos = rng.uniform(0.2, 1.0, m) * slo_scale
+    if rng.random() < 0.5:  # alike decode steps (one TBT SLO): the core's even-split path
+        slos[num_prefill:] = slos[-1] if m else 0
     return DPProblem(
         lens=lens,
-        slos=rng.uniform(0.2, 1.0, m) * slo_scale,
+        slos=slos,
         num_prefill=num_prefill,
         prefill_coef=prefill_coef,
         decode_coef=rng.uniform(0.1, 1.0, 3) * [1.0, 0.1, 0.01],
