@@ -26,8 +26,7 @@ struct PhaseTable {
   int64_t num_k = 0;  // k = 0..num_k-1
   bool even = false;
   std::vector<double> cost;
-  std::vector<int32_t> from;  // j of the last batch
-  std::vector<int32_t> dop;   // its DoP
+  std::vector<int64_t> back;  // the last batch: j << 32 | its DoP (one array: vectorizes)
 
   double& at(int64_t i, int64_t k) { return cost[i * num_k + k]; }
   double end_cost(int64_t k) const { return even ? cost[k] : cost[n * num_k + k]; }
@@ -78,8 +77,7 @@ PhaseTable phase_dp(const double* lens, const double* slos, int64_t n, const dou
   t.n = n;
   t.num_k = max_k + 1;
   t.cost.assign((n + 1) * t.num_k, kInf);
-  t.from.assign((n + 1) * t.num_k, -1);
-  t.dop.assign((n + 1) * t.num_k, 0);
+  t.back.assign((n + 1) * t.num_k, 0);
   t.at(0, 0) = 0.0;
   std::vector<double> s1(n + 1, 0.0), s2(n + 1, 0.0);
   for (int64_t i = 1; i <= n; ++i) {
@@ -87,6 +85,14 @@ PhaseTable phase_dp(const double* lens, const double* slos, int64_t n, const dou
     s2[i] = s2[i - 1] + lens[i - 1] * lens[i - 1];
   }
   const double keep = 1.0 - load;
+  const int64_t dop_cap = std::min(max_dop, max_k);
+  // With B, C >= 0 a batch only gets slower and its SLO tighter as it grows (j down): once no
+  // DoP meets the SLO, no longer batch ending at i does either. Pruning only: the Python
+  // reference, which does not prune, checks that plans are unchanged.
+  bool monotone = true;
+  for (int64_t d = 0; d < max_dop; ++d) {
+    monotone &= coef[3 * d + 1] >= 0.0 && coef[3 * d + 2] >= 0.0;
+  }
   for (int64_t i = 1; i <= n; ++i) {
     double slo = kInf;
     for (int64_t j = i - 1; j >= 0; --j) {
@@ -95,24 +101,27 @@ PhaseTable phase_dp(const double* lens, const double* slos, int64_t n, const dou
       const double sum2 = s2[i] - s2[j];
       const double count = static_cast<double>(i - j);
       // gen_plans needs at least one row per sub-batch
-      const int64_t dmax =
-          std::min({max_dop, max_k, static_cast<int64_t>(std::floor(sum1))});
+      const int64_t dmax = std::min(dop_cap, static_cast<int64_t>(std::floor(sum1)));
+      bool any_feasible = false;
       for (int64_t d = 1; d <= dmax; ++d) {
         const double* c = coef + 3 * (d - 1);
         const double latency = (c[0] + c[1] * sum1 + c[2] * sum2) / keep;
         if (enforce_slo && !(latency <= slo)) continue;
+        any_feasible = true;
         const double add = count * latency;
+        const int64_t tag = j << 32 | d;
+        const double* prev = t.cost.data() + j * t.num_k;
+        double* cur = &t.cost[i * t.num_k];
+        int64_t* back = &t.back[i * t.num_k];
+        // branch-free so it vectorizes; an infeasible prev (+inf) never wins
         for (int64_t k = d; k <= max_k; ++k) {
-          const double prev = t.at(j, k - d);
-          if (prev == kInf) continue;
-          const double value = prev + add;
-          if (value < t.at(i, k)) {
-            t.at(i, k) = value;
-            t.from[i * t.num_k + k] = static_cast<int32_t>(j);
-            t.dop[i * t.num_k + k] = static_cast<int32_t>(d);
-          }
+          const double value = prev[k - d] + add;
+          const bool better = value < cur[k];
+          cur[k] = better ? value : cur[k];
+          back[k] = better ? tag : back[k];
         }
       }
+      if (enforce_slo && monotone && !any_feasible && dmax == dop_cap) break;
     }
   }
   return t;
@@ -130,8 +139,8 @@ void backtrack(const PhaseTable& t, int64_t k, int64_t base, ScheduleResult& out
   }
   std::vector<std::pair<int64_t, int64_t>> batches;  // (end, dop), last first
   for (int64_t i = t.n; i > 0;) {
-    const int32_t j = t.from[i * t.num_k + k];
-    const int32_t d = t.dop[i * t.num_k + k];
+    const int64_t j = t.back[i * t.num_k + k] >> 32;
+    const int64_t d = t.back[i * t.num_k + k] & 0xffffffff;
     batches.emplace_back(base + i, d);
     i = j;
     k -= d;
