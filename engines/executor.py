@@ -120,3 +120,72 @@ def copy_segments(pools: Sequence[KVPool], plan: TransferPlan) -> None:
         src = pools[int(plan.copy_src_instance[i])].data[:, int(plan.copy_src_slot[i]), :, :n]
         dst = pools[int(plan.copy_dst_instance[i])].data[:, int(plan.copy_dst_slot[i]), :, :n]
         dst.copy_(src)
+
+
+@dataclass(frozen=True)
+class PutRuns:
+    """The put runs of one destination: ``kv_buf`` rows ``src_row[i] : src_row[i] + length[i]``
+    land in slot ``dst_slot[i]`` from token ``dst_offset[i]`` (all int32 ``[num_runs]``)."""
+
+    src_row: np.ndarray
+    length: np.ndarray
+    dst_slot: np.ndarray
+    dst_offset: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return int(np.asarray(self.length, dtype=np.int64).sum())
+
+    def packed(self) -> PutRuns:
+        """The same runs reading rows ``0..num_rows-1`` in run order, as after
+        :func:`gather_runs` (what a remote destination receives)."""
+        lens = np.asarray(self.length, dtype=np.int64)
+        starts = np.cumsum(lens) - lens
+        return PutRuns(starts.astype(np.int32), self.length, self.dst_slot, self.dst_offset)
+
+
+def put_runs(plan: TransferPlan, d: int) -> PutRuns:
+    """Runs of destination ``plan.dst_ids[d]``, without expanding them to rows."""
+    lo, hi = int(plan.dst_indptr[d]), int(plan.dst_indptr[d + 1])
+    return PutRuns(
+        plan.run_src_row[lo:hi],
+        plan.run_len[lo:hi],
+        plan.run_dst_slot[lo:hi],
+        plan.run_dst_offset[lo:hi],
+    )
+
+
+def gather_runs(kv_layer: torch.Tensor, runs: PutRuns) -> torch.Tensor:
+    """The rows of ``kv_layer`` ``[num_rows, 2, H_kv, D]`` that ``runs`` read, packed in run
+    order into a new contiguous ``[runs.num_rows, 2, H_kv, D]`` tensor."""
+    pieces = [
+        kv_layer[s : s + n]
+        for s, n in zip(runs.src_row.tolist(), runs.length.tolist(), strict=True)
+    ]
+    if not pieces:
+        return kv_layer.new_empty((0, *kv_layer.shape[1:]))
+    return torch.cat(pieces).contiguous()
+
+
+def write_runs(pool: KVPool, runs: PutRuns, kv_layer: torch.Tensor, layer: int) -> None:
+    """Store ``kv_layer`` ``[num_rows, 2, H_kv, D]`` runs into one layer's pages: one strided
+    copy per run and no temporary, so a put moves each byte once."""
+    pages = pool.layer(layer)
+    for s, n, slot, off in zip(
+        runs.src_row.tolist(),
+        runs.length.tolist(),
+        runs.dst_slot.tolist(),
+        runs.dst_offset.tolist(),
+        strict=True,
+    ):
+        pages[slot, :, off : off + n].copy_(kv_layer[s : s + n].transpose(0, 1))
+
+
+def segment_view(pool: KVPool, slot: int, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of ``slot``, all layers: a ``[L, 2, length, H_kv, D]`` view."""
+    return pool.data[:, slot, :, :length]
+
+
+def copy_segment(src: KVPool, src_slot: int, dst: KVPool, dst_slot: int, length: int) -> None:
+    """One copy-on-extend or replication order (see :func:`copy_segments`)."""
+    segment_view(dst, dst_slot, length).copy_(segment_view(src, src_slot, length))

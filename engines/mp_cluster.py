@@ -1,0 +1,291 @@
+"""Local launcher of the multi-process data plane: N instances on one machine, each a query
+engine and a transfer engine process beside the compute-engine clients (this process).
+
+    with MPCluster(pool, DataPlaneConfig()) as cluster:
+        run_iteration(cluster, plans, chunks, model)     # same API as LocalCluster
+
+Start-up: shared buffers are allocated here, engines are spawned (``spawn`` context) with
+them, and the launcher waits until every engine reported ready. Shut-down (``close``, the end
+of a ``with`` block, garbage collection or interpreter exit) stops every engine, kills any
+that do not stop, and releases the buffers; nothing is left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import weakref
+
+import torch.multiprocessing as mp
+import zmq
+
+from tokenlake.engines import messages, process_group
+from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
+from tokenlake.engines.driver import Driver
+from tokenlake.engines.engine_base import ROLES, EngineSpec, main
+from tokenlake.engines.engine_client import EngineClient
+from tokenlake.engines.shared_buffers import InstanceBuffers, Layout
+from tokenlake.engines.transport import Requester, bind_random
+from tokenlake.errors import InvalidArgumentError
+from tokenlake.plans import Plans
+from tokenlake.pool import Pool
+from tokenlake.validate import check_int
+
+
+def _stop_processes(processes: list, grace_s: float) -> None:
+    """Join every process for ``grace_s`` in total, then kill the rest (a stopped or hung
+    engine ignores ``Stop``)."""
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.exitcode is None:
+            p.kill()
+            p.join(5.0)
+
+
+class MPCluster:
+    """``pool.config.num_instances`` instances, each two engine processes sharing buffers.
+
+    ``engine(i)`` returns instance ``i``'s :class:`EngineClient`; ``backend`` is the kernel
+    backend every engine uses (``None``: by device). :meth:`reset` re-lays the running
+    cluster for another pool of the same size; :meth:`fail_over` handles a
+    :class:`PeerFailedError`.
+    """
+
+    def __init__(
+        self, pool: Pool, config: DataPlaneConfig | None = None, backend: str | None = None
+    ) -> None:
+        config = config if config is not None else DataPlaneConfig()
+        if not isinstance(config, DataPlaneConfig):
+            raise InvalidArgumentError(
+                f"config: expected a DataPlaneConfig, got {type(config).__name__}"
+            )
+        self.config = config
+        self.num_instances = pool.config.num_instances
+        self._processes: dict[tuple[str, int], mp.Process] = {}
+        self._ctx = zmq.Context()
+        self._store = self._group = self._mps = None
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _stop_processes, [], 0.0)
+        try:
+            self._launch(pool)
+            self.reset(pool, backend)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def _launch(self, pool: Pool) -> None:
+        cfg, n = self.config, self.num_instances
+        layout = self._layout(pool)
+        self._buffers = [InstanceBuffers.allocate(layout.nbytes(), cfg.device) for _ in range(n)]
+        events = None
+        if cfg.device == "cuda":  # not run on a GPU
+            from tokenlake.engines.gpu import ClientEvents, MpsDaemon
+
+            events = ClientEvents(n, self._buffers[0].raw["pool"].device)
+            if cfg.use_mps:
+                self._mps = MpsDaemon()
+                self._mps.start()
+        spec_group = None
+        if cfg.separate_hosts:
+            backend = "nccl" if cfg.device == "cuda" else "gloo"
+            probe = process_group.GroupSpec(backend, cfg.host, 0, n, cfg.startup_timeout_s)
+            self._store = process_group.make_store(probe, is_master=True)
+            spec_group = process_group.GroupSpec(
+                backend, cfg.host, self._store.port, n, cfg.startup_timeout_s
+            )
+        ready = self._ctx.socket(zmq.PULL)
+        ready.setsockopt(zmq.LINGER, 0)
+        try:
+            endpoint = bind_random(ready, cfg.host)
+            spawn = mp.get_context("spawn")
+            for role in ROLES:
+                for i in range(n):
+                    visible = (
+                        {i: self._buffers[i]}
+                        if cfg.separate_hosts
+                        else dict(enumerate(self._buffers))
+                    )
+                    spec = EngineSpec(
+                        role,
+                        i,
+                        n,
+                        visible,
+                        endpoint,
+                        cfg.host,
+                        os.getpid(),
+                        cfg.kernel_threads,
+                        cfg.timeout_s,
+                        spec_group,
+                        events.handles if events is not None else None,
+                    )
+                    p = spawn.Process(
+                        target=main, args=(spec,), name=f"tokenlake-{role}-{i}", daemon=True
+                    )
+                    p.start()
+                    self._processes[(role, i)] = p
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(
+                self, _stop_processes, list(self._processes.values()), 2.0
+            )
+            endpoints = self._wait_ready(ready)
+        finally:
+            ready.close(linger=0)
+        if spec_group is not None:
+            self._group = process_group.connect(spec_group, self._store, process_group.DRIVER_RANK)
+        requester = Requester(self._ctx, cfg.timeout_s, cfg.poll_interval_s, self._is_alive)
+        for key, ep in endpoints.items():
+            requester.connect(key, ep)
+        self._driver = Driver(cfg, n, requester, self._group, events)
+
+    def _wait_ready(self, ready: zmq.Socket) -> dict[tuple[str, int], str]:
+        endpoints = {}
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while len(endpoints) < len(self._processes):
+            for key, p in self._processes.items():
+                if p.exitcode is not None and key not in endpoints:
+                    raise PeerFailedError(key[1], key[0], f"exited at start-up ({p.exitcode})")
+            if time.monotonic() > deadline:
+                missing = sorted(set(self._processes) - set(endpoints))
+                raise PeerFailedError(missing[0][1], missing[0][0], "not ready in time")
+            if ready.poll(100):
+                msg = messages.decode(ready.recv())
+                endpoints[(msg.role, msg.instance_id)] = msg.endpoint
+        return endpoints
+
+    def close(self) -> None:
+        """Stop every engine and release sockets, group and buffers (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        driver = getattr(self, "_driver", None)
+        if driver is not None:
+            for key in driver.requester.keys:
+                if self._is_alive(key):
+                    with contextlib.suppress(zmq.ZMQError):
+                        driver.requester.request(key, messages.Stop)
+        _stop_processes(list(self._processes.values()), 5.0)
+        self._finalizer.detach()
+        if driver is not None:
+            driver.requester.close()
+        process_group.shutdown(self._group)
+        self._group = self._store = self._driver = None
+        self._ctx.term()
+        self._buffers = []
+        if self._mps is not None:
+            self._mps.stop()
+
+    def __enter__(self) -> MPCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- the LocalCluster API ------------------------------------------------------------
+    @property
+    def backend(self) -> str | None:
+        return self._driver.backend
+
+    @property
+    def pids(self) -> dict[tuple[str, int], int]:
+        """Process id of every engine, by ``(role, instance_id)`` (for tests and tools)."""
+        return {key: p.pid for key, p in self._processes.items()}
+
+    def engine(self, instance_id: int) -> EngineClient:
+        check_int("instance_id", instance_id, low=0, high=self.num_instances)
+        if instance_id in self._driver.lost:
+            raise PeerFailedError(instance_id, "query", "instance was marked lost")
+        return self._clients[instance_id]
+
+    def reset(self, pool: Pool, backend: str | None = None) -> MPCluster:
+        """Serve ``pool`` (same number of instances; its layout must fit the buffers
+        allocated at launch) with kernel ``backend``. Drops every binding; instances already
+        lost are dropped from ``pool`` too."""
+        if pool.config.num_instances != self.num_instances:
+            raise InvalidArgumentError(
+                f"pool: has {pool.config.num_instances} instances, the cluster {self.num_instances}"
+            )
+        layout = self._layout(pool)
+        problem = self._buffers[0].fits(layout)
+        if problem is not None:
+            raise InvalidArgumentError(f"pool: {problem}")
+        d = self._driver
+        d.quiesce("reset")
+        m = layout.model
+        tickets = [
+            d.requester.request(
+                key,
+                lambda seq: messages.Configure(
+                    seq,
+                    m.num_layers,
+                    m.num_q_heads,
+                    m.num_kv_heads,
+                    m.head_dim,
+                    m.dtype,
+                    layout.num_slots,
+                    layout.segment_len,
+                    layout.max_q_rows,
+                    layout.max_kv_rows,
+                    backend or "",
+                ),
+            )
+            for key in d.requester.keys
+        ]
+        d.requester.wait(tickets, "configure")
+        d.layout, d.backend = layout, backend
+        d.views = {i: b.views(layout) for i, b in enumerate(self._buffers)}
+        for i in sorted(d.lost):
+            if i in pool.live_instances:
+                pool.drop_instance(i)
+        self._clients = [EngineClient(i, pool, d) for i in range(self.num_instances)]
+        self.pool = pool
+        return self
+
+    # ---- failures ------------------------------------------------------------------------
+    def mark_lost(self, instance_id: int) -> None:
+        """Stop using an instance: kill its engines, forget work addressed to them, and wait
+        until the surviving engines finished everything already sent to them."""
+        check_int("instance_id", instance_id, low=0, high=self.num_instances)
+        d = self._driver
+        d.lost.add(instance_id)
+        procs = [self._processes[(role, instance_id)] for role in ROLES]
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+        _stop_processes(procs, 1.0)
+        for role in ROLES:
+            d.requester.disconnect((role, instance_id))
+        d.forget(instance_id)
+        d.quiesce("fail-over")
+
+    def fail_over(self, plans: Plans, error: PeerFailedError) -> list[int | str]:
+        """The control plane's reaction to ``error`` raised while executing ``plans``: abort
+        the iteration, drop the failed instance from the pool and from this cluster.
+
+        Returns the ids of the running requests that lost data; recompute them (their
+        prefix cached elsewhere still matches). Then re-plan: the tree no longer lists
+        the dead replicas."""
+        if not isinstance(error, PeerFailedError):
+            raise InvalidArgumentError(
+                f"error: expected a PeerFailedError, got {type(error).__name__}"
+            )
+        if self.pool.active_epoch == plans.epoch:
+            self.pool.abort(plans)
+        failed = self.pool.drop_instance(error.instance_id)
+        self.mark_lost(error.instance_id)
+        return failed
+
+    # ---- internals -----------------------------------------------------------------------
+    def _layout(self, pool: Pool) -> Layout:
+        c = pool.config
+        return Layout(
+            c.model, c.num_instances, c.num_slots, c.segment_len,
+            self.config.max_q_rows, self.config.max_kv_rows,
+        )  # fmt: skip
+
+    def _is_alive(self, key: tuple[str, int]) -> bool:
+        p = self._processes.get(key)
+        return p is not None and p.exitcode is None

@@ -1,0 +1,156 @@
+"""The ``torch.distributed`` point-to-point group used between hosts (gloo on CPU, NCCL on
+GPU), built as a standalone process group so it never touches the caller's default group.
+
+Ranks: the driver (every compute-engine client of the launcher) is rank 0, the query engine
+of instance ``i`` is ``1 + i`` and its transfer engine ``1 + N + i``. Engines only ever wait
+for data whose sender has already been told to send, so every send has its matching receive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tokenlake.engines.dataplane_config import PeerFailedError
+
+DRIVER_RANK = 0
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where the group's TCP store listens and how big the group is."""
+
+    backend: str  # "gloo" or "nccl"
+    host: str
+    port: int
+    num_instances: int
+    timeout_s: float
+
+    @property
+    def world_size(self) -> int:
+        return 1 + 2 * self.num_instances
+
+
+def rank_of(role: str, instance_id: int, num_instances: int) -> int:
+    return 1 + instance_id + (num_instances if role == "transfer" else 0)
+
+
+def peer_of(rank: int, num_instances: int) -> tuple[str, int]:
+    """``(role, instance_id)`` of a rank (the driver is ``("driver", -1)``)."""
+    if rank == DRIVER_RANK:
+        return ("driver", -1)
+    i = rank - 1
+    return ("query", i) if i < num_instances else ("transfer", i - num_instances)
+
+
+def make_store(spec: GroupSpec, is_master: bool) -> dist.TCPStore:
+    """The rendezvous store; the master (the driver) passes ``port=0`` and reads ``.port``."""
+    return dist.TCPStore(
+        spec.host,
+        spec.port,
+        spec.world_size,
+        is_master,
+        timeout=datetime.timedelta(seconds=spec.timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def connect(spec: GroupSpec, store: dist.Store, rank: int) -> dist.ProcessGroup:
+    """Join the group (blocks until every rank joined, at most ``spec.timeout_s``)."""
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    if spec.backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=spec.host)]
+        return dist.ProcessGroupGloo(store, rank, spec.world_size, opts)
+    if spec.backend == "nccl":  # not run on a GPU
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, spec.world_size, opts)
+    raise ValueError(f"spec.backend: expected 'gloo' or 'nccl', got {spec.backend!r}")
+
+
+def shutdown(group: dist.ProcessGroup | None) -> None:
+    """Release the group's connections (best effort: peers may already be gone)."""
+    if group is None:
+        return
+    # a group whose peers died may refuse; the process exits anyway
+    with contextlib.suppress(Exception):
+        group.shutdown()
+
+
+_waiters: ThreadPoolExecutor | None = None
+
+
+def watch(work: dist.Work, timeout_s: float) -> Future:
+    """A future that completes when ``work`` does. Gloo's point-to-point works only report
+    completion from ``wait()`` (``is_completed()`` stays false and ``get_future()`` is not
+    implemented), so a small thread pool waits for them while the caller keeps polling its
+    sockets; the wait itself is bounded by ``timeout_s``."""
+    global _waiters
+    if _waiters is None:
+        _waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tokenlake-p2p")
+    return _waiters.submit(work.wait, datetime.timedelta(seconds=timeout_s))
+
+
+def poll_works(works: list[tuple[Future, int]], num_instances: int, what: str) -> list:
+    """The watched works ``(future, peer_rank)`` not finished yet; raises
+    :class:`PeerFailedError` naming the peer of one that failed."""
+    pending = []
+    for future, peer in works:
+        if not future.done():
+            pending.append((future, peer))
+        elif future.exception() is not None:
+            role, instance = peer_of(peer, num_instances)
+            raise PeerFailedError(instance, role, f"{what} failed: {future.exception()}")
+    return pending
+
+
+def wait_works(
+    works: list[tuple[dist.Work, int]], num_instances: int, timeout_s: float, what: str
+) -> None:
+    """Block until point-to-point works ``(work, peer_rank)`` finish, at most ``timeout_s``
+    each (engines only wait for transfers whose other side was already told to run).
+    Raises :class:`PeerFailedError` naming the peer."""
+    for work, peer in works:
+        try:
+            work.wait(datetime.timedelta(seconds=timeout_s))
+        except Exception as e:
+            role, instance = peer_of(peer, num_instances)
+            raise PeerFailedError(instance, role, f"{what} failed: {e}") from None
+
+
+def send(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+    return group.send([tensor], peer, tag)
+
+
+def recv(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+    return group.recv([tensor], peer, tag)
+
+
+class HostStaging:
+    """Transfer buffers for gloo: plain tensors (gloo registers nothing)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def reset(self) -> None:
+        pass
+
+
+def make_staging(group, backend: str, nbytes: int, device: torch.device):
+    """Where a process allocates point-to-point buffers: an NCCL-registered arena on GPU
+    (see :class:`tokenlake.engines.gpu.NcclStaging`), plain tensors with gloo."""
+    if backend == "nccl":
+        from tokenlake.engines.gpu import NcclStaging
+
+        return NcclStaging(group, nbytes, device)
+    return HostStaging(device)

@@ -1,0 +1,136 @@
+"""One instance's shared buffers: allocated once as raw bytes, laid out per pool.
+
+The launcher allocates the storage (``share_memory_()`` on CPU; CUDA memory that
+``torch.multiprocessing`` hands to children as CUDA IPC handles) and passes it to the
+instance's engines at spawn time. Every process then builds the same typed views from a
+:class:`Layout`, so a cluster can be re-laid for another pool without relaunching as long as
+the new layout fits the bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenlake.config import ModelShape
+from tokenlake.engines.kv_pool import KVPool
+from tokenlake.errors import InvalidArgumentError
+
+_ALIGN = 64  # bytes; keeps every typed view aligned for any dtype and SIMD loads
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Shapes of one instance's buffers for a pool of ``num_instances`` instances."""
+
+    model: ModelShape
+    num_instances: int
+    num_slots: int
+    segment_len: int
+    max_q_rows: int
+    max_kv_rows: int
+
+    @property
+    def pool_shape(self) -> tuple[int, ...]:
+        m = self.model
+        return (m.num_layers, self.num_slots, 2, self.segment_len, m.num_kv_heads, m.head_dim)
+
+    @property
+    def q_shape(self) -> tuple[int, ...]:
+        return (self.max_q_rows, self.model.num_q_heads, self.model.head_dim)
+
+    @property
+    def kv_shape(self) -> tuple[int, ...]:
+        m = self.model
+        return (m.num_layers, self.max_kv_rows, 2, m.num_kv_heads, m.head_dim)
+
+    @property
+    def out_o_shape(self) -> tuple[int, ...]:
+        """One region per holder instance: ``[N, max_q_rows, H_q, D]`` float32."""
+        return (self.num_instances, self.max_q_rows, self.model.num_q_heads, self.model.head_dim)
+
+    @property
+    def out_lse_shape(self) -> tuple[int, ...]:
+        return (self.num_instances, self.max_q_rows, self.model.num_q_heads)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes each buffer needs, by name."""
+        item = self.model.dtype_bytes
+        sizes = {
+            "pool": _numel(self.pool_shape) * item,
+            "q": _numel(self.q_shape) * item,
+            "kv": _numel(self.kv_shape) * item,
+            "out_o": _numel(self.out_o_shape) * 4,
+            "out_lse": _numel(self.out_lse_shape) * 4,
+        }
+        return {k: -(-v // _ALIGN) * _ALIGN for k, v in sizes.items()}
+
+
+@dataclass(frozen=True)
+class InstanceViews:
+    """Typed views of one instance's shared buffers.
+
+    ``pool`` is the slot storage ``[L, S, 2, C, H_kv, D]``; ``q`` ``[max_q_rows, H_q, D]``
+    and ``kv`` ``[L, max_kv_rows, 2, H_kv, D]`` are in the model dtype; ``out_o``
+    ``[N, max_q_rows, H_q, D]`` and ``out_lse`` ``[N, max_q_rows, H_q]`` are float32, region
+    ``h`` written by holder instance ``h``.
+    """
+
+    pool: KVPool
+    q: torch.Tensor
+    kv: torch.Tensor
+    out_o: torch.Tensor
+    out_lse: torch.Tensor
+
+
+class InstanceBuffers:
+    """The raw shared storage of one instance: one ``uint8`` tensor per buffer."""
+
+    NAMES = ("pool", "q", "kv", "out_o", "out_lse")
+
+    def __init__(self, raw: dict[str, torch.Tensor]) -> None:
+        self.raw = raw
+
+    @classmethod
+    def allocate(cls, nbytes: dict[str, int], device: str) -> InstanceBuffers:
+        """Zeroed storage of ``nbytes[name]`` bytes per buffer, shareable across processes."""
+        raw = {}
+        for name in cls.NAMES:
+            t = torch.zeros(nbytes[name], dtype=torch.uint8, device=device)
+            raw[name] = t.share_memory_() if t.device.type == "cpu" else t
+        return cls(raw)
+
+    def fits(self, layout: Layout) -> str | None:
+        """``None`` if ``layout`` fits, else which buffer is too small and by how much."""
+        for name, need in layout.nbytes().items():
+            have = self.raw[name].numel()
+            if need > have:
+                return f"{name} buffer needs {need} bytes, the cluster has {have}"
+        return None
+
+    def views(self, layout: Layout) -> InstanceViews:
+        problem = self.fits(layout)
+        if problem is not None:
+            raise InvalidArgumentError(f"layout: {problem}")
+        m = layout.model
+
+        def typed(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            return self.raw[name][:n].view(dtype).view(shape)
+
+        pool_data = typed("pool", layout.pool_shape, m.torch_dtype)
+        return InstanceViews(
+            pool=KVPool(m, layout.num_slots, layout.segment_len, data=pool_data),
+            q=typed("q", layout.q_shape, m.torch_dtype),
+            kv=typed("kv", layout.kv_shape, m.torch_dtype),
+            out_o=typed("out_o", layout.out_o_shape, torch.float32),
+            out_lse=typed("out_lse", layout.out_lse_shape, torch.float32),
+        )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

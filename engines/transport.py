@@ -1,0 +1,188 @@
+"""Control-message transport over ZeroMQ: the caller side (:class:`Requester`) and the engine
+side (:class:`Server`). Every wait is bounded in time, and a peer whose process has exited
+fails its waiters at once instead of at the timeout."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+
+import zmq
+
+from tokenlake.engines import messages
+from tokenlake.engines.dataplane_config import PeerFailedError, RemoteEngineError
+
+PeerKey = tuple[str, int]  # (role, instance_id)
+
+
+def bind_random(sock: zmq.Socket, host: str) -> str:
+    """Bind ``sock`` to a free TCP port on ``host``; returns the endpoint."""
+    sock.bind(f"tcp://{host}:0")
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class Requester:
+    """The caller's sockets to every engine: one DEALER per engine, replies matched by ``seq``.
+
+    ``is_alive(key)`` tells whether an engine's process still runs. Replies that nobody
+    waits for any more (after a failure) are dropped.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        timeout_s: float,
+        poll_interval_s: float,
+        is_alive: Callable[[PeerKey], bool],
+    ) -> None:
+        self._ctx = ctx
+        self._timeout_s = timeout_s
+        self._poll_ms = max(1, int(poll_interval_s * 1000))
+        self._is_alive = is_alive
+        self._sockets: dict[PeerKey, zmq.Socket] = {}
+        self._keys: dict[zmq.Socket, PeerKey] = {}
+        self._poller = zmq.Poller()
+        self._next_seq = 1
+        self._outstanding: set[tuple[PeerKey, int]] = set()
+        self._replies: dict[tuple[PeerKey, int], messages.Reply] = {}
+
+    def connect(self, key: PeerKey, endpoint: str) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        self._sockets[key] = sock
+        self._keys[sock] = key
+        self._poller.register(sock, zmq.POLLIN)
+
+    def disconnect(self, key: PeerKey) -> None:
+        sock = self._sockets.pop(key, None)
+        if sock is not None:
+            self._poller.unregister(sock)
+            del self._keys[sock]
+            sock.close(linger=0)
+        self._outstanding = {t for t in self._outstanding if t[0] != key}
+        self._replies = {t: r for t, r in self._replies.items() if t[0] != key}
+
+    def close(self) -> None:
+        for key in list(self._sockets):
+            self.disconnect(key)
+
+    @property
+    def keys(self) -> list[PeerKey]:
+        return list(self._sockets)
+
+    def new_seq(self) -> int:
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        return seq
+
+    def send(self, key: PeerKey, message: object) -> tuple[PeerKey, int]:
+        """Send a request (a message with a ``seq`` from :meth:`new_seq`); returns its ticket."""
+        sock = self._sockets.get(key)
+        if sock is None:
+            raise PeerFailedError(key[1], key[0], "marked lost; not reachable")
+        sock.send(messages.encode(message), copy=False)
+        ticket = (key, message.seq)
+        self._outstanding.add(ticket)
+        return ticket
+
+    def request(self, key: PeerKey, make: Callable[[int], object]) -> tuple[PeerKey, int]:
+        """``send(key, make(seq))`` with a fresh ``seq``."""
+        return self.send(key, make(self.new_seq()))
+
+    def outstanding(self, key: PeerKey | None = None) -> list[tuple[PeerKey, int]]:
+        return [t for t in self._outstanding if key is None or t[0] == key]
+
+    def wait(
+        self,
+        tickets: Iterable[tuple[PeerKey, int]],
+        what: str,
+        others: Callable[[], int] | None = None,
+    ) -> None:
+        """Wait until every ticket is answered (and ``others()``, polled alongside, returns 0
+        things pending). Raises :class:`PeerFailedError` when a peer's process exits or does
+        not answer within the timeout, :class:`RemoteEngineError` when an engine answered
+        with an error. The tickets are forgotten either way."""
+        tickets = list(tickets)
+        pending = set(tickets)
+        deadline = time.monotonic() + self._timeout_s
+        try:
+            while True:
+                self._collect(pending)
+                busy = others() if others is not None else 0
+                if not pending and not busy:
+                    return
+                for key in sorted({k for k, _ in pending}):
+                    if key not in self._sockets or not self._is_alive(key):
+                        raise PeerFailedError(key[1], key[0], f"process exited during {what}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if not pending:
+                        return  # the caller's others() names its own laggard
+                    key = min(k for k, _ in pending)
+                    raise PeerFailedError(
+                        key[1], key[0], f"no answer to {what} within {self._timeout_s:g} s"
+                    )
+                # point-to-point works complete without a socket event: poll them often
+                poll_ms = 1 if busy else min(self._poll_ms, max(1, int(left * 1000)))
+                self._poller.poll(poll_ms)
+        finally:
+            self._outstanding -= set(tickets)
+            for t in tickets:
+                self._replies.pop(t, None)
+
+    def _collect(self, pending: set) -> None:
+        """Drain every socket without blocking; remove answered tickets from ``pending``."""
+        for sock, key in list(self._keys.items()):
+            while True:
+                try:
+                    data = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                reply = messages.decode(data)
+                ticket = (key, reply.seq)
+                if ticket in self._outstanding:
+                    self._replies[ticket] = reply
+        for ticket in [t for t in pending if t in self._replies]:
+            reply = self._replies.pop(ticket)
+            pending.discard(ticket)
+            if not reply.ok:
+                raise RemoteEngineError(f"{ticket[0][0]} engine {ticket[0][1]}: {reply.error}")
+
+
+class Server:
+    """An engine's ROUTER socket. :meth:`serve` runs ``handle(message)`` for each request in
+    arrival order and answers with a :class:`messages.Reply`; it returns after a
+    :class:`messages.Stop`, or when the launching process is gone (no orphans)."""
+
+    def __init__(self, ctx: zmq.Context, host: str) -> None:
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = bind_random(self._sock, host)
+
+    def serve(self, handle: Callable[[object], None], parent_pid: int) -> None:
+        while True:
+            if not self._sock.poll(1000):
+                if os.getppid() != parent_pid:
+                    return
+                continue
+            identity, data = self._sock.recv_multipart()
+            try:
+                message = messages.decode(data)
+            except messages.ProtocolError as e:
+                self._reply(identity, messages.Reply(-1, False, str(e)))
+                continue
+            try:
+                handle(message)
+                reply = messages.Reply(message.seq, True)
+            except Exception as e:  # reported to the caller, who raises RemoteEngineError
+                reply = messages.Reply(message.seq, False, f"{type(e).__name__}: {e}")
+            self._reply(identity, reply)
+            if isinstance(message, messages.Stop):
+                return
+
+    def _reply(self, identity: bytes, reply: messages.Reply) -> None:
+        self._sock.send_multipart([identity, messages.encode(reply)])
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
