@@ -49,6 +49,22 @@ class Traffic:
     load: np.ndarray  # [N] prefix tokens read per instance (rows × tokens)
 
 
+@dataclass(frozen=True)
+class _Index:
+    """All accesses sorted by (sub-batch, holder, request); ``e_*`` per (sub-batch, holder,
+    request) entry, ``h_*`` per (sub-batch, holder)."""
+
+    slot: np.ndarray  # int32 [num_accesses] slot of each page, sorted
+    a_sub: np.ndarray  # sub-batch of each access, sorted
+    e_start: np.ndarray  # first access of each entry
+    e_sub: np.ndarray
+    e_inst: np.ndarray
+    e_piece: np.ndarray
+    e_last: np.ndarray  # int32 tokens in each entry's last page
+    h_start: np.ndarray  # first entry of each holder
+    h_sub: np.ndarray
+
+
 class PlanBuilder:
     def __init__(
         self,
@@ -90,16 +106,12 @@ class PlanBuilder:
         piece_sub = np.asarray(piece_sub, dtype=np.int64)
         piece_rows = np.asarray(piece_rows, dtype=np.float64)
         acc = self._gather(pieces, piece_rows)
-        inst, slot, tokens, piece_of, partial = acc
-        weights = tokens * piece_rows[piece_of]
-        load = np.bincount(inst, weights=weights, minlength=n_inst)
-
+        inst, _, tokens, piece_of, _ = acc
+        load = np.bincount(inst, weights=tokens * piece_rows[piece_of], minlength=n_inst)
+        index = self._index(acc, piece_sub)
         # traffic matrices for dispatch: rows to each holder once per request, tokens to homes
-        pair = np.unique(piece_of * n_inst + inst)
         query_rows = np.zeros((len(subs), n_inst))
-        np.add.at(
-            query_rows, (piece_sub[pair // n_inst], pair % n_inst), piece_rows[pair // n_inst]
-        )
+        np.add.at(query_rows, (index.e_sub, index.e_inst), piece_rows[index.e_piece])
         runs, copies = self._runs(pieces, piece_sub)
         put_tokens = np.zeros((len(subs), n_inst))
         if len(runs):
@@ -118,7 +130,7 @@ class PlanBuilder:
             num_replications=len(replications),
             load=load,
         )
-        query_plans = self._query_plans(epoch, subs, origins, piece_sub, acc)
+        query_plans = self._query_plans(epoch, subs, origins, piece_sub, index)
         transfer_plans = self._transfer_plans(epoch, subs, origins, runs, copies)
         groups: list[list[int]] = [[] for _ in batches]
         for (b, _, _), origin in zip(subs, origins, strict=True):
@@ -239,12 +251,15 @@ class PlanBuilder:
             )
         return out
 
-    def _query_plans(self, epoch, subs, origins, piece_sub, acc) -> list[QueryPlan]:
-        """Sort every access by (sub-batch, holder, request, partial-last) once; then each
-        plan's CSR arrays are slices of the same global arrays."""
+    def _index(self, acc, piece_sub) -> _Index:
+        """Sort every access by (sub-batch, holder, request, partial-last) once; each plan's
+        CSR arrays are then slices of the same global arrays."""
         inst, slot, tokens, piece_of, partial = acc
         sub_of = piece_sub[piece_of]
-        order = np.lexsort((partial, piece_of, inst, sub_of))
+        # one int64 key instead of lexsort (several times slower); ties need no order since
+        # attention over one holder's pages is order-free, except the partial page goes last
+        key = ((sub_of * self.num_instances + inst) * (len(piece_sub) + 1) + piece_of) * 2 + partial
+        order = np.argsort(key)
         inst, slot, tokens, piece_of, sub_of = (
             a[order] for a in (inst, slot, tokens, piece_of, sub_of)
         )
@@ -255,27 +270,34 @@ class PlanBuilder:
         )
         e_start = np.flatnonzero(new_entry)
         e_end = np.append(e_start[1:], n).astype(np.int64)[: len(e_start)]
-        e_sub, e_inst = sub_of[e_start], inst[e_start]
-        first_piece = np.searchsorted(piece_sub, np.arange(len(subs) + 1))
-        e_req = (piece_of[e_start] - first_piece[e_sub]).astype(np.int32)
-        e_last = tokens[e_end - 1].astype(np.int32)
+        e_sub, e_inst, e_piece = sub_of[e_start], inst[e_start], piece_of[e_start]
         new_holder = np.ones(len(e_start), dtype=bool)
         new_holder[1:] = (e_sub[1:] != e_sub[:-1]) | (e_inst[1:] != e_inst[:-1])
         h_start = np.flatnonzero(new_holder)
-        h_sub, h_inst = e_sub[h_start], e_inst[h_start].astype(np.int32)
-        a_bounds = np.searchsorted(sub_of, np.arange(len(subs) + 1))
-        e_bounds = np.searchsorted(e_sub, np.arange(len(subs) + 1))
-        h_bounds = np.searchsorted(h_sub, np.arange(len(subs) + 1))
-        slot32 = slot.astype(np.int32)
+        return _Index(
+            slot=slot.astype(np.int32),
+            e_start=e_start,
+            e_sub=e_sub,
+            e_inst=e_inst,
+            e_piece=e_piece,
+            e_last=tokens[e_end - 1].astype(np.int32),
+            h_start=h_start,
+            h_sub=e_sub[h_start],
+            a_sub=sub_of,
+        )
+
+    def _query_plans(self, epoch, subs, origins, piece_sub, index: _Index) -> list[QueryPlan]:
+        num = np.arange(len(subs) + 1)
+        a_bounds = np.searchsorted(index.a_sub, num)
+        e_bounds = np.searchsorted(index.e_sub, num)
+        h_bounds = np.searchsorted(index.h_sub, num)
+        first_piece = np.searchsorted(piece_sub, num)
+        e_req = (index.e_piece - first_piece[index.e_sub]).astype(np.int32)
+        h_inst = index.e_inst[index.h_start].astype(np.int32)
         plans = []
         for u, (b, j, sub_pieces) in enumerate(subs):
-            a_lo, e_lo, e_hi, h_lo, h_hi = (
-                a_bounds[u],
-                e_bounds[u],
-                e_bounds[u + 1],
-                h_bounds[u],
-                h_bounds[u + 1],
-            )
+            a_lo, a_hi = a_bounds[u], a_bounds[u + 1]
+            e_lo, e_hi, h_lo, h_hi = e_bounds[u], e_bounds[u + 1], h_bounds[u], h_bounds[u + 1]
             rows = [hi_r - lo_r for _, lo_r, hi_r in sub_pieces]
             plans.append(
                 QueryPlan(
@@ -288,11 +310,11 @@ class PlanBuilder:
                     positions=frozen_i32([pc.start + lo_r for pc, lo_r, _ in sub_pieces]),
                     prefix_lens=frozen_i32([pc.start for pc, _, _ in sub_pieces]),
                     holder_ids=frozen_i32(h_inst[h_lo:h_hi]),
-                    holder_indptr=frozen_i32(np.append(h_start[h_lo:h_hi], e_hi) - e_lo),
+                    holder_indptr=frozen_i32(np.append(index.h_start[h_lo:h_hi], e_hi) - e_lo),
                     entry_req=frozen_i32(e_req[e_lo:e_hi]),
-                    kv_indptr=frozen_i32(np.append(e_start[e_lo:e_hi], a_bounds[u + 1]) - a_lo),
-                    kv_indices=frozen_i32(slot32[a_lo : a_bounds[u + 1]]),
-                    last_len=frozen_i32(e_last[e_lo:e_hi]),
+                    kv_indptr=frozen_i32(np.append(index.e_start[e_lo:e_hi], a_hi) - a_lo),
+                    kv_indices=frozen_i32(index.slot[a_lo:a_hi]),
+                    last_len=frozen_i32(index.e_last[e_lo:e_hi]),
                 )
             )
         return plans
