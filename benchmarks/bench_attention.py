@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -123,6 +124,7 @@ def run_case(
 ) -> dict:
     kernel_args = inputs.args
     pool = kernel_args[2]
+    load_avg = os.getloadavg()[0]  # other work on the machine skews every number below
     kv_bytes = case.num_reqs * case.prefix_len * 2 * pool[0, 0, 0].numel() * pool.element_size()
     bw = timer.memcpy_gbps(kv_bytes, args.repeats)
 
@@ -141,6 +143,10 @@ def run_case(
     o_cpp, _ = cpp()
     o_sdpa = sdpa().float().transpose(1, 2).reshape(o_cpp.shape)
     cpp_gbps = kv_bytes / cpp_ms / 1e6
+    # QK^T and PV: 2 multiply-adds per (row, q head, key, d).
+    flops = (
+        4 * case.num_reqs * case.rows_per_req * case.num_q_heads * case.prefix_len * case.head_dim
+    )
     return {
         "case": case.name,
         "dtype": dtype,
@@ -157,7 +163,10 @@ def run_case(
         "cpp_gbps": round(cpp_gbps, 2),
         "memcpy_gbps": round(bw, 2),
         "fraction_of_memcpy_bw": round(cpp_gbps / bw, 3),
+        "cpp_gflops": round(flops / cpp_ms / 1e6, 1),
+        "sdpa_gflops": round(flops / sdpa_ms / 1e6, 1),
         "max_abs_diff_vs_sdpa": float((o_cpp - o_sdpa).abs().max()),
+        "load_avg_1m": round(load_avg, 2),
     }
 
 
