@@ -20,6 +20,12 @@ When no plan meets every SLO (``slo_met`` false: these uncapped batches of up to
 tokens overload the cluster) the DP runs a second time without SLOs, so those rows time the
 worst case. Target: ``dp_ms`` <= 2 ms at N=8 with 64 prefill chunks. Prints a table, then one
 JSON line per case.
+
+``--cpu-profile`` also measures latency-model rows on this machine's in-process engine
+(``LocalCluster`` + ``SyntheticModel``: deterministic K/V, the C++ attention kernels, real puts
+and queries; 2 instances, 4 layers, 8/2 heads of dim 64, segments of 64 tokens) with
+``tokenlake.scheduler.profiler``, fits ``T = A + B·Σl + C·Σl²`` per DoP and prints the
+coefficients and the fit's relative errors as JSON lines.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ import time
 
 import numpy as np
 
+import tokenlake as tl
+from tokenlake.engines.local_cluster import LocalCluster
+from tokenlake.engines.synthetic import SyntheticModel, run_iteration
 from tokenlake.profiles import HARDWARE, MODELS
 from tokenlake.scheduler import (
     DECODE,
@@ -38,6 +47,9 @@ from tokenlake.scheduler import (
     CostModel,
     SchedulerConfig,
     WorkItem,
+    default_cases,
+    fit_latency_model,
+    measure_rows,
     plan_batches,
     solve,
     solve_reference,
@@ -90,9 +102,12 @@ def main() -> None:
     ap.add_argument("--reference", action="store_true", help="also time the Python DP")
     ap.add_argument("--quick", action="store_true", help="N=8 with 64 prefill chunks only")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cpu-profile", action="store_true", help="also fit a CPU engine profile")
     args = ap.parse_args()
     if args.quick:
         args.instances, args.prefill = [8], [64]
+    if args.cpu_profile:
+        cpu_profile(args.seed)
 
     cost = CostModel(HARDWARE[args.hardware], MODELS[args.model])
     latency = cost.fit(dops=(1, 2, 4, 8))
@@ -153,6 +168,46 @@ def main() -> None:
         )
     for r in results:
         print(json.dumps(r))
+
+
+def cpu_profile(seed: int) -> None:
+    """Measure rows on the in-process CPU engine, fit, print coefficients and errors."""
+    shape = tl.ModelShape(num_layers=4, num_q_heads=8, num_kv_heads=2, head_dim=64)
+    pool = tl.Pool(tl.PoolConfig(shape, num_instances=2, num_slots=256, segment_len=64))
+    cluster = LocalCluster(pool)
+    synth = SyntheticModel(shape, seed=seed)
+    cases = default_cases(dops=(1, 2), max_len=1024, num_prefill=16, seed=seed)
+    rows = measure_rows(pool, lambda p, c: run_iteration(cluster, p, c, synth), cases, seed=seed)
+    model = fit_latency_model(rows)
+    errors = [abs(model.predict(r.phase, r.lengths, r.dop) / r.seconds - 1) for r in rows]
+    print(
+        f"CPU engine profile: {len(rows)} rows, fit relative error median "
+        f"{statistics.median(errors):.1%}, max {max(errors):.1%}"
+    )
+    fits = [(PREFILL, k, c) for k, c in model.prefill.items()] + [(DECODE, 1, model.decode)]
+    for phase, dop, c in fits:
+        print(
+            json.dumps(
+                {
+                    "bench": "cpu_profile",
+                    "phase": phase,
+                    "dop": dop,
+                    "a_s": c.a,
+                    "b_s_per_token": c.b,
+                    "c_s_per_token2": c.c,
+                }
+            )
+        )
+    print(
+        json.dumps(
+            {
+                "bench": "cpu_profile_fit",
+                "rows": len(rows),
+                "median_rel_error": statistics.median(errors),
+                "max_rel_error": max(errors),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

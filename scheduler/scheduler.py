@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import NamedTuple
 
+import numpy as np
+
 from tokenlake.errors import InvalidArgumentError, PoolFullError, UnknownRequestError
 from tokenlake.plans import Plans
 from tokenlake.pool import Pool
@@ -179,14 +181,24 @@ class ElasticScheduler:
         prompt or was a decode step (a deterministic synthetic token when absent). Returns the
         requests that finished; the pool has released them (``pool.finish``).
         """
+        self._check(iteration)
+        given = new_token_ids or {}
+        tokens = {}
+        for chunk in iteration.decision.chunks:  # validate before anything changes
+            req = self._requests[chunk.request_id]
+            last = int(req.tokens[req.num_known - 1])
+            token = given.get(chunk.request_id, (last * 7919 + 17) % VOCAB)
+            if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+                raise InvalidArgumentError(f"new_token_ids: expected int tokens, got {token!r}")
+            if not 0 <= token < 2**31:
+                raise InvalidArgumentError(f"new_token_ids: token {token} out of [0, 2**31)")
+            tokens[chunk.request_id] = int(token)
         self._take(iteration)
         self.pool.commit(iteration.plans)
-        tokens = new_token_ids or {}
         finished = []
         for chunk in iteration.decision.chunks:
             req = self._requests[chunk.request_id]
-            last = int(req.tokens[req.num_known - 1])
-            req.advance(chunk.end, int(tokens.get(chunk.request_id, (last * 7919 + 17) % VOCAB)))
+            req.advance(chunk.end, tokens[chunk.request_id])
             if req.phase is Phase.FINISHED:
                 self.pool.finish(chunk.request_id)
                 del self._requests[chunk.request_id]
@@ -198,7 +210,10 @@ class ElasticScheduler:
         self._take(iteration)
         self.pool.abort(iteration.plans)
 
-    def _take(self, iteration: IterationPlan) -> None:
+    def _check(self, iteration: IterationPlan) -> None:
         if iteration is not self._inflight or self._inflight is None:
             raise InvalidArgumentError("iteration: not the iteration returned by the last step()")
+
+    def _take(self, iteration: IterationPlan) -> None:
+        self._check(iteration)
         self._inflight = None

@@ -129,6 +129,11 @@ def test_step_idle_abort_and_bad_input():
     assert again.decision.chunks[0].end == C  # the same first chunk, planned again
     with pytest.raises(tl.InvalidArgumentError, match="iteration"):
         sched.complete(it)
+    with pytest.raises(tl.InvalidArgumentError, match="new_token_ids"):
+        sched.complete(again, {"x": -1})
+    assert pool.active_epoch == again.plans.epoch  # nothing committed
+    sched.complete(again, {"x": 5})
+    assert sched.request("x").num_stored == C
     with pytest.raises(tl.InvalidArgumentError, match="config"):
         ElasticScheduler(SchedulerConfig(3, C), LATENCY, pool)
 
