@@ -93,9 +93,9 @@ class TimerConfig:
     (kernel launches, sampling, scheduling; TP all-reduces fold into it). Chosen once against
     the published measurements cited in the README (``benchmarks.sim_crosscheck``)."""
 
-    mfu: float = 0.62
+    mfu: float = 0.65
     mbu: float = 0.8
-    prefill_overhead_s: float = 4e-3
+    prefill_overhead_s: float = 10e-3
     decode_overhead_s: float = 2e-3
 
     def __post_init__(self) -> None:

@@ -83,10 +83,11 @@ class TokenLakeSystem:
         self._kick()
 
     def _admit(self) -> None:
+        if not self.waiting:
+            return
         tree = self.pool.get_prefix_tree()
-        stats = self.pool.get_stats()
         # Extra replicas of pinned segments are not evictable: leave room for them too.
-        replicas = (stats["num_replicas"] - stats["num_segments"]) * self.segment_len
+        replicas = (tree.num_replicas - tree.num_segments) * self.segment_len
         limit = self.capacity_tokens * self.admit_fraction - replicas
         while self.waiting:
             job = self.waiting[0]
