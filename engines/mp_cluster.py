@@ -50,8 +50,9 @@ class MPCluster:
 
     ``engine(i)`` returns instance ``i``'s :class:`EngineClient`; ``backend`` is the kernel
     backend every engine uses (``None``: by device). :meth:`reset` re-lays the running
-    cluster for another pool of the same size; :meth:`fail_over` handles a
-    :class:`PeerFailedError`.
+    cluster for another pool (at most as many instances; the rest idle);
+    :meth:`fail_over` handles a :class:`PeerFailedError`; :meth:`restart` brings a lost
+    instance back with fresh engine processes.
     """
 
     def __init__(
@@ -81,11 +82,11 @@ class MPCluster:
         cfg, n = self.config, self.num_instances
         layout = self._layout(pool)
         self._buffers = [InstanceBuffers.allocate(layout.nbytes(), cfg.device) for _ in range(n)]
-        events = None
+        self._events = events = None
         if cfg.device == "cuda":  # not run on a GPU
             from tokenlake.engines.gpu import ClientEvents, MpsDaemon
 
-            events = ClientEvents(n, self._buffers[0].raw["pool"].device)
+            self._events = events = ClientEvents(n, self._buffers[0].raw["pool"].device)
             if cfg.use_mps:
                 self._mps = MpsDaemon()
                 self._mps.start()
@@ -97,43 +98,8 @@ class MPCluster:
             spec_group = process_group.GroupSpec(
                 backend, cfg.host, self._store.port, n, cfg.startup_timeout_s
             )
-        ready = self._ctx.socket(zmq.PULL)
-        ready.setsockopt(zmq.LINGER, 0)
-        try:
-            endpoint = bind_random(ready, cfg.host)
-            spawn = mp.get_context("spawn")
-            for role in ROLES:
-                for i in range(n):
-                    visible = (
-                        {i: self._buffers[i]}
-                        if cfg.separate_hosts
-                        else dict(enumerate(self._buffers))
-                    )
-                    spec = EngineSpec(
-                        role,
-                        i,
-                        n,
-                        visible,
-                        endpoint,
-                        cfg.host,
-                        os.getpid(),
-                        cfg.kernel_threads,
-                        cfg.timeout_s,
-                        spec_group,
-                        events.handles if events is not None else None,
-                    )
-                    p = spawn.Process(
-                        target=main, args=(spec,), name=f"tokenlake-{role}-{i}", daemon=True
-                    )
-                    p.start()
-                    self._processes[(role, i)] = p
-            self._finalizer.detach()
-            self._finalizer = weakref.finalize(
-                self, _stop_processes, list(self._processes.values()), 2.0
-            )
-            endpoints = self._wait_ready(ready)
-        finally:
-            ready.close(linger=0)
+        self._spec_group = spec_group
+        endpoints = self._spawn([(role, i) for role in ROLES for i in range(n)])
         if spec_group is not None:
             self._group = process_group.connect(spec_group, self._store, process_group.DRIVER_RANK)
         requester = Requester(self._ctx, cfg.timeout_s, cfg.poll_interval_s, self._is_alive)
@@ -141,15 +107,48 @@ class MPCluster:
             requester.connect(key, ep)
         self._driver = Driver(cfg, n, requester, self._group, events)
 
-    def _wait_ready(self, ready: zmq.Socket) -> dict[tuple[str, int], str]:
+    def _spawn(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], str]:
+        """Start the engines ``keys`` (``(role, instance_id)``) and wait until each is ready;
+        returns their endpoints."""
+        cfg = self.config
+        ready = self._ctx.socket(zmq.PULL)
+        ready.setsockopt(zmq.LINGER, 0)
+        try:
+            endpoint = bind_random(ready, cfg.host)
+            spawn = mp.get_context("spawn")
+            for role, i in keys:
+                if cfg.separate_hosts:
+                    visible = {i: self._buffers[i]}
+                else:
+                    visible = dict(enumerate(self._buffers))
+                spec = EngineSpec(
+                    role, i, self.num_instances, visible, endpoint, cfg.host, os.getpid(),
+                    cfg.kernel_threads, cfg.timeout_s, self._spec_group,
+                    self._events.handles if self._events is not None else None,
+                )  # fmt: skip
+                p = spawn.Process(
+                    target=main, args=(spec,), name=f"tokenlake-{role}-{i}", daemon=True
+                )
+                p.start()
+                self._processes[(role, i)] = p
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(
+                self, _stop_processes, list(self._processes.values()), 2.0
+            )
+            return self._wait_ready(ready, keys)
+        finally:
+            ready.close(linger=0)
+
+    def _wait_ready(self, ready: zmq.Socket, keys: list) -> dict[tuple[str, int], str]:
         endpoints = {}
         deadline = time.monotonic() + self.config.startup_timeout_s
-        while len(endpoints) < len(self._processes):
-            for key, p in self._processes.items():
+        while len(endpoints) < len(keys):
+            for key in keys:
+                p = self._processes[key]
                 if p.exitcode is not None and key not in endpoints:
                     raise PeerFailedError(key[1], key[0], f"exited at start-up ({p.exitcode})")
             if time.monotonic() > deadline:
-                missing = sorted(set(self._processes) - set(endpoints))
+                missing = sorted(set(keys) - set(endpoints))
                 raise PeerFailedError(missing[0][1], missing[0][0], "not ready in time")
             if ready.poll(100):
                 msg = messages.decode(ready.recv())
@@ -195,7 +194,7 @@ class MPCluster:
         return {key: p.pid for key, p in self._processes.items()}
 
     def engine(self, instance_id: int) -> EngineClient:
-        check_int("instance_id", instance_id, low=0, high=self.num_instances)
+        check_int("instance_id", instance_id, low=0, high=len(self._clients))
         if instance_id in self._driver.lost:
             raise PeerFailedError(instance_id, "query", "instance was marked lost")
         return self._clients[instance_id]
@@ -204,9 +203,12 @@ class MPCluster:
         """Serve ``pool`` (same number of instances; its layout must fit the buffers
         allocated at launch) with kernel ``backend``. Drops every binding; instances already
         lost are dropped from ``pool`` too."""
-        if pool.config.num_instances != self.num_instances:
+        if not isinstance(pool, Pool):
+            raise InvalidArgumentError(f"pool: expected a Pool, got {type(pool).__name__}")
+        if pool.config.num_instances > self.num_instances:
             raise InvalidArgumentError(
-                f"pool: has {pool.config.num_instances} instances, the cluster {self.num_instances}"
+                f"pool: has {pool.config.num_instances} instances, the cluster only "
+                f"{self.num_instances}"
             )
         layout = self._layout(pool)
         problem = self._buffers[0].fits(layout)
@@ -240,7 +242,7 @@ class MPCluster:
         for i in sorted(d.lost):
             if i in pool.live_instances:
                 pool.drop_instance(i)
-        self._clients = [EngineClient(i, pool, d) for i in range(self.num_instances)]
+        self._clients = [EngineClient(i, pool, d) for i in range(pool.config.num_instances)]
         self.pool = pool
         return self
 
@@ -278,11 +280,55 @@ class MPCluster:
         self.mark_lost(error.instance_id)
         return failed
 
+    @property
+    def lost(self) -> frozenset[int]:
+        """Instances marked lost (their engines are gone)."""
+        return frozenset(self._driver.lost)
+
+    def restart(self, instance_id: int) -> None:
+        """Start fresh engines for a lost instance and configure them for the current pool;
+        the next :meth:`reset` serves it again (its old slots are empty for the new pool).
+        On one host only: a process group cannot admit new ranks."""
+        check_int("instance_id", instance_id, low=0, high=self.num_instances)
+        d = self._driver
+        if instance_id not in d.lost:
+            raise InvalidArgumentError(f"instance_id: {instance_id} is not lost")
+        if self.config.separate_hosts:
+            raise InvalidArgumentError("instance_id: cannot restart with separate_hosts=True")
+        keys = [(role, instance_id) for role in ROLES]
+        for key, ep in self._spawn(keys).items():
+            d.requester.connect(key, ep)
+        d.lost.discard(instance_id)
+        self._configure(keys, d.layout, d.backend)
+
     # ---- internals -----------------------------------------------------------------------
+    def _configure(self, keys: list, layout: Layout, backend: str | None) -> None:
+        m, d = layout.model, self._driver
+        tickets = [
+            d.requester.request(
+                key,
+                lambda seq: messages.Configure(
+                    seq,
+                    m.num_layers,
+                    m.num_q_heads,
+                    m.num_kv_heads,
+                    m.head_dim,
+                    m.dtype,
+                    layout.num_slots,
+                    layout.segment_len,
+                    layout.max_q_rows,
+                    layout.max_kv_rows,
+                    backend or "",
+                ),
+            )  # fmt: skip
+            for key in keys
+        ]
+        d.requester.wait(tickets, "configure")
+
     def _layout(self, pool: Pool) -> Layout:
         c = pool.config
         return Layout(
-            c.model, c.num_instances, c.num_slots, c.segment_len,
+            c.model, self.num_instances, c.num_slots, c.segment_len,
             self.config.max_q_rows, self.config.max_kv_rows,
         )  # fmt: skip
 
