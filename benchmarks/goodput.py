@@ -96,8 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--tl-max-prefill",
         type=int,
-        default=0,
-        help="TokenLake prefill tokens per iteration (0: chunk x N)",
+        default=2048,
+        help="TokenLake scheduler: prefill tokens per iteration (0: chunk x N)",
     )
     p.add_argument("--system-prompt", type=int, default=4096, help="generators' shared prompt")
     p.add_argument("--goodput", action="store_true", help="P90 goodput by bisection on the rate")
