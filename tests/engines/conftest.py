@@ -7,6 +7,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,9 @@ def shared_cluster():
 
 
 def child_pids() -> set[int]:
-    """Live (non-zombie) child processes of this process."""
+    """Live (non-zombie) child processes of this process. Starts multiprocessing's resource
+    tracker first: it is a child that lives as long as this process, not a leak."""
+    resource_tracker.ensure_running()
     me, out = os.getpid(), set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

@@ -1,0 +1,111 @@
+"""Unit tests of the data plane's pieces that need no processes: the wire format, the shared
+buffer layout and the executor's run-based put (checked against the row-based one)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+import tokenlake as tl
+from tokenlake.engines import executor, messages
+from tokenlake.engines.kv_pool import KVPool
+from tokenlake.engines.shared_buffers import InstanceBuffers, Layout
+
+SHAPE = tl.ModelShape(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8)
+
+
+def _sample(cls) -> object:
+    values = []
+    for f in dataclasses.fields(cls):
+        kind = str(f.type)
+        if "ndarray" in kind:
+            values.append(np.array([3, -1, 7], dtype=np.int32))
+        elif kind == "str":
+            values.append("x")
+        elif kind == "bool":
+            values.append(True)
+        else:
+            values.append(11)
+    return cls(*values)
+
+
+@pytest.mark.parametrize("cls", messages.MESSAGES, ids=lambda c: c.__name__)
+def test_every_message_round_trips(cls):
+    msg = _sample(cls)
+    out = messages.decode(messages.encode(msg))
+    assert type(out) is cls
+    for f in dataclasses.fields(cls):
+        a, b = getattr(msg, f.name), getattr(out, f.name)
+        if isinstance(a, np.ndarray):
+            assert b.dtype == np.int32 and np.array_equal(a, b)
+        else:
+            assert a == b
+
+
+def test_decode_rejects_other_versions_unknown_types_and_pickle():
+    good = msgpack.unpackb(messages.encode(messages.Stop(1)))
+    for bad in (
+        msgpack.packb({**good, "version": messages.VERSION + 1}),
+        msgpack.packb({**good, "type": "Exec"}),
+        msgpack.packb({**good, "fields": [1, 2, 3]}),
+        pickle.dumps(messages.Stop(1)),
+        b"\xc1",
+    ):
+        with pytest.raises(messages.ProtocolError, match="message"):
+            messages.decode(bad)
+    with pytest.raises(TypeError, match="message"):
+        messages.encode(object())
+
+
+def test_views_share_the_raw_storage_and_capacity_is_checked():
+    layout = Layout(SHAPE, 2, num_slots=4, segment_len=8, max_q_rows=16, max_kv_rows=8)
+    buffers = InstanceBuffers.allocate(layout.nbytes(), "cpu")
+    views = buffers.views(layout)
+    assert views.pool.data.shape == layout.pool_shape and views.out_o.dtype == torch.float32
+    views.q.fill_(2.0)
+    assert buffers.views(layout).q.eq(2.0).all()  # a second view sees the same bytes
+    assert all(t.is_shared() for t in buffers.raw.values())
+    smaller = dataclasses.replace(layout, num_slots=2, max_q_rows=4)
+    assert buffers.fits(smaller) is None
+    bigger = dataclasses.replace(layout, num_slots=5)
+    assert "pool" in buffers.fits(bigger)
+    with pytest.raises(tl.InvalidArgumentError, match="layout: pool"):
+        buffers.views(bigger)
+
+
+def test_write_runs_equals_write_rows_and_packed_gather():
+    """The run-based put (one copy per run) stores exactly what the foundation's row-based
+    put stores, both from the kv buffer and from packed rows as received between hosts."""
+    cfg = tl.PoolConfig(SHAPE, 2, num_slots=8, segment_len=8)
+    pool = tl.Pool(cfg)
+    ids = np.arange(50, dtype=np.int32) % 13
+    plans = pool.gen_plans([[tl.Chunk("r", ids, 0)]], dops=[1])
+    tp = plans.transfer_plans[0]
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn((SHAPE.num_layers, tp.num_rows, 2, 2, 8), generator=gen)
+    puts = executor.prepare_put(tp, cfg.segment_len, "cpu")
+    for d, put in enumerate(puts):
+        runs = executor.put_runs(tp, d)
+        assert runs.num_rows == put.src_rows.numel()
+        by_rows, by_runs, packed = (KVPool(SHAPE, 8, 8) for _ in range(3))
+        for layer in range(SHAPE.num_layers):
+            executor.write_rows(by_rows, put, kv[layer], layer)
+            executor.write_runs(by_runs, runs, kv[layer], layer)
+            rows = executor.gather_runs(kv[layer], runs)
+            executor.write_runs(packed, runs.packed(), rows, layer)
+        assert torch.equal(by_rows.data, by_runs.data)
+        assert torch.equal(by_rows.data, packed.data)
+    pool.abort(plans)
+
+
+def test_copy_segment_copies_the_first_tokens_of_every_layer():
+    src, dst = KVPool(SHAPE, 4, 8), KVPool(SHAPE, 4, 8)
+    src.data.normal_()
+    executor.copy_segment(src, 1, dst, 3, 5)
+    assert torch.equal(dst.data[:, 3, :, :5], src.data[:, 1, :, :5])
+    assert dst.data[:, 3, :, 5:].eq(0).all() and dst.data[:, :3].eq(0).all()
