@@ -140,6 +140,16 @@ class ElasticScheduler:
         prefill = min(cfg.num_prefill_instances, live - 1)
         return replace(cfg, num_instances=live, num_prefill_instances=prefill)
 
+    def _fixed_roles(self, decision: Decision) -> list[list[int]] | None:
+        """xPyD pins roles to instances: the first P live instances only ever run prefill
+        batches, the others only decode (the dispatcher still picks within each set)."""
+        if self.config.mode != XPYD:
+            return None
+        live = sorted(self.pool.live_instances)
+        num_prefill = self._live_config().num_prefill_instances
+        prefill, decode = live[:num_prefill], live[num_prefill:]
+        return [prefill if phase == PREFILL else decode for phase in decision.phases]
+
     # ---- running -------------------------------------------------------------------------
     def step(self, load: float | None = None) -> IterationPlan | None:
         """Decide the next iteration and plan it with ``pool.gen_plans``; ``None`` when idle.
@@ -159,6 +169,7 @@ class ElasticScheduler:
                     [list(b) for b in decision.batches],
                     list(decision.dops),
                     self.pool.get_prefix_tree(),
+                    instances=self._fixed_roles(decision),
                 )
                 break
             except PoolFullError:

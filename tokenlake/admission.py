@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
+from tokenlake.dispatch import hungarian_dispatch
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.plans import Chunk
 from tokenlake.prefix_tree import PrefixMatch, PrefixTree
@@ -35,6 +38,38 @@ def check_batches(batches, dops, num_live: int) -> list[int]:
             f"dops: {sum(dops)} sub-batches exceed the {num_live} live instances"
         )
     return dops
+
+
+def check_instances(instances, batches, dops: list[int], live) -> None:
+    """``instances[b]``: ``None`` or distinct live instance ids, at least ``dops[b]`` of them."""
+    if instances is None:
+        return
+    if not isinstance(instances, Sequence) or len(instances) != len(batches):
+        raise InvalidArgumentError(f"instances: expected {len(batches)} entries (one per batch)")
+    for b, allowed in enumerate(instances):
+        if allowed is None:
+            continue
+        ids = list(allowed)
+        if len(set(ids)) != len(ids) or not all(isinstance(i, int) and i in live for i in ids):
+            raise InvalidArgumentError(
+                f"instances[{b}]: expected distinct live instance ids, got {ids!r}"
+            )
+        if len(ids) < dops[b]:
+            raise InvalidArgumentError(
+                f"instances[{b}]: {len(ids)} instances cannot host DoP {dops[b]}"
+            )
+    # every sub-batch needs its own allowed instance: a matching must exist (checked here,
+    # before anything changes, with a zero-cost assignment)
+    live = sorted(live)
+    num_sub = sum(dops)
+    allowed = np.ones((num_sub, max(live) + 1), dtype=bool)
+    u = 0
+    for b, dop in enumerate(dops):
+        if instances[b] is not None:
+            allowed[u : u + dop] = False
+            allowed[u : u + dop, list(instances[b])] = True
+        u += dop
+    hungarian_dispatch(np.zeros(allowed.shape), live, allowed)
 
 
 def check_chunks(batches, requests: dict, tree: PrefixTree) -> dict:

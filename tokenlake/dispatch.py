@@ -30,11 +30,15 @@ def traffic_cost(
     return q_row_bytes * (q_total - query_rows) + kv_token_bytes * (p_total - put_tokens)
 
 
-def hungarian_dispatch(cost: np.ndarray, live: Sequence[int]) -> np.ndarray:
+def hungarian_dispatch(
+    cost: np.ndarray, live: Sequence[int], allowed: np.ndarray | None = None
+) -> np.ndarray:
     """Assign every sub-batch (row) a distinct live instance with minimum total cost.
 
-    Returns ``origins[u]``, instance ids. Raises if there are more sub-batches than live
-    instances (a batch's DoP sub-batches each need an instance of their own).
+    ``allowed`` (bool ``[U, N]``, optional) restricts sub-batch ``u`` to the instances where
+    it is true (fixed-role deployments such as xPyD). Returns ``origins[u]``, instance ids.
+    Raises if there are more sub-batches than live instances, or no assignment respects
+    ``allowed``.
     """
     num_sub, _ = cost.shape
     live = np.asarray(live, dtype=np.int64)
@@ -42,7 +46,18 @@ def hungarian_dispatch(cost: np.ndarray, live: Sequence[int]) -> np.ndarray:
         raise InvalidArgumentError(
             f"dops: {num_sub} sub-batches need more than the {len(live)} live instances"
         )
-    rows, cols = linear_sum_assignment(cost[:, live])
+    sub_cost = cost[:, live]
+    if allowed is not None:
+        # a cost above any feasible total makes a forbidden edge the last resort; if the
+        # optimum still uses one, no feasible assignment exists
+        forbidden = ~allowed[:, live]
+        big = (np.abs(sub_cost).sum() + 1.0) * (num_sub + 1)
+        sub_cost = np.where(forbidden, big, sub_cost)
+    rows, cols = linear_sum_assignment(sub_cost)
+    if allowed is not None and forbidden[rows, cols].any():
+        raise InvalidArgumentError(
+            "instances: no assignment of sub-batches to distinct allowed live instances exists"
+        )
     origins = np.empty(num_sub, dtype=np.int64)
     origins[rows] = live[cols]
     return origins

@@ -20,7 +20,10 @@ class LoadModel:
 
     def min_iteration_time(self, reqs: Sequence[tuple[int, int]], num_instances: int) -> float:
         """``T_r``: the iteration time if all instances were perfectly used (roofline over
-        the whole forward: weights read once per instance, linear and attention FLOPs)."""
+        the whole forward: weights read once per instance, linear and attention FLOPs, and
+        the KV read and written — prefix attention included, so ``L`` is TokenLake's share
+        of the whole iteration; a scheduler whose latency model leaves prefix attention out
+        scales its batch times by ``1 / (1 - L)``)."""
         m, hw = self.model, self.hardware
         num_new = sum(n for _, n in reqs)
         flops = m.linear_flops(num_new) + sum(m.attention_flops(n, p + n) for p, n in reqs)

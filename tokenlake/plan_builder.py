@@ -90,6 +90,7 @@ class PlanBuilder:
         dops: Sequence[int],
         live: Sequence[int],
         replications: Sequence[tuple[Node, Location, Location]] = (),
+        instances: Sequence[Sequence[int] | None] | None = None,
     ) -> tuple[Plans, Traffic]:
         n_inst = self.num_instances
         subs = [
@@ -117,7 +118,14 @@ class PlanBuilder:
         if len(runs):
             np.add.at(put_tokens, (runs[:, 0], runs[:, 1]), runs[:, 3])
         cost = traffic_cost(query_rows, put_tokens, self.q_row_bytes, self.kv_token_bytes)
-        origins = hungarian_dispatch(cost, live)
+        allowed = None
+        if instances is not None and any(i is not None for i in instances):
+            allowed = np.ones((len(subs), n_inst), dtype=bool)
+            for u, (b, _, _) in enumerate(subs):
+                if instances[b] is not None:
+                    allowed[u] = False
+                    allowed[u, list(instances[b])] = True
+        origins = hungarian_dispatch(cost, live, allowed)
         copies += self._replication_copies(replications, origins)
 
         local = np.arange(len(subs))

@@ -98,6 +98,10 @@ class Pool:
     def num_stored_tokens(self, request_id: int | str) -> int:
         return self._state(request_id).num_tokens
 
+    def free_capacity(self) -> int:
+        """Slots obtainable now without touching pinned data (free plus evictable)."""
+        return self.planner.free_capacity()
+
     def get_cache_load(
         self, reqs: Sequence[tuple[int, int]], tree: PrefixTreeView | None = None
     ) -> float:
@@ -115,6 +119,7 @@ class Pool:
         batches: Sequence[Sequence[Chunk]],
         dops: Sequence[int] | None = None,
         tree: PrefixTreeView | None = None,
+        instances: Sequence[Sequence[int] | None] | None = None,
     ) -> Plans:
         """Plan one iteration: where each batch runs and where its prefix and new KV live.
 
@@ -124,6 +129,8 @@ class Pool:
             dops: degree of parallelism per batch (default 1); every sub-batch gets its own
                 instance, so ``sum(dops)`` must not exceed the live instances.
             tree: the view from :meth:`get_prefix_tree` (optional; must be this pool's).
+            instances: optional per-batch instance ids the batch may run on (``None`` for
+                any), for fixed-role deployments (xPyD); the dispatcher still picks among them.
         Returns:
             :class:`Plans` for this iteration's epoch (with replication orders in the
             transfer plans' copies). Call :meth:`commit` after the data plane executed
@@ -138,6 +145,7 @@ class Pool:
             )
         self._check_view(tree)
         dops = admission.check_batches(batches, dops, len(self.placement.live))
+        admission.check_instances(instances, batches, dops, self.placement.live)
         matches = admission.check_chunks(batches, self.requests, self.tree)
         planned = [
             [
@@ -167,7 +175,7 @@ class Pool:
         replications = self._reserve_replications()
         self._epoch += 1
         plans, traffic = self.builder.build(
-            self._epoch, planned, dops, self.live_instances, replications
+            self._epoch, planned, dops, self.live_instances, replications, instances
         )
         self.access.record_load(traffic.load)
         self.stats.record_iteration(traffic)

@@ -112,3 +112,46 @@ def test_gen_plans_minimises_recounted_bytes(seed):
     assert query + put == pytest.approx(sum(cost[u, o] for u, o in enumerate(origins)))
     h.pool.abort(plans)
     h.pool.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_hungarian_with_allowed_sets_equals_restricted_brute_force(seed):
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(2, 7))
+    num_sub = int(rng.integers(1, n + 1))
+    cost = rng.integers(0, 1000, (num_sub, n)).astype(float)
+    allowed = rng.random((num_sub, n)) < 0.6
+    feasible = [
+        perm
+        for perm in itertools.permutations(range(n), num_sub)
+        if all(allowed[u, perm[u]] for u in range(num_sub))
+    ]
+    if not feasible:
+        with pytest.raises(InvalidArgumentError, match="instances"):
+            hungarian_dispatch(cost, range(n), allowed)
+        return
+    origins = hungarian_dispatch(cost, range(n), allowed)
+    assert all(allowed[u, o] for u, o in enumerate(origins))
+    best = min(sum(cost[u, perm[u]] for u in range(num_sub)) for perm in feasible)
+    assert sum(cost[u, o] for u, o in enumerate(origins)) == pytest.approx(best)
+
+
+def test_gen_plans_respects_instance_sets_and_rejects_bad_ones():
+    h = Harness(4, 16, num_slots=32)
+    ids = [tokens(i, 40) for i in range(3)]
+    batches = [[tl.Chunk(f"r{i}", x, 0)] for i, x in enumerate(ids)]
+    plans = h.pool.gen_plans(batches, [1, 2, 1], instances=[[0], [1, 2, 3], None])
+    origins = [qp.origin for qp in plans.query_plans]
+    assert origins[0] == 0 and set(origins[1:3]) <= {1, 2, 3} and len(set(origins)) == 4
+    h.pool.abort(plans)
+    for bad, match in (
+        ([[0], [0, 1], [1]], "no assignment"),  # three sub-batches, two allowed instances
+        ([[7], None, None], r"instances\[0\]"),
+        ([[0], [1], None], r"instances\[1\]"),  # DoP 2 on one instance
+        ([None, None], "instances"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=match):
+            h.pool.gen_plans(batches, [1, 2, 1], instances=bad)
+        assert h.pool.active_epoch is None and not h.pool.requests
+        assert sum(a.num_used for a in h.pool.allocators) == 0
+        h.pool.check_invariants()

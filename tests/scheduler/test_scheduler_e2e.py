@@ -66,6 +66,11 @@ def run_workload(mode: str, num_instances: int, load_model=None, **cfg):
             if mode != "colocated":
                 assert phase in (PREFILL, DECODE) and (dop == 1 or phase == PREFILL)
         assert sum(d.dops) <= num_instances
+        if mode == "xpyd":  # fixed roles: the first P instances prefill, the rest decode
+            num_p = cfg["num_prefill_instances"]
+            for b, phase in enumerate(d.phases):
+                for origin in it.plans.groups[b]:
+                    assert (origin < num_p) == (phase == PREFILL)
         for c in d.chunks:
             prompt_len = outputs[c.request_id][0]
             if c.request_id not in seen:  # a new request starts at its cached prefix
