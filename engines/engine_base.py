@@ -143,6 +143,10 @@ def main(spec: EngineSpec) -> None:
     """Entry point of an engine process (``multiprocessing`` spawn target)."""
     if spec.role not in ROLES:
         raise ValueError(f"spec.role: expected one of {ROLES}, got {spec.role!r}")
+    # Several engines share each host's cores: torch's own thread pool per process would
+    # oversubscribe them (a descheduled OpenMP worker stalls a whole copy). The attention
+    # kernels have their own pool, sized by kernel_threads.
+    torch.set_num_threads(1)
     if spec.role == "query":
         from tokenlake.engines.query_engine import QueryEngine as engine_cls
 

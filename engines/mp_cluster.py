@@ -199,6 +199,11 @@ class MPCluster:
             raise PeerFailedError(instance_id, "query", "instance was marked lost")
         return self._clients[instance_id]
 
+    def synchronize(self) -> None:
+        """Wait until every put in flight has landed (a query of a layer does this for that
+        layer on its own; this is for measuring and for shutting an iteration down)."""
+        self._driver.flush("synchronize")
+
     def reset(self, pool: Pool, backend: str | None = None) -> MPCluster:
         """Serve ``pool`` (same number of instances; its layout must fit the buffers
         allocated at launch) with kernel ``backend``. Drops every binding; instances already
