@@ -4,45 +4,31 @@ engine and a transfer engine process beside the compute-engine clients (this pro
     with MPCluster(pool, DataPlaneConfig()) as cluster:
         run_iteration(cluster, plans, chunks, model)     # same API as LocalCluster
 
-Start-up: shared buffers are allocated here, engines are spawned (``spawn`` context) with
-them, and the launcher waits until every engine reported ready. Shut-down (``close``, the end
-of a ``with`` block, garbage collection or interpreter exit) stops every engine, kills any
-that do not stop, and releases the buffers; nothing is left running.
+Start-up: shared buffers are allocated here, engines are spawned with them
+(:mod:`tokenlake.engines.launcher`), and the cluster waits until every engine reported ready.
+Shut-down (``close``, the end of a ``with`` block, garbage collection or interpreter exit)
+stops every engine, kills any that do not stop, and releases the buffers; nothing is left
+running.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import time
-import weakref
 
-import torch.multiprocessing as mp
 import zmq
 
 from tokenlake.engines import messages, process_group
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
 from tokenlake.engines.driver import Driver
-from tokenlake.engines.engine_base import ROLES, EngineSpec, main
+from tokenlake.engines.engine_base import ROLES
 from tokenlake.engines.engine_client import EngineClient
+from tokenlake.engines.launcher import EngineProcesses
 from tokenlake.engines.shared_buffers import InstanceBuffers, Layout
-from tokenlake.engines.transport import Requester, bind_random
+from tokenlake.engines.transport import Requester
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.plans import Plans
 from tokenlake.pool import Pool
 from tokenlake.validate import check_int
-
-
-def _stop_processes(processes: list, grace_s: float) -> None:
-    """Join every process for ``grace_s`` in total, then kill the rest (a stopped or hung
-    engine ignores ``Stop``)."""
-    deadline = time.monotonic() + grace_s
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in processes:
-        if p.exitcode is None:
-            p.kill()
-            p.join(5.0)
 
 
 class MPCluster:
@@ -65,11 +51,10 @@ class MPCluster:
             )
         self.config = config
         self.num_instances = pool.config.num_instances
-        self._processes: dict[tuple[str, int], mp.Process] = {}
         self._ctx = zmq.Context()
+        self._procs: EngineProcesses | None = None
         self._store = self._group = self._mps = None
         self._closed = False
-        self._finalizer = weakref.finalize(self, _stop_processes, [], 0.0)
         try:
             self._launch(pool)
             self.reset(pool, backend)
@@ -98,62 +83,15 @@ class MPCluster:
             spec_group = process_group.GroupSpec(
                 backend, cfg.host, self._store.port, n, cfg.startup_timeout_s
             )
-        self._spec_group = spec_group
-        endpoints = self._spawn([(role, i) for role in ROLES for i in range(n)])
+        handles = events.handles if events is not None else None
+        self._procs = EngineProcesses(cfg, self._ctx, self._buffers, spec_group, handles)
+        endpoints = self._procs.spawn([(role, i) for role in ROLES for i in range(n)])
         if spec_group is not None:
             self._group = process_group.connect(spec_group, self._store, process_group.DRIVER_RANK)
         requester = Requester(self._ctx, cfg.timeout_s, cfg.poll_interval_s, self._is_alive)
         for key, ep in endpoints.items():
             requester.connect(key, ep)
         self._driver = Driver(cfg, n, requester, self._group, events)
-
-    def _spawn(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], str]:
-        """Start the engines ``keys`` (``(role, instance_id)``) and wait until each is ready;
-        returns their endpoints."""
-        cfg = self.config
-        ready = self._ctx.socket(zmq.PULL)
-        ready.setsockopt(zmq.LINGER, 0)
-        try:
-            endpoint = bind_random(ready, cfg.host)
-            spawn = mp.get_context("spawn")
-            for role, i in keys:
-                if cfg.separate_hosts:
-                    visible = {i: self._buffers[i]}
-                else:
-                    visible = dict(enumerate(self._buffers))
-                spec = EngineSpec(
-                    role, i, self.num_instances, visible, endpoint, cfg.host, os.getpid(),
-                    cfg.kernel_threads, cfg.timeout_s, self._spec_group,
-                    self._events.handles if self._events is not None else None,
-                )  # fmt: skip
-                p = spawn.Process(
-                    target=main, args=(spec,), name=f"tokenlake-{role}-{i}", daemon=True
-                )
-                p.start()
-                self._processes[(role, i)] = p
-            self._finalizer.detach()
-            self._finalizer = weakref.finalize(
-                self, _stop_processes, list(self._processes.values()), 2.0
-            )
-            return self._wait_ready(ready, keys)
-        finally:
-            ready.close(linger=0)
-
-    def _wait_ready(self, ready: zmq.Socket, keys: list) -> dict[tuple[str, int], str]:
-        endpoints = {}
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        while len(endpoints) < len(keys):
-            for key in keys:
-                p = self._processes[key]
-                if p.exitcode is not None and key not in endpoints:
-                    raise PeerFailedError(key[1], key[0], f"exited at start-up ({p.exitcode})")
-            if time.monotonic() > deadline:
-                missing = sorted(set(keys) - set(endpoints))
-                raise PeerFailedError(missing[0][1], missing[0][0], "not ready in time")
-            if ready.poll(100):
-                msg = messages.decode(ready.recv())
-                endpoints[(msg.role, msg.instance_id)] = msg.endpoint
-        return endpoints
 
     def close(self) -> None:
         """Stop every engine and release sockets, group and buffers (idempotent)."""
@@ -166,8 +104,8 @@ class MPCluster:
                 if self._is_alive(key):
                     with contextlib.suppress(zmq.ZMQError):
                         driver.requester.request(key, messages.Stop)
-        _stop_processes(list(self._processes.values()), 5.0)
-        self._finalizer.detach()
+        if self._procs is not None:
+            self._procs.stop_all(5.0)
         if driver is not None:
             driver.requester.close()
         process_group.shutdown(self._group)
@@ -191,7 +129,7 @@ class MPCluster:
     @property
     def pids(self) -> dict[tuple[str, int], int]:
         """Process id of every engine, by ``(role, instance_id)`` (for tests and tools)."""
-        return {key: p.pid for key, p in self._processes.items()}
+        return self._procs.pids
 
     def engine(self, instance_id: int) -> EngineClient:
         check_int("instance_id", instance_id, low=0, high=len(self._clients))
@@ -258,11 +196,7 @@ class MPCluster:
         check_int("instance_id", instance_id, low=0, high=self.num_instances)
         d = self._driver
         d.lost.add(instance_id)
-        procs = [self._processes[(role, instance_id)] for role in ROLES]
-        for p in procs:
-            if p.exitcode is None:
-                p.kill()
-        _stop_processes(procs, 1.0)
+        self._procs.kill([(role, instance_id) for role in ROLES])
         for role in ROLES:
             d.requester.disconnect((role, instance_id))
         d.forget(instance_id)
@@ -301,7 +235,7 @@ class MPCluster:
         if self.config.separate_hosts:
             raise InvalidArgumentError("instance_id: cannot restart with separate_hosts=True")
         keys = [(role, instance_id) for role in ROLES]
-        for key, ep in self._spawn(keys).items():
+        for key, ep in self._procs.spawn(keys).items():
             d.requester.connect(key, ep)
         d.lost.discard(instance_id)
         self._configure(keys, d.layout, d.backend)
@@ -338,5 +272,4 @@ class MPCluster:
         )  # fmt: skip
 
     def _is_alive(self, key: tuple[str, int]) -> bool:
-        p = self._processes.get(key)
-        return p is not None and p.exitcode is None
+        return self._procs is not None and self._procs.is_alive(key)

@@ -11,6 +11,7 @@ from conftest import SHAPE, child_pids, shm_entries
 from harness import tokens
 
 import tokenlake as tl
+from tokenlake.engines import launcher
 from tokenlake.engines.dataplane_config import DataPlaneConfig
 from tokenlake.engines.mp_cluster import MPCluster
 from tokenlake.engines.synthetic import SyntheticModel, run_iteration
@@ -48,9 +49,7 @@ def test_engine_failing_at_start_up_is_reported_and_cleaned_up(monkeypatch):
     pids_before = child_pids()
     pool = tl.Pool(tl.PoolConfig(SHAPE, num_instances=1, num_slots=8, segment_len=16))
     config = DataPlaneConfig(max_q_rows=64, max_kv_rows=64, startup_timeout_s=60.0)
-    from tokenlake.engines import mp_cluster
-
-    monkeypatch.setattr(mp_cluster, "main", _crash)
+    monkeypatch.setattr(launcher, "main", _crash)
     with pytest.raises(tl.TokenLakeError, match="start-up"):
         MPCluster(pool, config)
     assert child_pids() <= pids_before

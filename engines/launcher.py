@@ -1,0 +1,124 @@
+"""The engine processes of one local cluster: spawned (``multiprocessing`` spawn context) with
+their shared buffers, waited for until ready, stopped — killed if they do not stop — and
+reaped even if the owner is garbage-collected or the interpreter exits."""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from collections.abc import Sequence
+
+import torch.multiprocessing as mp
+import zmq
+
+from tokenlake.engines import messages
+from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
+from tokenlake.engines.engine_base import EngineSpec, main
+from tokenlake.engines.process_group import GroupSpec
+from tokenlake.engines.shared_buffers import InstanceBuffers
+from tokenlake.engines.transport import bind_random
+
+Key = tuple[str, int]  # (role, instance_id)
+
+
+def stop_processes(processes: Sequence, grace_s: float) -> None:
+    """Join every process for ``grace_s`` in total, then kill the rest (a stopped or hung
+    engine ignores ``Stop``; ``SIGKILL`` also ends a stopped one)."""
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.exitcode is None:
+            p.kill()
+            p.join(5.0)
+
+
+class EngineProcesses:
+    """Spawns and tracks the engine processes of ``num_instances`` instances.
+
+    With ``config.separate_hosts`` each engine is handed only its own instance's buffers;
+    otherwise every instance's, as processes on one host can map them all.
+    """
+
+    def __init__(
+        self,
+        config: DataPlaneConfig,
+        ctx: zmq.Context,
+        buffers: list[InstanceBuffers],
+        group: GroupSpec | None,
+        event_handles: dict[int, bytes] | None,
+    ) -> None:
+        self.config = config
+        self._ctx = ctx
+        self._buffers = buffers
+        self._group = group
+        self._event_handles = event_handles
+        self.processes: dict[Key, mp.Process] = {}
+        self._finalizer = weakref.finalize(self, stop_processes, [], 0.0)
+
+    def spawn(self, keys: list[Key]) -> dict[Key, str]:
+        """Start engines ``keys`` and wait until each reported ready; returns their endpoints.
+        Raises :class:`PeerFailedError` if one exits or is not ready in time."""
+        cfg = self.config
+        ready = self._ctx.socket(zmq.PULL)
+        ready.setsockopt(zmq.LINGER, 0)
+        try:
+            endpoint = bind_random(ready, cfg.host)
+            spawn = mp.get_context("spawn")
+            for role, i in keys:
+                visible = dict(enumerate(self._buffers))
+                if cfg.separate_hosts:
+                    visible = {i: self._buffers[i]}
+                spec = EngineSpec(
+                    role, i, len(self._buffers), visible, endpoint, cfg.host, os.getpid(),
+                    cfg.kernel_threads, cfg.timeout_s, self._group, self._event_handles,
+                )  # fmt: skip
+                p = spawn.Process(
+                    target=main, args=(spec,), name=f"tokenlake-{role}-{i}", daemon=True
+                )
+                p.start()
+                self.processes[(role, i)] = p
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(
+                self, stop_processes, list(self.processes.values()), 2.0
+            )
+            return self._wait_ready(ready, keys)
+        finally:
+            ready.close(linger=0)
+
+    def _wait_ready(self, ready: zmq.Socket, keys: list[Key]) -> dict[Key, str]:
+        endpoints = {}
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while len(endpoints) < len(keys):
+            for key in keys:
+                code = self.processes[key].exitcode
+                if code is not None and key not in endpoints:
+                    raise PeerFailedError(key[1], key[0], f"exited at start-up ({code})")
+            if time.monotonic() > deadline:
+                missing = sorted(set(keys) - set(endpoints))
+                raise PeerFailedError(missing[0][1], missing[0][0], "not ready in time")
+            if ready.poll(100):
+                msg = messages.decode(ready.recv())
+                endpoints[(msg.role, msg.instance_id)] = msg.endpoint
+        return endpoints
+
+    def is_alive(self, key: Key) -> bool:
+        p = self.processes.get(key)
+        return p is not None and p.exitcode is None
+
+    @property
+    def pids(self) -> dict[Key, int]:
+        return {key: p.pid for key, p in self.processes.items()}
+
+    def kill(self, keys: list[Key]) -> None:
+        procs = [self.processes[k] for k in keys if k in self.processes]
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+        stop_processes(procs, 1.0)
+
+    def stop_all(self, grace_s: float) -> None:
+        """After ``Stop`` was sent: wait ``grace_s``, kill the rest, drop the finalizer."""
+        stop_processes(list(self.processes.values()), grace_s)
+        self._finalizer.detach()
