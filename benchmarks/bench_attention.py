@@ -24,7 +24,8 @@ Every timed call starts with a cold last-level cache (``--flush-mib`` of writes 
 from the time): in serving each layer's K/V is read once per step from a pool far larger than
 the LLC, and an 8K-token batch (256-512 MiB) could otherwise sit in a large LLC between repeats.
 Timings are medians over ``--repeats`` runs after ``--warmup`` runs; the reference, seconds per
-call, gets ``--ref-repeats`` runs after one warmup. Threads: torch uses
+call, gets ``--ref-repeats`` runs after ``--ref-warmup`` (default 0: the cases before warm it up,
+and its first-call costs are small next to its runtime). Threads: torch uses
 ``torch.get_num_threads()``; the C++ kernel its own pool of ``--threads`` (default: all hardware
 threads). Prints one table, then one JSON line per case.
 """
@@ -139,7 +140,7 @@ def run_case(
     cpp_ms = timer.median_ms(cpp, args.repeats, args.warmup)
     sdpa_ms = timer.median_ms(sdpa, args.repeats, args.warmup)
     ref = lambda: reference.partial_attention(*kernel_args)  # noqa: E731
-    ref_ms = timer.median_ms(ref, args.ref_repeats, warmup=1)
+    ref_ms = timer.median_ms(ref, args.ref_repeats, args.ref_warmup)
     o_cpp, _ = cpp()
     o_sdpa = sdpa().float().transpose(1, 2).reshape(o_cpp.shape)
     cpp_gbps = kv_bytes / cpp_ms / 1e6
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--ref-repeats", type=int, default=1)
+    parser.add_argument("--ref-warmup", type=int, default=0)
     parser.add_argument("--flush-mib", type=int, default=512, help="LLC-evicting writes per run")
     parser.add_argument("--threads", type=int, default=None, help="C++ kernel threads")
     parser.add_argument("--decode-heads", type=int, nargs=3, default=[32, 8, 128],
