@@ -62,6 +62,7 @@ class Engine:
         self.running: list[Job] = []  # decoding
         self.busy = False
         self.busy_time = 0.0
+        self.num_rejected = 0
 
     # ---- entry points --------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -69,6 +70,9 @@ class Engine:
         job.instance = self.index
         self.waiting.append(job)
         self._kick()
+
+    def too_large_to_decode(self, job: Job) -> bool:
+        return job.input_len + job.req.output_len > self.cache.capacity_tokens
 
     def can_accept_decode(self, job: Job) -> bool:
         return len(self.running) < self.config.max_running_requests and self.cache.reserve(
@@ -93,6 +97,10 @@ class Engine:
             self.busy = True
             self.loop.at(self.loop.now, self._step)
 
+    def _too_large(self, job: Job) -> bool:
+        out = job.req.output_len if self.config.role != "prefill" else 0
+        return job.input_len + out > self.cache.capacity_tokens
+
     def _admit(self, job: Job) -> bool:
         keys, _ = job.prompt_keys()
         m = self.cache.match(keys)
@@ -115,6 +123,12 @@ class Engine:
             if len(self.running) + len(self.prefilling) >= self.config.max_running_requests:
                 break
             job = self.waiting[0]
+            if self._too_large(job):
+                # Longer than this instance's whole KV capacity: SGLang rejects such a request
+                # (it never finishes, so it misses the SLO) instead of blocking the queue.
+                self.waiting.popleft()
+                self.num_rejected += 1
+                continue
             if not self._admit(job):
                 break  # FCFS: the head waits for memory
             self.waiting.popleft()

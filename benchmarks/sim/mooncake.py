@@ -72,6 +72,11 @@ class MooncakeSystem:
         while self.pending:
             job = self.pending[0]
             dst = max(self.decode, key=lambda e: e.cache.available_tokens)
+            if dst.too_large_to_decode(job):  # no decode instance can ever hold it: rejected
+                self.pending.popleft()
+                self.prefill[job.instance].release_prefilled(job)
+                dst.num_rejected += 1
+                continue
             if not dst.can_accept_decode(job):
                 return  # FCFS: wait for a decode instance to free memory
             self.pending.popleft()

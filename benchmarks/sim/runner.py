@@ -12,7 +12,6 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from benchmarks.sim.engine import Engine
 from benchmarks.sim.events import EventLoop
 from benchmarks.sim.job import Job
 from benchmarks.sim.metrics import LoadTimeline, RequestRecord, hit_rate, slo_attainment
@@ -179,9 +178,8 @@ def simulate(
             system.engines if isinstance(system, RouterSystem) else system.prefill + system.decode
         )
         extra = {
-            "evicted_tokens": sum(
-                e.cache.num_evicted_tokens for e in engines if isinstance(e, Engine)
-            )
+            "evicted_tokens": sum(e.cache.num_evicted_tokens for e in engines),
+            "rejected": sum(e.num_rejected for e in engines),
         }
     return RunResult(
         cfg.system,

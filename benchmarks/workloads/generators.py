@@ -159,7 +159,8 @@ def scbench(cfg: GeneratorConfig) -> Workload:
         cfg,
         "scbench",
         turns_of=lambda r: int(r.integers(3, 8)),  # mean 5 turns
-        first_len_of=lambda r: int(np.clip(_lognormal(r, 225_000, 0.3), 60_000, 500_000)),
+        # mean 227K; at most 245K so a session fits one TP2 A100 instance (262K KV tokens)
+        first_len_of=lambda r: int(np.clip(_lognormal(r, 225_000, 0.12), 150_000, 245_000)),
         growth_of=lambda r: int(r.integers(100, 900)),  # previous answer + next question
         output_of=lambda r, n: int(r.integers(16, 192)),
         think_of=lambda r: float(r.exponential(5.0)),
