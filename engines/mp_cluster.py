@@ -66,15 +66,17 @@ class MPCluster:
     def _launch(self, pool: Pool) -> None:
         cfg, n = self.config, self.num_instances
         layout = self._layout(pool)
-        self._buffers = [InstanceBuffers.allocate(layout.nbytes(), cfg.device) for _ in range(n)]
-        self._events = events = None
-        if cfg.device == "cuda":  # not run on a GPU
-            from tokenlake.engines.gpu import ClientEvents, MpsDaemon
+        if cfg.use_mps:  # not run on a GPU; before any CUDA context, so all join the daemon
+            from tokenlake.engines.gpu import MpsDaemon
 
-            self._events = events = ClientEvents(n, self._buffers[0].raw["pool"].device)
-            if cfg.use_mps:
-                self._mps = MpsDaemon()
-                self._mps.start()
+            self._mps = MpsDaemon()
+            self._mps.start()
+        self._buffers = [InstanceBuffers.allocate(layout.nbytes(), cfg.device) for _ in range(n)]
+        events = None
+        if cfg.device == "cuda":  # not run on a GPU
+            from tokenlake.engines.gpu import ClientEvents
+
+            events = ClientEvents(n, self._buffers[0].raw["pool"].device)
         spec_group = None
         if cfg.separate_hosts:
             backend = "nccl" if cfg.device == "cuda" else "gloo"
@@ -110,7 +112,7 @@ class MPCluster:
             driver.requester.close()
         process_group.shutdown(self._group)
         self._group = self._store = self._driver = None
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # closes any socket a failed start-up left open
         self._buffers = []
         if self._mps is not None:
             self._mps.stop()
