@@ -22,7 +22,8 @@ class BalancerConfig:
     decay: per-iteration decay of segment access counts (``0 < decay <= 1``).
     overload_factor: an instance is overloaded when its window load exceeds the mean by it.
     heavy_hitter_k: the heavy hitters are the top ``k·N·ln N`` segments (at least ``k·N``).
-    max_replications: replication orders per iteration (bounds copy traffic).
+    max_replications: replication orders per decision (bounds copy traffic).
+    interval: iterations between replication decisions (the heavy-hitter search costs).
     replicate: turn replication off to measure its effect.
     """
 
@@ -31,6 +32,7 @@ class BalancerConfig:
     overload_factor: float = 1.05
     heavy_hitter_k: float = 4.0
     max_replications: int = 16
+    interval: int = 1
     replicate: bool = True
 
     def __post_init__(self) -> None:
@@ -42,8 +44,10 @@ class BalancerConfig:
             raise InvalidArgumentError(
                 f"BalancerConfig.overload_factor: expected >= 1, got {self.overload_factor}"
             )
-        if self.heavy_hitter_k <= 0 or self.max_replications < 0:
-            raise InvalidArgumentError("BalancerConfig: heavy_hitter_k > 0, max_replications >= 0")
+        if self.heavy_hitter_k <= 0 or self.max_replications < 0 or self.interval < 1:
+            raise InvalidArgumentError(
+                "BalancerConfig: expected heavy_hitter_k > 0, max_replications >= 0, interval >= 1"
+            )
 
     def num_heavy_hitters(self, num_instances: int) -> int:
         n = max(num_instances, 2)

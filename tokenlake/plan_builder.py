@@ -65,6 +65,17 @@ class _Index:
     h_sub: np.ndarray
 
 
+@dataclass(frozen=True)
+class _PieceInfo:
+    """Per piece (a sub-batch's share of one chunk), in sub-batch order."""
+
+    first_piece: np.ndarray  # [U + 1] first piece of each sub-batch
+    request_ids: list
+    rows: np.ndarray  # int64
+    starts: np.ndarray  # int64 prefix length (chunk start)
+    positions: np.ndarray  # int64 token position of the piece's first row
+
+
 class PlanBuilder:
     def __init__(
         self,
@@ -138,8 +149,13 @@ class PlanBuilder:
             num_replications=len(replications),
             load=load,
         )
-        query_plans = self._query_plans(epoch, subs, origins, piece_sub, index)
-        transfer_plans = self._transfer_plans(epoch, subs, origins, runs, copies)
+        first_piece = np.searchsorted(piece_sub, np.arange(len(subs) + 1))
+        rids = [pc.state.request_id for pc, _, _ in pieces]
+        starts = np.fromiter((pc.start for pc, _, _ in pieces), dtype=np.int64, count=len(pieces))
+        lows = np.fromiter((lo for _, lo, _ in pieces), dtype=np.int64, count=len(pieces))
+        heads = _PieceInfo(first_piece, rids, piece_rows.astype(np.int64), starts, starts + lows)
+        query_plans = self._query_plans(epoch, subs, origins, heads, index)
+        transfer_plans = self._transfer_plans(epoch, subs, origins, runs, copies, heads)
         groups: list[list[int]] = [[] for _ in batches]
         for (b, _, _), origin in zip(subs, origins, strict=True):
             groups[b].append(int(origin))
@@ -294,67 +310,86 @@ class PlanBuilder:
             a_sub=sub_of,
         )
 
-    def _query_plans(self, epoch, subs, origins, piece_sub, index: _Index) -> list[QueryPlan]:
+    def _query_plans(
+        self, epoch, subs, origins, heads: _PieceInfo, index: _Index
+    ) -> list[QueryPlan]:
         num = np.arange(len(subs) + 1)
         a_bounds = np.searchsorted(index.a_sub, num)
         e_bounds = np.searchsorted(index.e_sub, num)
         h_bounds = np.searchsorted(index.h_sub, num)
-        first_piece = np.searchsorted(piece_sub, num)
-        e_req = (index.e_piece - first_piece[index.e_sub]).astype(np.int32)
+        fp = heads.first_piece
+        e_req = (index.e_piece - fp[index.e_sub]).astype(np.int32)
         h_inst = index.e_inst[index.h_start].astype(np.int32)
+        h_indptr = (index.h_start - e_bounds[index.h_sub]).astype(np.int32)
+        kv_indptr = (index.e_start - a_bounds[index.e_sub]).astype(np.int32)
+        positions = heads.positions.astype(np.int32)
+        prefix_lens = heads.starts.astype(np.int32)
         plans = []
-        for u, (b, j, sub_pieces) in enumerate(subs):
+        for u, (b, j, _) in enumerate(subs):
             a_lo, a_hi = a_bounds[u], a_bounds[u + 1]
             e_lo, e_hi, h_lo, h_hi = e_bounds[u], e_bounds[u + 1], h_bounds[u], h_bounds[u + 1]
-            rows = [hi_r - lo_r for _, lo_r, hi_r in sub_pieces]
+            p_lo, p_hi = fp[u], fp[u + 1]
             plans.append(
                 QueryPlan(
                     epoch=epoch,
                     batch_index=b,
                     sub_batch_index=j,
                     origin=int(origins[u]),
-                    request_ids=tuple(pc.state.request_id for pc, _, _ in sub_pieces),
-                    q_indptr=frozen_i32(np.concatenate([[0], np.cumsum(rows)])),
-                    positions=frozen_i32([pc.start + lo_r for pc, lo_r, _ in sub_pieces]),
-                    prefix_lens=frozen_i32([pc.start for pc, _, _ in sub_pieces]),
+                    request_ids=tuple(heads.request_ids[p_lo:p_hi]),
+                    q_indptr=frozen_i32(np.concatenate([[0], np.cumsum(heads.rows[p_lo:p_hi])])),
+                    positions=frozen_i32(positions[p_lo:p_hi]),
+                    prefix_lens=frozen_i32(prefix_lens[p_lo:p_hi]),
                     holder_ids=frozen_i32(h_inst[h_lo:h_hi]),
-                    holder_indptr=frozen_i32(np.append(index.h_start[h_lo:h_hi], e_hi) - e_lo),
+                    holder_indptr=frozen_i32(np.append(h_indptr[h_lo:h_hi], e_hi - e_lo)),
                     entry_req=frozen_i32(e_req[e_lo:e_hi]),
-                    kv_indptr=frozen_i32(np.append(index.e_start[e_lo:e_hi], a_hi) - a_lo),
+                    kv_indptr=frozen_i32(np.append(kv_indptr[e_lo:e_hi], a_hi - a_lo)),
                     kv_indices=frozen_i32(index.slot[a_lo:a_hi]),
                     last_len=frozen_i32(index.e_last[e_lo:e_hi]),
                 )
             )
         return plans
 
-    def _transfer_plans(self, epoch, subs, origins, runs, copies) -> list[TransferPlan]:
-        runs = runs[np.lexsort((runs[:, 1], runs[:, 0]))].astype(np.int32)
-        copies_arr = np.asarray(copies, dtype=np.int32).reshape(-1, 6)
-        r_bounds = np.searchsorted(runs[:, 0], np.arange(len(subs) + 1))
+    def _transfer_plans(
+        self, epoch, subs, origins, runs, copies, heads: _PieceInfo
+    ) -> list[TransferPlan]:
+        runs = runs[np.argsort(runs[:, 0] * self.num_instances + runs[:, 1], kind="stable")]
+        runs = runs.astype(np.int32)
+        n = len(runs)
+        new_dst = np.ones(n, dtype=bool)
+        new_dst[1:] = (runs[1:, 0] != runs[:-1, 0]) | (runs[1:, 1] != runs[:-1, 1])
+        d_start = np.flatnonzero(new_dst)
+        num = np.arange(len(subs) + 1)
+        r_bounds = np.searchsorted(runs[:, 0], num)
+        d_bounds = np.searchsorted(runs[d_start, 0], num)
+        d_indptr = (d_start - r_bounds[runs[d_start, 0]]).astype(np.int32)
+        d_ids = runs[d_start, 1]
+        c = np.asarray(copies, dtype=np.int32).reshape(-1, 6)
+        c = c[np.argsort(c[:, 0], kind="stable")]
+        c_bounds = np.searchsorted(c[:, 0], num)
         plans = []
-        for u, (b, j, sub_pieces) in enumerate(subs):
-            r = runs[r_bounds[u] : r_bounds[u + 1]]
-            dst_ids, counts = np.unique(r[:, 1], return_counts=True)
-            c = copies_arr[copies_arr[:, 0] == u] if len(copies_arr) else copies_arr
+        for u, (b, j, _) in enumerate(subs):
+            r_lo, r_hi, d_lo, d_hi = r_bounds[u], r_bounds[u + 1], d_bounds[u], d_bounds[u + 1]
+            cu = c[c_bounds[u] : c_bounds[u + 1]]
+            p_lo, p_hi = heads.first_piece[u], heads.first_piece[u + 1]
             plans.append(
                 TransferPlan(
                     epoch=epoch,
                     batch_index=b,
                     sub_batch_index=j,
                     origin=int(origins[u]),
-                    request_ids=tuple(pc.state.request_id for pc, _, _ in sub_pieces),
-                    num_rows=sum(hi - lo for _, lo, hi in sub_pieces),
-                    dst_ids=frozen_i32(dst_ids),
-                    dst_indptr=frozen_i32(np.concatenate([[0], np.cumsum(counts)])),
-                    run_src_row=frozen_i32(r[:, 2]),
-                    run_len=frozen_i32(r[:, 3]),
-                    run_dst_slot=frozen_i32(r[:, 4]),
-                    run_dst_offset=frozen_i32(r[:, 5]),
-                    copy_src_instance=frozen_i32(c[:, 1]),
-                    copy_src_slot=frozen_i32(c[:, 2]),
-                    copy_dst_instance=frozen_i32(c[:, 3]),
-                    copy_dst_slot=frozen_i32(c[:, 4]),
-                    copy_len=frozen_i32(c[:, 5]),
+                    request_ids=tuple(heads.request_ids[p_lo:p_hi]),
+                    num_rows=int(heads.rows[p_lo:p_hi].sum()),
+                    dst_ids=frozen_i32(d_ids[d_lo:d_hi]),
+                    dst_indptr=frozen_i32(np.append(d_indptr[d_lo:d_hi], r_hi - r_lo)),
+                    run_src_row=frozen_i32(runs[r_lo:r_hi, 2]),
+                    run_len=frozen_i32(runs[r_lo:r_hi, 3]),
+                    run_dst_slot=frozen_i32(runs[r_lo:r_hi, 4]),
+                    run_dst_offset=frozen_i32(runs[r_lo:r_hi, 5]),
+                    copy_src_instance=frozen_i32(cu[:, 1]),
+                    copy_src_slot=frozen_i32(cu[:, 2]),
+                    copy_dst_instance=frozen_i32(cu[:, 3]),
+                    copy_dst_slot=frozen_i32(cu[:, 4]),
+                    copy_len=frozen_i32(cu[:, 5]),
                 )
             )
         return plans

@@ -271,6 +271,8 @@ class Pool:
     def _reserve_replications(self) -> list[tuple[Node, Location, Location]]:
         """Slots for this iteration's replication orders: free ones on the destination, or
         an unpinned LRU replica there. An order whose source went in the process is dropped."""
+        if self._epoch % self.balancer.interval:
+            return []
         orders = plan_replications(self.tree, self.access, list(self.live_instances), self.balancer)
         reserved = []
         for node, src, dst in orders:
