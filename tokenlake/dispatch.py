@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from tokenlake.errors import InvalidArgumentError
 
@@ -53,6 +52,9 @@ def hungarian_dispatch(
         forbidden = ~allowed[:, live]
         big = (np.abs(sub_cost).sum() + 1.0) * (num_sub + 1)
         sub_cost = np.where(forbidden, big, sub_cost)
+    # imported here: scipy costs ~1 s to import and engine processes never dispatch
+    from scipy.optimize import linear_sum_assignment
+
     rows, cols = linear_sum_assignment(sub_cost)
     if allowed is not None and forbidden[rows, cols].any():
         raise InvalidArgumentError(

@@ -183,8 +183,11 @@ class Pool:
         return plans
 
     def commit(self, plans: Plans) -> None:
-        """Seal what the iteration wrote and add its new replicas; the data plane must have
-        finished every put and copy."""
+        """Seal what the iteration wrote and add its new replicas.
+
+        The data plane must have finished every put and copy of these plans (an
+        asynchronous data plane: wait for it first, e.g. ``MPCluster.synchronize()``).
+        """
         iteration = self._take_inflight(plans)
         for pc in iteration.chunks:
             self._commit_chunk(pc)
@@ -240,6 +243,18 @@ class Pool:
         if self._inflight is not None:
             raise IterationStateError("abort the iteration in flight before drop_instance")
         return instance_loss.drop_instance(self, instance_id)
+
+    def restore_instance(self, instance_id: int) -> None:
+        """Bring a dropped instance back, empty (its engine restarted): new segments may be
+        placed on it again. No iteration may be in flight."""
+        if self._inflight is not None:
+            raise IterationStateError("abort or commit the iteration in flight first")
+        if not 0 <= instance_id < self.config.num_instances or instance_id in self.placement.live:
+            raise InvalidArgumentError(
+                f"instance_id: expected a dropped instance of this pool, got {instance_id!r}"
+            )
+        self.allocators[instance_id] = SlotAllocator(self.config.num_slots)
+        self.placement.add(instance_id)
 
     def get_stats(self) -> dict:
         """One plain dict of counters; see :meth:`tokenlake.stats.PoolStats.as_dict`."""

@@ -70,3 +70,22 @@ def test_cannot_drop_the_last_instance():
     h = Harness(1, 16, num_slots=8)
     with pytest.raises(InvalidArgumentError, match="last"):
         h.pool.drop_instance(0)
+
+
+def test_restore_instance_places_segments_there_again():
+    h = Harness(3, 16, num_slots=32)
+    h.step([[tl.Chunk("a", tokens(1, 40), 0)]])
+    h.pool.finish("a")
+    h.pool.drop_instance(1)
+    with pytest.raises(InvalidArgumentError, match="instance_id"):
+        h.pool.restore_instance(0)  # live
+    with pytest.raises(InvalidArgumentError, match="instance_id"):
+        h.pool.restore_instance(3)  # not part of the pool
+    h.pool.restore_instance(1)
+    h.pool.check_invariants()
+    assert 1 in h.pool.live_instances
+    for i in range(8):  # hash placement sends some new segments to the restored instance
+        h.step([[tl.Chunk(f"b{i}", tokens(10 + i, 48), 0)]])
+        h.pool.finish(f"b{i}")
+    assert h.pool.allocators[1].num_used > 0
+    h.pool.check_invariants()
