@@ -20,7 +20,7 @@ import numpy as np
 
 import tokenlake as tl
 from benchmarks.progress import Progress
-from benchmarks.traces import CONVERSATION_TRACE, TokenSynth, load_trace
+from benchmarks.traces import TokenSynth, conversation_trace, load_trace
 from tokenlake.engines.local_cluster import LocalCluster
 from tokenlake.engines.synthetic import SyntheticModel, run_iteration
 
@@ -43,7 +43,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "--trace", default=str(CONVERSATION_TRACE), help="Mooncake-schema JSONL(.gz) trace"
+        "--trace",
+        default=None,
+        help="Mooncake-schema JSONL(.gz) trace (default: the shared conversation trace, or "
+        "the bundled excerpt of its first 1,000 requests)",
     )
     p.add_argument("--requests", type=int, default=300, help="first N requests of the trace")
     p.add_argument("--scale", type=int, default=16, help="divide every length by this")
@@ -63,6 +66,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     synth = TokenSynth(block_size=512, scale=args.scale)
+    args.trace = args.trace or str(conversation_trace(args.requests))
     trace = load_trace(args.trace, args.requests)
     seg = synth.block_len
     shape = tl.ModelShape(

@@ -20,6 +20,18 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TRACES_DIR = REPO_ROOT.parent / "shared" / "traces"
 CONVERSATION_TRACE = TRACES_DIR / "mooncake_fast25_conversation_trace.jsonl.gz"
 SYNTHETIC_TRACE = TRACES_DIR / "mooncake_fast25_synthetic_trace.jsonl.gz"
+# the first 1,000 requests of the conversation trace, shipped for clones without ../shared
+BUNDLED_CONVERSATION_HEAD = (
+    Path(__file__).resolve().parent / "data" / "conversation_trace_head1000.jsonl.gz"
+)
+
+
+def conversation_trace(min_requests: int = 0) -> Path:
+    """The full shared conversation trace if present, else the bundled excerpt (enough for
+    ``min_requests`` <= 1000)."""
+    if CONVERSATION_TRACE.exists() or min_requests > 1000:
+        return CONVERSATION_TRACE
+    return BUNDLED_CONVERSATION_HEAD
 
 
 @dataclass(frozen=True)

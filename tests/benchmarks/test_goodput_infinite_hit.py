@@ -9,13 +9,13 @@ import pytest
 
 from benchmarks.sim.runner import RunConfig, simulate
 from benchmarks.sim.step_timer import ClusterSpec, make_timer
-from benchmarks.traces import CONVERSATION_TRACE
+from benchmarks.traces import conversation_trace
 from benchmarks.workloads import TraceConfig, trace_workload
 
 NUM = 150
 B = 512
 
-pytestmark = pytest.mark.skipif(not CONVERSATION_TRACE.exists(), reason="shared traces absent")
+CONVERSATION_TRACE = conversation_trace(1000)  # the shared trace, or the bundled excerpt
 
 
 def expected_block_hit(num: int) -> tuple[int, int]:

@@ -7,9 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.traces import CONVERSATION_TRACE
+from benchmarks.traces import conversation_trace
 from benchmarks.workloads import GENERATORS, GeneratorConfig, TraceConfig, trace_workload
 from benchmarks.workloads.request import prompt_tokens
+
+CONVERSATION_TRACE = conversation_trace(1000)  # the shared trace, or the bundled excerpt
 
 
 def stats(name, n=400):
@@ -74,7 +76,6 @@ def test_prompt_tokens_share_exactly_the_shared_blocks():
     assert (first_diff[0] if len(first_diff) else n) == min(common * 512, n)
 
 
-@pytest.mark.skipif(not CONVERSATION_TRACE.exists(), reason="shared traces absent")
 def test_trace_rate_scaling_jitter_and_reblocking():
     w = trace_workload(TraceConfig(CONVERSATION_TRACE, limit=300, rate=5.0, jitter_s=3.0))
     arr = np.array([r.arrival_s for r in w.requests])
