@@ -239,6 +239,7 @@ def sweep(args, spec, timer, systems, rates, log, out) -> dict:
                     if done
                     else None,
                     "hit_rate": res.summary()["hit_rate"],
+                    "load_cv": res.summary()["load_cv"],
                 }
             )
         table[s] = pts
@@ -264,6 +265,7 @@ def cache_sweep(args, spec, systems, fracs, log) -> dict:
                     "fraction": f,
                     "cache_tokens": sp.capacity_tokens,
                     "hit_rate": res.summary()["hit_rate"],
+                    "load_cv": res.summary()["load_cv"],
                 }
             )
         table[s] = pts
