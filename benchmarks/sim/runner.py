@@ -154,15 +154,15 @@ def simulate(
     last = max(r.arrival_s for r in opens)
     horizon = cfg.horizon_s if cfg.horizon_s is not None else 2 * last + 600.0
     start = time.perf_counter()
-    truncated = False
+    end = last + horizon
     step = max(1.0, horizon / 200)
     t = 0.0
-    while pending["n"] > 0 and not loop.empty:
-        t += step
-        loop.run(until=min(t, last + horizon))
-        if time.perf_counter() - start > cfg.wall_budget_s or loop.now >= last + horizon:
-            truncated = pending["n"] > 0
+    while pending["n"] > 0 and not loop.empty and t < end:
+        t = min(t + step, end)
+        loop.run(until=t)
+        if time.perf_counter() - start > cfg.wall_budget_s:
             break
+    truncated = pending["n"] > 0 and not loop.empty  # stopped at the horizon or wall budget
     for r in workload.requests:  # turns never submitted (their session stalled) still count
         if r.rid not in records:
             records[r.rid] = make_record(r, float("nan"), timer)

@@ -68,3 +68,10 @@ def test_mooncake_1p1d_by_hand():
     assert b.finish_s == pytest.approx(1.986)
     assert (a.hit_tokens, b.hit_tokens) == (0, 512)
     assert all(r.meets_slo() for r in res.records)
+
+
+def test_the_run_stops_at_the_horizon():
+    spec = ClusterSpec(num_instances=1, cache_tokens=100_000)
+    res = simulate(WORKLOAD, spec, FakeTimer(), RunConfig("router", horizon_s=1.0))
+    assert res.truncated and res.sim_s <= 1.5 + 1e-9  # last arrival 0.5 + horizon 1.0
+    assert not any(r.finished for r in res.records)
