@@ -90,7 +90,12 @@ class Model:
         return e.pins == 0 and (len(e.replicas) > 1 or not self.children(prefix))
 
     def lru_victim(self) -> tuple[tuple, Location] | None:
+        """Extra copies (of unpinned multi-replica segments) go first, then any evictable."""
         cands = [
+            (order, p, inst)
+            for (p, inst), order in self.replica_order.items()
+            if self.entries[p].pins == 0 and len(self.entries[p].replicas) > 1
+        ] or [
             (order, p, inst) for (p, inst), order in self.replica_order.items() if self.evictable(p)
         ]
         if not cands:

@@ -25,6 +25,8 @@ class BalancerConfig:
     max_replications: replication orders per decision (bounds copy traffic).
     interval: iterations between replication decisions (the heavy-hitter search costs).
     replicate: turn replication off to measure its effect.
+    recent_decay: per-iteration decay of the short-horizon load that replica choice uses
+        (the window load lags; choosing on it herds every access to one replica).
     """
 
     window: int = 64
@@ -34,12 +36,17 @@ class BalancerConfig:
     max_replications: int = 16
     interval: int = 1
     replicate: bool = True
+    recent_decay: float = 0.9
 
     def __post_init__(self) -> None:
         if self.window < 1:
             raise InvalidArgumentError(f"BalancerConfig.window: expected >= 1, got {self.window}")
         if not 0 < self.decay <= 1:
             raise InvalidArgumentError(f"BalancerConfig.decay: expected (0, 1], got {self.decay}")
+        if not 0 <= self.recent_decay < 1:
+            raise InvalidArgumentError(
+                f"BalancerConfig.recent_decay: expected [0, 1), got {self.recent_decay}"
+            )
         if self.overload_factor < 1:
             raise InvalidArgumentError(
                 f"BalancerConfig.overload_factor: expected >= 1, got {self.overload_factor}"
@@ -67,6 +74,7 @@ class AccessStats:
         self._window: deque[np.ndarray] = deque(maxlen=config.window)
         self._window_sum = np.zeros(num_instances)
         self.history: deque[np.ndarray] = deque(maxlen=4096)  # per-iteration loads, for stats
+        self.recent_load = np.zeros(num_instances)  # EWMA over a few iterations, for PoT
 
     def begin_iteration(self) -> None:
         self.scale /= self.config.decay
@@ -85,6 +93,7 @@ class AccessStats:
             self._window_sum -= self._window[0]
         self._window.append(load)
         self._window_sum += load
+        self.recent_load = self.config.recent_decay * self.recent_load + load
         self.history.append(load)
 
     @property

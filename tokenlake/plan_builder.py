@@ -198,7 +198,7 @@ class PlanBuilder:
         multi = nrep > 1
         if not multi.any():
             return
-        load = self.stats.window_load + np.bincount(
+        load = self.stats.recent_load + np.bincount(
             inst[~multi], weights=weights[~multi], minlength=self.num_instances
         )
         m_idx = idx[multi]

@@ -67,8 +67,8 @@ class Pool:
         self.tree = PrefixTree(config.segment_len, self.hasher, max_replicas=n)
         self.placement = Placement(range(n), seed=self.hasher.seed)
         self.allocators = [SlotAllocator(config.num_slots) for _ in range(n)]
-        self.planner = SegmentPlanner(self.tree, self.placement, self.allocators)
         self.access = AccessStats(n, self.tree, self.balancer)
+        self.planner = SegmentPlanner(self.tree, self.placement, self.allocators)
         m = config.model
         q_row_bytes = m.num_layers * (
             m.q_bytes_per_token_layer + 4 * m.num_q_heads * (m.head_dim + 1)
