@@ -87,14 +87,14 @@ class Model:
 
     def evictable(self, prefix: tuple) -> bool:
         e = self.entries[prefix]
-        return e.pins == 0 and (len(e.replicas) > 1 or not self.children(prefix))
+        return len(e.replicas) > 1 or (e.pins == 0 and not self.children(prefix))
 
     def lru_victim(self) -> tuple[tuple, Location] | None:
-        """Extra copies (of unpinned multi-replica segments) go first, then any evictable."""
+        """Extra copies (of any multi-replica segment) go first, then any evictable."""
         cands = [
             (order, p, inst)
             for (p, inst), order in self.replica_order.items()
-            if self.entries[p].pins == 0 and len(self.entries[p].replicas) > 1
+            if len(self.entries[p].replicas) > 1
         ] or [
             (order, p, inst) for (p, inst), order in self.replica_order.items() if self.evictable(p)
         ]
@@ -341,7 +341,7 @@ class TreeMachine(RuleBasedStateMachine):
         assert self.tree.num_pending == len(self.pending)
         assert self.tree.num_replicas == sum(len(e.replicas) for e in entries.values())
         assert self.tree.num_evictable == sum(
-            0 if e.pins else len(e.replicas) for e in entries.values()
+            len(e.replicas) - (1 if e.pins else 0) for e in entries.values()
         )
         for e in entries.values():
             assert e.node.replicas == e.replicas
@@ -351,7 +351,7 @@ class TreeMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         """Pins are path-closed, so repeated eviction frees exactly ``num_evictable`` replicas
-        and leaves every replica of each pinned node."""
+        and leaves one copy of each pinned node."""
         if not hasattr(self, "tree"):
             return
         expected = self.tree.num_evictable
@@ -360,9 +360,8 @@ class TreeMachine(RuleBasedStateMachine):
             evicted += 1
         assert evicted == expected
         pinned = [e for e in self.model.entries.values() if e.pins]
-        assert self.tree.num_nodes == len(pinned)
-        assert self.tree.num_replicas == sum(len(e.replicas) for e in pinned)
-        assert all(e.node.replicas == e.replicas for e in pinned)
+        assert self.tree.num_nodes == self.tree.num_replicas == len(pinned)
+        assert all(len(e.node.replicas) == 1 for e in pinned)
         self.tree.check_invariants()
 
 
@@ -506,17 +505,20 @@ def test_touch_makes_ancestors_newer_so_leaves_are_evicted_first():
     tree.check_invariants()
 
 
-def test_pinned_node_keeps_every_replica_unpinned_loses_extras_first():
+def test_pinned_last_copy_is_never_evicted_but_extra_replicas_are_first():
     tree = PrefixTree(2, SegmentHasher("t"))
     node = tree.insert(tree.root, arr([1, 2]), Location(0, 0)).node
+    cold = tree.insert(tree.root, arr([2, 2]), Location(2, 0)).node  # older than node's copy
+    tree.touch([node])
     tree.add_replica(node, Location(1, 0))
     tree.pin(node)
-    assert tree.num_evictable == 0
-    assert tree.evict_lru() is None  # a plan of this iteration may read either replica
-    tree.unpin(node)
     assert tree.num_evictable == 2
-    assert tree.evict_lru(instance_id=1) == (node, Location(1, 0))
-    assert tree.evict_lru() == (node, Location(0, 0))
+    assert tree.evict_lru() == (node, Location(0, 0))  # an extra copy, before the cold segment
+    assert tree.evict_lru() == (cold, Location(2, 0))
+    assert tree.evict_lru() is None
+    tree.unpin(node)
+    assert tree.evict_lru(instance_id=0) is None
+    assert tree.evict_lru() == (node, Location(1, 0))
     with pytest.raises(InvalidArgumentError, match="node"):
         tree.pin(node)  # detached
     tree.check_invariants()

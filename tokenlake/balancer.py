@@ -13,6 +13,7 @@ import numpy as np
 
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.prefix_tree import Location, Node, PrefixTree
+from tokenlake.stats import coefficient_of_variation
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class BalancerConfig:
     max_replications: replication orders per decision (bounds copy traffic).
     interval: iterations between replication decisions (the heavy-hitter search costs).
     replicate: turn replication off to measure its effect.
+    max_replica_fraction: extra copies stop being made once they hold this share of the
+        pool's slots (replicas cost hit rate).
     recent_decay: per-iteration decay of the short-horizon load that replica choice uses
         (the window load lags; choosing on it herds every access to one replica).
     """
@@ -36,6 +39,7 @@ class BalancerConfig:
     max_replications: int = 16
     interval: int = 1
     replicate: bool = True
+    max_replica_fraction: float = 0.1
     recent_decay: float = 0.9
 
     def __post_init__(self) -> None:
@@ -43,6 +47,10 @@ class BalancerConfig:
             raise InvalidArgumentError(f"BalancerConfig.window: expected >= 1, got {self.window}")
         if not 0 < self.decay <= 1:
             raise InvalidArgumentError(f"BalancerConfig.decay: expected (0, 1], got {self.decay}")
+        if not 0 <= self.max_replica_fraction <= 1:
+            raise InvalidArgumentError(
+                f"BalancerConfig.max_replica_fraction: expected [0, 1], got {self.max_replica_fraction}"
+            )
         if not 0 <= self.recent_decay < 1:
             raise InvalidArgumentError(
                 f"BalancerConfig.recent_decay: expected [0, 1), got {self.recent_decay}"
@@ -73,7 +81,9 @@ class AccessStats:
         self.total_access_tokens = 0.0  # scaled, like table.access
         self._window: deque[np.ndarray] = deque(maxlen=config.window)
         self._window_sum = np.zeros(num_instances)
-        self.history: deque[np.ndarray] = deque(maxlen=4096)  # per-iteration loads, for stats
+        self.cv_history: list[float] = []  # CV of each completed block of `window` iterations
+        self._block = np.zeros(num_instances)
+        self._block_len = 0
         self.recent_load = np.zeros(num_instances)  # EWMA over a few iterations, for PoT
 
     def begin_iteration(self) -> None:
@@ -88,13 +98,18 @@ class AccessStats:
         np.add.at(self.tree.table.access, idx, rows * self.scale)
         self.total_access_tokens += float(np.dot(rows, tokens)) * self.scale
 
-    def record_load(self, load: np.ndarray) -> None:
+    def record_load(self, load: np.ndarray, live: list[int]) -> None:
         if len(self._window) == self._window.maxlen:
             self._window_sum -= self._window[0]
         self._window.append(load)
         self._window_sum += load
+        self._block += load
+        self._block_len += 1
+        if self._block_len == self.config.window:
+            self.cv_history.append(coefficient_of_variation(self._block[live]))
+            self._block[:] = 0
+            self._block_len = 0
         self.recent_load = self.config.recent_decay * self.recent_load + load
-        self.history.append(load)
 
     @property
     def window_load(self) -> np.ndarray:
@@ -141,7 +156,11 @@ class ReplicationOrder:
 
 
 def plan_replications(
-    tree: PrefixTree, stats: AccessStats, live: list[int], config: BalancerConfig
+    tree: PrefixTree,
+    stats: AccessStats,
+    live: list[int],
+    config: BalancerConfig,
+    capacity_slots: int | None = None,
 ) -> list[tuple[Node, Location, int]]:
     """Replication orders ``(node, source replica, destination instance)`` for this iteration.
 
@@ -149,6 +168,12 @@ def plan_replications(
     least-loaded live instance without a copy, while the estimated load says it helps.
     """
     if not config.replicate or len(live) < 2:
+        return []
+    budget = config.max_replications
+    if capacity_slots is not None:
+        extra = tree.num_replicas - tree.num_nodes
+        budget = min(budget, int(config.max_replica_fraction * capacity_slots) - extra)
+    if budget <= 0:
         return []
     load = stats.window_load
     mean = float(load[live].mean())
@@ -164,7 +189,7 @@ def plan_replications(
     planned: dict[int, set[int]] = {}  # node key -> destinations ordered this iteration
     for src in over:
         for node in hot:
-            if len(orders) >= config.max_replications or est[src] <= threshold:
+            if len(orders) >= budget or est[src] <= threshold:
                 break
             holders = {r.instance_id for r in node.replicas} | planned.get(node.key, set())
             source = next((r for r in node.replicas if r.instance_id == src), None)

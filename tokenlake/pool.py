@@ -173,11 +173,15 @@ class Pool:
             self.planner.plan_writes(pc)
         self.access.begin_iteration()
         replications = self._reserve_replications()
+        for pc in chunks:  # evictions above may have taken the copy source chosen earlier
+            for w in pc.writes:
+                if w.copy_from is not None and w.copy_from not in pc.source.replicas:
+                    w.copy_from = pc.source.replicas[0]  # pinned: its last copy stays
         self._epoch += 1
         plans, traffic = self.builder.build(
             self._epoch, planned, dops, self.live_instances, replications, instances
         )
-        self.access.record_load(traffic.load)
+        self.access.record_load(traffic.load, list(self.live_instances))
         self.stats.record_iteration(traffic)
         self._inflight = _Iteration(self._epoch, planned, replications)
         return plans
@@ -288,7 +292,10 @@ class Pool:
         an unpinned LRU replica there. An order whose source went in the process is dropped."""
         if self._epoch % self.balancer.interval:
             return []
-        orders = plan_replications(self.tree, self.access, list(self.live_instances), self.balancer)
+        capacity = self.config.num_slots * len(self.placement.live)
+        orders = plan_replications(
+            self.tree, self.access, list(self.live_instances), self.balancer, capacity
+        )
         reserved = []
         for node, src, dst in orders:
             slot = self.allocators[dst].allocate()

@@ -4,8 +4,8 @@ Nodes are sealed segments (``C`` tokens) or tails (a finished request's last par
 fewer than ``C`` tokens, always a leaf). Each node lists its replicas (instance, slot). Inserts
 are two-phase — ``reserve`` while the KV is being written, then ``commit`` (deduplicating
 against an identical committed segment) or ``abort`` — and readers never see reservations.
-Eviction is LRU over replicas; it never touches a pinned node, and removes a node's last
-replica only from a leaf, so the tree stays prefix-closed.
+Eviction is LRU over replicas, extra copies first; it never removes a pinned node's last copy,
+and removes a last copy only from a leaf, so the tree stays prefix-closed.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class PrefixTree:
         self._tick = 0
         self._multi: dict[int, Node] = {}
         self._clock = 0
-        self._num_evictable = 0  # replicas of unpinned nodes: repeated eviction frees them all
+        self._num_evictable = 0  # all copies but pinned nodes' last: repeated eviction frees them
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -134,7 +134,7 @@ class PrefixTree:
     def pin(self, node: Node) -> None:
         self._require_committed(node)
         if node.pin_count == 0:
-            self._num_evictable -= len(node.replicas)
+            self._num_evictable -= 1  # its last copy is protected now
         node.pin_count += 1
 
     def unpin(self, node: Node) -> None:
@@ -143,7 +143,7 @@ class PrefixTree:
             raise InvalidArgumentError(f"node: {node!r} is not pinned")
         node.pin_count -= 1
         if node.pin_count == 0:
-            self._num_evictable += len(node.replicas)
+            self._num_evictable += 1
 
     # ---- two-phase insert ----------------------------------------------------------------
     def reserve(
@@ -233,8 +233,7 @@ class PrefixTree:
         self._stamp[(node.key, location.instance_id)] = self._tick
         if len(node.replicas) > 1:
             self._multi[node.key] = node
-        if node.pin_count == 0:
-            self._num_evictable += 1
+        self._num_evictable += 1  # a new copy is either unpinned or an extra one
 
     def remove_replica(self, node: Node, instance_id: int) -> Location:
         """Drop ``node``'s replica on ``instance_id``; dropping the last one removes the node,
@@ -247,8 +246,7 @@ class PrefixTree:
             raise InvalidArgumentError(f"node: {node!r} has children; remove them first")
         if len(node.replicas) == 1 and node.pin_count:
             raise InvalidArgumentError(f"node: {node!r} is pinned; its last copy cannot go")
-        if node.pin_count == 0:
-            self._num_evictable -= 1
+        self._num_evictable -= 1  # unpinned, or an extra copy of a pinned node
         loc = node.replicas.pop(idx)
         self.table.set_replicas(node.idx, node.replicas)
         del self._lru[(node.key, instance_id)]
@@ -274,13 +272,12 @@ class PrefixTree:
 
     def evict_lru(self, instance_id: int | None = None) -> tuple[Node, Location] | None:
         """Remove the least recently used evictable replica (on ``instance_id`` if given);
-        ``None`` if there is none. Extra copies (of nodes with several) go before any last
-        copy; a pinned node keeps all its replicas (a plan of this iteration may read any of
-        them); a last copy goes only from a leaf."""
+        ``None`` if there is none. Extra copies (of nodes with several, pinned or not) go
+        before any last copy; a last copy goes only from an unpinned leaf. Callers that
+        chose a replica before evicting must re-check it (see ``Pool.gen_plans``)."""
         extra = [
             (self._stamp[(key, r.instance_id)], key, r.instance_id)
             for key, node in self._multi.items()
-            if node.pin_count == 0
             for r in node.replicas
             if instance_id is None or r.instance_id == instance_id
         ]
@@ -292,7 +289,7 @@ class PrefixTree:
             node = self._nodes[key]
             if instance_id is not None and inst != instance_id:
                 continue
-            if node.pin_count == 0 and (len(node.replicas) > 1 or not node.children):
+            if node.pin_count == 0 and not node.children:
                 return node, self.remove_replica(node, inst)
         return None
 
@@ -364,7 +361,7 @@ class PrefixTree:
                     assert loc not in locations, f"location {loc} used twice"
                     locations.add(loc)
                     assert (child.key, loc.instance_id) in self._lru, "replica missing from LRU"
-                evictable += 0 if child.pin_count else len(child.replicas)
+                evictable += len(child.replicas) - (1 if child.pin_count else 0)
                 seen += 1
                 stack.append(child)
             assert sum(len(v) for v in node.by_first.values()) == len(node.children), "index size"

@@ -68,12 +68,7 @@ class PoolStats:
         - storage: segments, replicas, slots used, evictions, dedup savings.
         """
         window = pool.access.window_load
-        history = np.asarray(pool.access.history)
-        w = pool.balancer.window
-        over_time = [
-            coefficient_of_variation(history[i : i + w].sum(axis=0))
-            for i in range(0, len(history) - w + 1, w)
-        ]
+        over_time = pool.access.cv_history
         live = list(pool.live_instances)
         seg_bytes = pool.config.segment_bytes
         slots_used = [a.num_used for a in pool.allocators]
@@ -90,7 +85,7 @@ class PoolStats:
             "load_cv": coefficient_of_variation(self.load[live]),
             "window_load": window.tolist(),
             "window_load_cv": coefficient_of_variation(window[live]),
-            "load_cv_over_time": over_time,
+            "load_cv_over_time": list(over_time),
             "mean_load_cv": float(np.mean(over_time)) if over_time else 0.0,
             "query_bytes": self.query_bytes,
             "put_bytes": self.put_bytes,

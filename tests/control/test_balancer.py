@@ -224,3 +224,31 @@ def test_queries_stay_exact_with_replicas_and_after_their_eviction():
     errs.append(h.step([[tl.Chunk("late", ids, hit)]]))
     assert max(errs) <= h.tolerance
     h.pool.check_invariants()
+
+
+def test_copy_source_evicted_during_planning_is_replaced_by_a_surviving_replica():
+    """A new request extends a pinned, replicated segment while the pool is full: planning
+    evicts the extra copy it first chose as the copy source; the copy must come from the
+    surviving replica and the results stay exact."""
+    h = Harness(2, 16, num_slots=3, balancer=BalancerConfig(replicate=False))
+    doc = tokens(1, 16)
+    h.step([[tl.Chunk("a", np.concatenate([doc, tokens(2, 5)]), 0)]])
+    h.pool.finish("a")
+    seg = h.pool.tree.match(doc).nodes[0]
+    src = seg.replicas[0]
+    other = 1 - src.instance_id
+    slot = h.pool.allocators[other].allocate()
+    # replicate by hand: the data first, then the tree
+    h.cluster.kv_pools[other].data[:, slot] = h.cluster.kv_pools[src.instance_id].data[
+        :, src.slot_id
+    ]
+    h.pool.tree.add_replica(seg, Location(other, slot))  # newer than the primary copy
+    h.step([[tl.Chunk("c", tokens(3, 16 * 2 + 1), 0)]])  # fills the rest of the pool, pinned
+    assert sum(a.num_free for a in h.pool.allocators) == 0
+    ids = np.concatenate([doc[:5], tokens(4, 3)])
+    err = h.step([[tl.Chunk("b", ids, 5)]])
+    assert err <= h.tolerance
+    tp = h.last_plans.transfer_plans[0]
+    assert (int(tp.copy_src_instance[0]), int(tp.copy_src_slot[0])) == (other, slot)
+    assert seg.replicas == [Location(other, slot)]
+    h.pool.check_invariants()
