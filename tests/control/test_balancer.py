@@ -228,12 +228,11 @@ def test_queries_stay_exact_with_replicas_and_after_their_eviction():
 
 def test_copy_source_evicted_during_planning_is_replaced_by_a_surviving_replica():
     """A new request extends a pinned, replicated segment while the pool is full: planning
-    evicts the extra copy it first chose as the copy source; the copy must come from the
-    surviving replica and the results stay exact."""
+    evicts the (least recently used) copy it first chose as the copy source; the copy must
+    come from the surviving replica and the results stay exact."""
     h = Harness(2, 16, num_slots=3, balancer=BalancerConfig(replicate=False))
     doc = tokens(1, 16)
-    h.step([[tl.Chunk("a", np.concatenate([doc, tokens(2, 5)]), 0)]])
-    h.pool.finish("a")
+    h.step([[tl.Chunk("a", np.concatenate([doc, tokens(2, 5)]), 0)]])  # keeps running
     seg = h.pool.tree.match(doc).nodes[0]
     src = seg.replicas[0]
     other = 1 - src.instance_id
