@@ -12,7 +12,7 @@ $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" numpy scipy xxhash msgpack pyzmq tqdm \
+	$(PY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" numpy scipy xxhash msgpack pyzmq matplotlib \
 		pytest hypothesis ruff
 	touch $@
 
