@@ -1,6 +1,5 @@
-"""Turns planned chunks into immutable plans: gathers every prefix page of every request
-as flat arrays, picks replicas (power of two choices), matches sub-batches to instances
-(Hungarian, §5) and cuts the arrays into per-sub-batch CSR plans."""
+"""Turns planned chunks into immutable plans: gathers their prefix pages (``page_gather``),
+matches sub-batches to instances (Hungarian, §5) and cuts per-sub-batch CSR plans."""
 
 from __future__ import annotations
 
@@ -9,33 +8,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenlake import _C
 from tokenlake.balancer import AccessStats
 from tokenlake.dispatch import hungarian_dispatch, traffic_cost
+from tokenlake.page_gather import PageGatherer, PageIndex, split_rows
 from tokenlake.plans import Plans, QueryPlan, TransferPlan, frozen_i32
 from tokenlake.prefix_tree import Location, Node, PrefixTree
 from tokenlake.requests import PlannedChunk
-
-Piece = tuple[int, int, int]  # (chunk index in batch, first row, end row) within the chunk
-
-
-def split_rows(chunks: Sequence[PlannedChunk], dop: int) -> list[list[Piece]]:
-    """Split a batch's rows into ``dop`` contiguous, near-equal sub-batches."""
-    if dop == 1:
-        return [[(ci, 0, pc.end - pc.start) for ci, pc in enumerate(chunks)]]
-    sizes = [pc.end - pc.start for pc in chunks]
-    total = sum(sizes)
-    bounds = [round(total * j / dop) for j in range(dop + 1)]
-    subs: list[list[Piece]] = []
-    for j in range(dop):
-        lo_row, hi_row, pieces, base = bounds[j], bounds[j + 1], [], 0
-        for ci, size in enumerate(sizes):
-            a, b = max(lo_row, base), min(hi_row, base + size)
-            if a < b:
-                pieces.append((ci, a - base, b - base))
-            base += size
-        subs.append(pieces)
-    return subs
 
 
 @dataclass(frozen=True)
@@ -47,22 +25,6 @@ class Traffic:
     replication_bytes: float
     num_replications: int
     load: np.ndarray  # [N] prefix tokens read per instance (rows × tokens)
-
-
-@dataclass(frozen=True)
-class _Index:
-    """All accesses sorted by (sub-batch, holder, request); ``e_*`` per (sub-batch, holder,
-    request) entry, ``h_*`` per (sub-batch, holder)."""
-
-    slot: np.ndarray  # int32 [num_accesses] slot of each page, sorted
-    a_sub: np.ndarray  # sub-batch of each access, sorted
-    e_start: np.ndarray  # first access of each entry
-    e_sub: np.ndarray
-    e_inst: np.ndarray
-    e_piece: np.ndarray
-    e_last: np.ndarray  # int32 tokens in each entry's last page
-    h_start: np.ndarray  # first entry of each holder
-    h_sub: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -87,12 +49,10 @@ class PlanBuilder:
         segment_bytes: float,
         seed: int = 0,
     ) -> None:
-        self.tree, self.table, self.stats = tree, tree.table, stats
-        self.segment_len = tree.segment_len
+        self.pages = PageGatherer(tree, stats, num_instances, seed)
         self.num_instances = num_instances
         self.q_row_bytes, self.kv_token_bytes = q_row_bytes, kv_token_bytes
         self.segment_bytes = segment_bytes
-        self._seed = seed
 
     def build(
         self,
@@ -117,10 +77,10 @@ class PlanBuilder:
                 pieces.append(piece)
         piece_sub = np.asarray(piece_sub, dtype=np.int64)
         piece_rows = np.asarray(piece_rows, dtype=np.float64)
-        acc = self._gather(pieces, piece_rows)
+        acc = self.pages.gather(pieces, piece_rows)
         inst, _, tokens, piece_of, _ = acc
         load = np.bincount(inst, weights=tokens * piece_rows[piece_of], minlength=n_inst)
-        index = self._index(acc, piece_sub)
+        index = self.pages.index(acc, piece_sub)
         # traffic matrices for dispatch: rows to each holder once per request, tokens to homes
         query_rows = np.zeros((len(subs), n_inst))
         np.add.at(query_rows, (index.e_sub, index.e_inst), piece_rows[index.e_piece])
@@ -161,61 +121,6 @@ class PlanBuilder:
             groups[b].append(int(origin))
         plans = Plans(epoch, tuple(query_plans), tuple(transfer_plans), tuple(map(tuple, groups)))
         return plans, traffic
-
-    def _gather(self, pieces, piece_rows):
-        """Every prefix page of every piece: ``(inst, slot, tokens, piece, is_partial)``."""
-        seg, table = self.segment_len, self.table
-        page_lists = [pc.state.page_idx for pc, _, _ in pieces]
-        sources, fixed = [], []  # partial last pages: a shared source node, or an open tail
-        for p, (pc, _, _) in enumerate(pieces):
-            if pc.source is not None:
-                sources.append((pc.source.idx, p, pc.source_len))
-            elif pc.state.open is not None and len(pc.state.open.tokens):
-                loc = pc.state.open.location
-                fixed.append((loc.instance_id, loc.slot_id, len(pc.state.open.tokens), p))
-        lens = np.fromiter(map(len, page_lists), dtype=np.int64, count=len(page_lists))
-        src = np.asarray(sources, dtype=np.int64).reshape(-1, 3)
-        idx = np.concatenate([*page_lists, src[:, 0]]).astype(np.int64, copy=False)
-        node_piece = np.concatenate([np.repeat(np.arange(len(pieces)), lens), src[:, 1]])
-        node_tokens = np.concatenate([np.full(int(lens.sum()), float(seg)), src[:, 2]])
-        inst = table.rep_inst[idx, 0].astype(np.int64)
-        slot = table.rep_slot[idx, 0].astype(np.int64)
-        rows = piece_rows[node_piece]
-        self._choose_replicas(idx, inst, slot, node_tokens * rows)
-        self.stats.record_accesses(idx, rows, node_tokens)
-        f = np.asarray(fixed, dtype=np.int64).reshape(-1, 4)
-        inst = np.concatenate([inst, f[:, 0]])
-        slot = np.concatenate([slot, f[:, 1]])
-        tokens = np.concatenate([node_tokens, f[:, 2]])
-        piece_of = np.concatenate([node_piece, f[:, 3]])
-        partial = (tokens < seg).astype(np.int64)
-        return inst, slot, tokens, piece_of, partial
-
-    def _choose_replicas(self, idx, inst, slot, weights) -> None:
-        """Power of two choices for pages with several replicas, on the window load plus the
-        load this iteration has already placed (in place on ``inst`` / ``slot``)."""
-        nrep = self.table.num_replicas[idx]
-        multi = nrep > 1
-        if not multi.any():
-            return
-        load = self.stats.recent_load + np.bincount(
-            inst[~multi], weights=weights[~multi], minlength=self.num_instances
-        )
-        m_idx = idx[multi]
-        chosen = np.empty(len(m_idx), dtype=np.int32)
-        self._seed += 1
-        _C.choose_replicas(
-            np.ascontiguousarray(self.table.rep_inst[m_idx]),
-            np.ascontiguousarray(nrep[multi]),
-            np.ascontiguousarray(weights[multi]),
-            load,
-            self._seed,
-            chosen,
-        )
-        inst[multi] = self.table.rep_inst[m_idx, chosen]
-        slot[multi] = self.table.rep_slot[m_idx, chosen]
-        for key in np.unique(m_idx * self.num_instances + inst[multi]).tolist():
-            self.tree.touch_replica(key // self.num_instances, key % self.num_instances)
 
     def _runs(self, pieces, piece_sub):
         """Put runs ``[sub, dst_inst, src_row, len, slot, offset]`` and copy-on-extend orders."""
@@ -275,43 +180,8 @@ class PlanBuilder:
             )
         return out
 
-    def _index(self, acc, piece_sub) -> _Index:
-        """Sort every access by (sub-batch, holder, request, partial-last) once; each plan's
-        CSR arrays are then slices of the same global arrays."""
-        inst, slot, tokens, piece_of, partial = acc
-        sub_of = piece_sub[piece_of]
-        # one int64 key instead of lexsort (several times slower); ties need no order since
-        # attention over one holder's pages is order-free, except the partial page goes last
-        key = ((sub_of * self.num_instances + inst) * (len(piece_sub) + 1) + piece_of) * 2 + partial
-        order = np.argsort(key)
-        inst, slot, tokens, piece_of, sub_of = (
-            a[order] for a in (inst, slot, tokens, piece_of, sub_of)
-        )
-        n = len(order)
-        new_entry = np.ones(n, dtype=bool)
-        new_entry[1:] = (
-            (sub_of[1:] != sub_of[:-1]) | (inst[1:] != inst[:-1]) | (piece_of[1:] != piece_of[:-1])
-        )
-        e_start = np.flatnonzero(new_entry)
-        e_end = np.append(e_start[1:], n).astype(np.int64)[: len(e_start)]
-        e_sub, e_inst, e_piece = sub_of[e_start], inst[e_start], piece_of[e_start]
-        new_holder = np.ones(len(e_start), dtype=bool)
-        new_holder[1:] = (e_sub[1:] != e_sub[:-1]) | (e_inst[1:] != e_inst[:-1])
-        h_start = np.flatnonzero(new_holder)
-        return _Index(
-            slot=slot.astype(np.int32),
-            e_start=e_start,
-            e_sub=e_sub,
-            e_inst=e_inst,
-            e_piece=e_piece,
-            e_last=tokens[e_end - 1].astype(np.int32),
-            h_start=h_start,
-            h_sub=e_sub[h_start],
-            a_sub=sub_of,
-        )
-
     def _query_plans(
-        self, epoch, subs, origins, heads: _PieceInfo, index: _Index
+        self, epoch, subs, origins, heads: _PieceInfo, index: PageIndex
     ) -> list[QueryPlan]:
         num = np.arange(len(subs) + 1)
         a_bounds = np.searchsorted(index.a_sub, num)

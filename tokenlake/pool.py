@@ -288,33 +288,13 @@ class Pool:
             self.tree.table.free(node.idx)
 
     def _reserve_replications(self) -> list[tuple[Node, Location, Location]]:
-        """Slots for this iteration's replication orders: free ones on the destination, or
-        an unpinned LRU replica there. An order whose source went in the process is dropped."""
         if self._epoch % self.balancer.interval:
             return []
         capacity = self.config.num_slots * len(self.placement.live)
         orders = plan_replications(
             self.tree, self.access, list(self.live_instances), self.balancer, capacity
         )
-        reserved = []
-        for node, src, dst in orders:
-            slot = self.allocators[dst].allocate()
-            if slot is None:
-                evicted = self.tree.evict_lru(instance_id=dst)
-                if evicted is None:
-                    continue
-                self.planner.num_evictions += 1
-                loc = evicted[1]
-            else:
-                loc = Location(dst, slot)
-            reserved.append((node, src, loc))
-        kept = []
-        for node, src, loc in reserved:
-            if self.tree.get(node.key) is node and src in node.replicas:
-                kept.append((node, src, loc))
-            else:
-                self.allocators[loc.instance_id].free(loc.slot_id)
-        return kept
+        return self.planner.reserve_replicas(orders)
 
     def _take_inflight(self, plans: Plans) -> _Iteration:
         if not isinstance(plans, Plans):

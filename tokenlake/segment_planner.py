@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tokenlake.errors import PoolFullError
 from tokenlake.placement import Placement
-from tokenlake.prefix_tree import Location, PrefixTree
+from tokenlake.prefix_tree import Location, Node, PrefixTree
 from tokenlake.requests import PlannedChunk, SegmentWrite
 from tokenlake.slots import SlotAllocator
 
@@ -102,3 +102,27 @@ class SegmentPlanner:
                 parent_key = tree.hasher.key(parent_key, content)
             pc.writes.append(write)
             pos = seg_end
+
+    def reserve_replicas(self, orders) -> list[tuple[Node, Location, Location]]:
+        """Slots for replication orders ``(node, source, destination instance)``: a free one
+        on the destination, or its least recently used evictable replica. An order whose
+        source went in the process is dropped (its slot freed)."""
+        reserved = []
+        for node, src, dst in orders:
+            slot = self.allocators[dst].allocate()
+            if slot is None:
+                evicted = self.tree.evict_lru(instance_id=dst)
+                if evicted is None:
+                    continue
+                self.num_evictions += 1
+                loc = evicted[1]
+            else:
+                loc = Location(dst, slot)
+            reserved.append((node, src, loc))
+        kept = []
+        for node, src, loc in reserved:
+            if self.tree.get(node.key) is node and src in node.replicas:
+                kept.append((node, src, loc))
+            else:
+                self.allocators[loc.instance_id].free(loc.slot_id)
+        return kept

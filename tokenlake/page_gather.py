@@ -1,0 +1,154 @@
+"""Gathering the prefix pages a plan reads: every page of every piece as flat arrays, a
+replica for each (power of two choices), and one sort by (sub-batch, holder, request) from
+which every plan's CSR arrays are slices."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenlake import _C
+from tokenlake.balancer import AccessStats
+from tokenlake.prefix_tree import PrefixTree
+from tokenlake.requests import PlannedChunk
+
+Piece = tuple[int, int, int]  # (chunk index in batch, first row, end row) within the chunk
+
+
+def split_rows(chunks: Sequence[PlannedChunk], dop: int) -> list[list[Piece]]:
+    """Split a batch's rows into ``dop`` contiguous, near-equal sub-batches."""
+    if dop == 1:
+        return [[(ci, 0, pc.end - pc.start) for ci, pc in enumerate(chunks)]]
+    sizes = [pc.end - pc.start for pc in chunks]
+    total = sum(sizes)
+    bounds = [round(total * j / dop) for j in range(dop + 1)]
+    subs: list[list[Piece]] = []
+    for j in range(dop):
+        lo_row, hi_row, pieces, base = bounds[j], bounds[j + 1], [], 0
+        for ci, size in enumerate(sizes):
+            a, b = max(lo_row, base), min(hi_row, base + size)
+            if a < b:
+                pieces.append((ci, a - base, b - base))
+            base += size
+        subs.append(pieces)
+    return subs
+
+
+@dataclass(frozen=True)
+class PageIndex:
+    """All accesses sorted by (sub-batch, holder, request); ``e_*`` per (sub-batch, holder,
+    request) entry, ``h_*`` per (sub-batch, holder)."""
+
+    slot: np.ndarray  # int32 [num_accesses] slot of each page, sorted
+    a_sub: np.ndarray  # sub-batch of each access, sorted
+    e_start: np.ndarray  # first access of each entry
+    e_sub: np.ndarray
+    e_inst: np.ndarray
+    e_piece: np.ndarray
+    e_last: np.ndarray  # int32 tokens in each entry's last page
+    h_start: np.ndarray  # first entry of each holder
+    h_sub: np.ndarray
+
+
+class PageGatherer:
+    """Turns pieces into page accesses for one ``PrefixTree``; records their load."""
+
+    def __init__(
+        self, tree: PrefixTree, stats: AccessStats, num_instances: int, seed: int = 0
+    ) -> None:
+        self.tree, self.table, self.stats = tree, tree.table, stats
+        self.segment_len = tree.segment_len
+        self.num_instances = num_instances
+        self._seed = seed
+
+    def gather(self, pieces, piece_rows):
+        """Every prefix page of every piece: ``(inst, slot, tokens, piece, is_partial)``."""
+        seg, table = self.segment_len, self.table
+        page_lists = [pc.state.page_idx for pc, _, _ in pieces]
+        sources, fixed = [], []  # partial last pages: a shared source node, or an open tail
+        for p, (pc, _, _) in enumerate(pieces):
+            if pc.source is not None:
+                sources.append((pc.source.idx, p, pc.source_len))
+            elif pc.state.open is not None and len(pc.state.open.tokens):
+                loc = pc.state.open.location
+                fixed.append((loc.instance_id, loc.slot_id, len(pc.state.open.tokens), p))
+        lens = np.fromiter(map(len, page_lists), dtype=np.int64, count=len(page_lists))
+        src = np.asarray(sources, dtype=np.int64).reshape(-1, 3)
+        idx = np.concatenate([*page_lists, src[:, 0]]).astype(np.int64, copy=False)
+        node_piece = np.concatenate([np.repeat(np.arange(len(pieces)), lens), src[:, 1]])
+        node_tokens = np.concatenate([np.full(int(lens.sum()), float(seg)), src[:, 2]])
+        inst = table.rep_inst[idx, 0].astype(np.int64)
+        slot = table.rep_slot[idx, 0].astype(np.int64)
+        rows = piece_rows[node_piece]
+        self._choose_replicas(idx, inst, slot, node_tokens * rows)
+        self.stats.record_accesses(idx, rows, node_tokens)
+        f = np.asarray(fixed, dtype=np.int64).reshape(-1, 4)
+        inst = np.concatenate([inst, f[:, 0]])
+        slot = np.concatenate([slot, f[:, 1]])
+        tokens = np.concatenate([node_tokens, f[:, 2]])
+        piece_of = np.concatenate([node_piece, f[:, 3]])
+        partial = (tokens < seg).astype(np.int64)
+        return inst, slot, tokens, piece_of, partial
+
+    def _choose_replicas(self, idx, inst, slot, weights) -> None:
+        """Power of two choices for pages with several replicas, on the window load plus the
+        load this iteration has already placed (in place on ``inst`` / ``slot``)."""
+        nrep = self.table.num_replicas[idx]
+        multi = nrep > 1
+        if not multi.any():
+            return
+        load = self.stats.recent_load + np.bincount(
+            inst[~multi], weights=weights[~multi], minlength=self.num_instances
+        )
+        m_idx = idx[multi]
+        chosen = np.empty(len(m_idx), dtype=np.int32)
+        self._seed += 1
+        _C.choose_replicas(
+            np.ascontiguousarray(self.table.rep_inst[m_idx]),
+            np.ascontiguousarray(nrep[multi]),
+            np.ascontiguousarray(weights[multi]),
+            load,
+            self._seed,
+            chosen,
+        )
+        inst[multi] = self.table.rep_inst[m_idx, chosen]
+        slot[multi] = self.table.rep_slot[m_idx, chosen]
+        for key in np.unique(m_idx * self.num_instances + inst[multi]).tolist():
+            self.tree.touch_replica(key // self.num_instances, key % self.num_instances)
+
+    def index(self, acc, piece_sub) -> PageIndex:
+        """Sort every access by (sub-batch, holder, request, partial-last) once; each plan's
+        CSR arrays are then slices of the same global arrays."""
+        inst, slot, tokens, piece_of, partial = acc
+        sub_of = piece_sub[piece_of]
+        # one int64 key instead of lexsort (several times slower); ties need no order since
+        # attention over one holder's pages is order-free, except the partial page goes last
+        key = ((sub_of * self.num_instances + inst) * (len(piece_sub) + 1) + piece_of) * 2 + partial
+        order = np.argsort(key)
+        inst, slot, tokens, piece_of, sub_of = (
+            a[order] for a in (inst, slot, tokens, piece_of, sub_of)
+        )
+        n = len(order)
+        new_entry = np.ones(n, dtype=bool)
+        new_entry[1:] = (
+            (sub_of[1:] != sub_of[:-1]) | (inst[1:] != inst[:-1]) | (piece_of[1:] != piece_of[:-1])
+        )
+        e_start = np.flatnonzero(new_entry)
+        e_end = np.append(e_start[1:], n).astype(np.int64)[: len(e_start)]
+        e_sub, e_inst, e_piece = sub_of[e_start], inst[e_start], piece_of[e_start]
+        new_holder = np.ones(len(e_start), dtype=bool)
+        new_holder[1:] = (e_sub[1:] != e_sub[:-1]) | (e_inst[1:] != e_inst[:-1])
+        h_start = np.flatnonzero(new_holder)
+        return PageIndex(
+            slot=slot.astype(np.int32),
+            e_start=e_start,
+            e_sub=e_sub,
+            e_inst=e_inst,
+            e_piece=e_piece,
+            e_last=tokens[e_end - 1].astype(np.int32),
+            h_start=h_start,
+            h_sub=e_sub[h_start],
+            a_sub=sub_of,
+        )
