@@ -64,18 +64,7 @@ class EngineClient:
         return self._driver.layout
 
     def _check_plan(self, name: str, plan, kind: type) -> None:
-        if not isinstance(plan, kind):
-            raise InvalidArgumentError(
-                f"{name}: expected a {kind.__name__}, got {type(plan).__name__}"
-            )
-        if plan.origin != self.instance_id:
-            raise InvalidArgumentError(
-                f"{name}: planned for instance {plan.origin}, not this engine ({self.instance_id})"
-            )
-        if plan.epoch != self._pool.active_epoch:
-            raise StalePlanError(
-                f"{name}: from iteration {plan.epoch}; the active one is {self._pool.active_epoch}"
-            )
+        executor.check_plan(name, plan, kind, self.instance_id, self._pool.active_epoch)
 
     def _reserve(self, kind: str, rows: int, epoch: int, name: str, capacity: int) -> int:
         """First row of ``rows`` fresh rows of the shared ``kind`` buffer for this iteration."""

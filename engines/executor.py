@@ -11,6 +11,7 @@ import torch
 
 from tokenlake import kernels
 from tokenlake.engines.kv_pool import KVPool
+from tokenlake.errors import InvalidArgumentError, StalePlanError
 from tokenlake.plans import HolderPart, QueryPlan, TransferPlan
 
 
@@ -189,3 +190,17 @@ def segment_view(pool: KVPool, slot: int, length: int) -> torch.Tensor:
 def copy_segment(src: KVPool, src_slot: int, dst: KVPool, dst_slot: int, length: int) -> None:
     """One copy-on-extend or replication order (see :func:`copy_segments`)."""
     segment_view(dst, dst_slot, length).copy_(segment_view(src, src_slot, length))
+
+
+def check_plan(name: str, plan, kind: type, instance_id: int, active_epoch: int | None) -> None:
+    """A data-plane call's plan must be of ``kind``, for this instance, and current."""
+    if not isinstance(plan, kind):
+        raise InvalidArgumentError(f"{name}: expected a {kind.__name__}, got {type(plan).__name__}")
+    if plan.origin != instance_id:
+        raise InvalidArgumentError(
+            f"{name}: planned for instance {plan.origin}, not this engine ({instance_id})"
+        )
+    if plan.epoch != active_epoch:
+        raise StalePlanError(
+            f"{name}: from iteration {plan.epoch}; the active one is {active_epoch}"
+        )

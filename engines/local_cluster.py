@@ -14,7 +14,7 @@ import torch
 
 from tokenlake.engines import executor
 from tokenlake.engines.kv_pool import KVPool
-from tokenlake.errors import InvalidArgumentError, StalePlanError
+from tokenlake.errors import InvalidArgumentError
 from tokenlake.plans import QueryPlan, TransferPlan
 from tokenlake.pool import Pool
 from tokenlake.validate import check_int, check_tensor
@@ -60,18 +60,7 @@ class LocalEngine:
         return self._pools[self.instance_id].data.device
 
     def _check_plan(self, name: str, plan, kind: type) -> None:
-        if not isinstance(plan, kind):
-            raise InvalidArgumentError(
-                f"{name}: expected a {kind.__name__}, got {type(plan).__name__}"
-            )
-        if plan.origin != self.instance_id:
-            raise InvalidArgumentError(
-                f"{name}: planned for instance {plan.origin}, not this engine ({self.instance_id})"
-            )
-        if plan.epoch != self._active_epoch():
-            raise StalePlanError(
-                f"{name}: from iteration {plan.epoch}; the active one is {self._active_epoch()}"
-            )
+        executor.check_plan(name, plan, kind, self.instance_id, self._active_epoch())
 
     def init_query(self, query_plan: QueryPlan) -> torch.Tensor:
         """Bind a query plan; returns ``q_buf`` ``[num_rows, H_q, D]`` (model dtype) for the

@@ -161,27 +161,7 @@ class MPCluster:
             raise InvalidArgumentError(f"pool: {problem}")
         d = self._driver
         d.quiesce("reset")
-        m = layout.model
-        tickets = [
-            d.requester.request(
-                key,
-                lambda seq: messages.Configure(
-                    seq,
-                    m.num_layers,
-                    m.num_q_heads,
-                    m.num_kv_heads,
-                    m.head_dim,
-                    m.dtype,
-                    layout.num_slots,
-                    layout.segment_len,
-                    layout.max_q_rows,
-                    layout.max_kv_rows,
-                    backend or "",
-                ),
-            )
-            for key in d.requester.keys
-        ]
-        d.requester.wait(tickets, "configure")
+        self._configure(d.requester.keys, layout, backend)
         d.layout, d.backend = layout, backend
         d.views = {i: b.views(layout) for i, b in enumerate(self._buffers)}
         for i in sorted(d.lost):

@@ -63,3 +63,50 @@ class Harness:
 
 def tokens(seed: int, n: int, vocab: int = 1000) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
+
+
+def prefill_decode_dedup_multiturn(h, num_instances: int, segment_len: int) -> None:
+    """The exactness scenario every data plane runs: chunked prefill ending mid-segment, a
+    second request sharing the document (hit + copy of part of a segment), batched decodes, a
+    fresh empty-prefix request, then the first request's next turn reusing its partial tail."""
+    c = segment_len
+    doc = tokens(1, 5 * c + c // 2)
+    a_ids = np.concatenate([doc, tokens(2, c + 3)])
+    errs = [
+        h.step([[tl.Chunk("a", a_ids, 0, 2 * c + c // 4)]]),
+        h.step([[tl.Chunk("a", a_ids, 2 * c + c // 4)]]),
+    ]
+    b_ids = np.concatenate([doc, tokens(3, 2 * c)])
+    hit = h.cached(b_ids)
+    assert hit == 5 * c + c // 2
+    errs.append(h.step([[tl.Chunk("b", b_ids, hit)]]))
+    for step in range(3):  # decode both in one batch
+        a_ids = np.append(a_ids, 7 + step)
+        b_ids = np.append(b_ids, 9 + step)
+        na, nb = h.pool.num_stored_tokens("a"), h.pool.num_stored_tokens("b")
+        errs.append(h.step([[tl.Chunk("a", a_ids, na), tl.Chunk("b", b_ids, nb)]]))
+    batches = [
+        [tl.Chunk("a", np.append(a_ids, 1), len(a_ids))],
+        [tl.Chunk("d", tokens(4, c + 5), 0)],
+        [tl.Chunk("b", np.append(b_ids, 1), len(b_ids))],
+    ]
+    errs.append(h.step(batches[:num_instances]))
+    a_ids = np.append(a_ids, 1)
+    h.pool.finish("a")  # its next turn: sealed segments and the partial tail (copy-on-extend)
+    turn2 = np.concatenate([a_ids, tokens(5, 2 * c + 1)])
+    hit2 = h.cached(turn2)
+    assert hit2 == len(a_ids)
+    errs.append(h.step([[tl.Chunk("a2", turn2, hit2)]]))
+    copies = h.last_plans.transfer_plans[0].copy_len
+    assert list(copies) == ([len(a_ids) % c] if len(a_ids) % c else [])
+    assert max(errs) <= h.tolerance, errs
+
+
+def dop_split_and_spread(h, num_instances: int) -> None:
+    """A DoP>1 batch splits rows across instances; the prefix lives on several holders."""
+    ids = tokens(11, 16 * 12 + 5)
+    assert h.step([[tl.Chunk("p", ids, 0, 16 * 9)]], dops=[num_instances]) <= h.tolerance
+    assert len(set(h.last_plans.groups[0])) == num_instances
+    assert h.step([[tl.Chunk("p", ids, 16 * 9)]], dops=[2]) <= h.tolerance
+    holders = {int(i) for qp in h.last_plans.query_plans for i in qp.holder_ids}
+    assert len(holders) >= 2, "prefix should be spread over several instances"

@@ -5,26 +5,14 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_prefix_tree import arr, lcp
 
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.keys import SegmentHasher
 from tokenlake.prefix_tree import CommitResult, Location, Node, PrefixTree
-
-
-def arr(tokens) -> np.ndarray:
-    return np.array(tokens, dtype=np.int32)
-
-
-def lcp(a: tuple, b: tuple) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
 
 # ---- collisions (2-bit keys: a quarter of all key pairs collide) ---------------------------
 SEGS2 = list(itertools.product(range(4), repeat=2))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import tokens
+from harness import dop_split_and_spread, prefill_decode_dedup_multiturn, tokens
 
 import tokenlake as tl
 from tokenlake.engines.engine_client import EngineClient
@@ -26,52 +26,14 @@ GRID = [
 def test_prefill_decode_dedup_multiturn(shared_cluster, num_instances, segment_len, dtype, backend):
     h = shared_cluster.harness(num_instances, segment_len, 48, dtype, backend=backend)
     assert isinstance(h.cluster.engine(0), EngineClient)
-    c = segment_len
-    doc = tokens(1, 5 * c + c // 2)
-    a_ids = np.concatenate([doc, tokens(2, c + 3)])
-    errs = []
-    # empty prefix, chunked prefill whose first chunk ends mid-segment
-    errs.append(h.step([[tl.Chunk("a", a_ids, 0, 2 * c + c // 4)]]))
-    errs.append(h.step([[tl.Chunk("a", a_ids, 2 * c + c // 4)]]))
-    # b shares a's document: hits a's sealed segments and copies part of the next one
-    b_ids = np.concatenate([doc, tokens(3, 2 * c)])
-    hit = h.cached(b_ids)
-    assert hit == 5 * c + c // 2
-    errs.append(h.step([[tl.Chunk("b", b_ids, hit)]]))
-    for step in range(3):  # decode both in one batch
-        a_ids = np.append(a_ids, 7 + step)
-        b_ids = np.append(b_ids, 9 + step)
-        na, nb = h.pool.num_stored_tokens("a"), h.pool.num_stored_tokens("b")
-        errs.append(h.step([[tl.Chunk("a", a_ids, na), tl.Chunk("b", b_ids, nb)]]))
-    d_ids = tokens(4, c + 5)
-    batches = [
-        [tl.Chunk("a", np.append(a_ids, 1), len(a_ids))],
-        [tl.Chunk("d", d_ids, 0)],
-        [tl.Chunk("b", np.append(b_ids, 1), len(b_ids))],
-    ]
-    errs.append(h.step(batches[:num_instances]))
-    a_ids = np.append(a_ids, 1)
-    # a's next turn as a new request: its sealed segments and its partial tail (copy-on-extend)
-    h.pool.finish("a")
-    turn2 = np.concatenate([a_ids, tokens(5, 2 * c + 1)])
-    hit2 = h.cached(turn2)
-    assert hit2 == len(a_ids)
-    errs.append(h.step([[tl.Chunk("a2", turn2, hit2)]]))
-    copies = h.last_plans.transfer_plans[0].copy_len
-    assert list(copies) == ([len(a_ids) % c] if len(a_ids) % c else [])
-    assert max(errs) <= h.tolerance, errs
+    prefill_decode_dedup_multiturn(h, num_instances, segment_len)
 
 
 @pytest.mark.parametrize("num_instances", [2, 4])
 def test_dop_split_and_spread(shared_cluster, num_instances):
-    """A DoP>1 batch splits rows across instances; the prefix lives on several holders."""
-    h = shared_cluster.harness(num_instances, 16, 64, backend="cpu")
-    ids = tokens(11, 16 * 12 + 5)
-    assert h.step([[tl.Chunk("p", ids, 0, 16 * 9)]], dops=[num_instances]) <= h.tolerance
-    assert len(set(h.last_plans.groups[0])) == num_instances
-    assert h.step([[tl.Chunk("p", ids, 16 * 9)]], dops=[2]) <= h.tolerance
-    holders = {int(i) for qp in h.last_plans.query_plans for i in qp.holder_ids}
-    assert len(holders) >= 2, "prefix should be spread over several instances"
+    dop_split_and_spread(
+        shared_cluster.harness(num_instances, 16, 64, backend="cpu"), num_instances
+    )
 
 
 def test_same_iteration_dedup_stays_exact(shared_cluster):
