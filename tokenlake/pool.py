@@ -174,9 +174,10 @@ class Pool:
         self.access.begin_iteration()
         replications = self._reserve_replications()
         for pc in chunks:  # evictions above may have taken the copy source chosen earlier
-            for w in pc.writes:
-                if w.copy_from is not None and w.copy_from not in pc.source.replicas:
-                    w.copy_from = pc.source.replicas[0]  # pinned: its last copy stays
+            if pc.source is not None:
+                for w in pc.writes:
+                    if w.copy_from is not None and w.copy_from not in pc.source.replicas:
+                        w.copy_from = pc.source.replicas[0]  # pinned: its last copy stays
         self._epoch += 1
         plans, traffic = self.builder.build(
             self._epoch, planned, dops, self.live_instances, replications, instances

@@ -9,7 +9,7 @@ import numpy as np
 from tokenlake.prefix_tree import Location, Node, PendingInsert
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class OpenSegment:
     """A request's trailing partial segment being filled: private, never shared."""
 
@@ -49,7 +49,7 @@ class RequestState:
         return self.nodes[-1].key if self.nodes else root_key
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SegmentWrite:
     """One slot an iteration writes for one request.
 
@@ -73,7 +73,7 @@ class SegmentWrite:
         return len(self.tokens) - self.num_before
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class PlannedChunk:
     """A chunk as planned: its request, its prefix pages and the slots it writes."""
 
