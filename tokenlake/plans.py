@@ -183,10 +183,3 @@ class Plans:
     query_plans: tuple[QueryPlan, ...]
     transfer_plans: tuple[TransferPlan, ...]
     groups: tuple[tuple[int, ...], ...]
-
-    def for_instance(self, instance_id: int) -> list[tuple[QueryPlan, TransferPlan]]:
-        return [
-            (q, t)
-            for q, t in zip(self.query_plans, self.transfer_plans, strict=True)
-            if q.origin == instance_id
-        ]

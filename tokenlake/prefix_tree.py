@@ -118,9 +118,6 @@ class PrefixTree:
         """Mark one replica (of the node in table row ``idx``) as just read."""
         self._lru.move_to_end((self._by_idx[idx].key, instance_id))
 
-    def node_at(self, idx: int) -> Node:
-        return self._by_idx[idx]
-
     def pin(self, node: Node) -> None:
         self._require_committed(node)
         if node.pin_count == 0:

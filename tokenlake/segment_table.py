@@ -75,6 +75,3 @@ class SegmentTable:
         self.access = np.concatenate([self.access, np.zeros(old)])
         self._live = np.concatenate([self._live, np.zeros(old, dtype=bool)])
         self._free.extend(range(new - 1, old - 1, -1))
-
-    def is_live(self, idx: int) -> bool:
-        return 0 <= idx < self.capacity and bool(self._live[idx])
