@@ -8,6 +8,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -148,11 +149,13 @@ def heavy_hitters(tree: PrefixTree, k: int) -> list[Node]:
     return out
 
 
-@dataclass(frozen=True)
-class ReplicationOrder:
+class ReplicationOrder(NamedTuple):
+    """Copy ``node`` from its replica ``source`` to instance ``destination`` (the pool
+    reserves the slot there)."""
+
     node: Node
     source: Location
-    destination: int  # instance id; the slot is reserved by the pool
+    destination: int
 
 
 def plan_replications(
@@ -161,8 +164,8 @@ def plan_replications(
     live: list[int],
     config: BalancerConfig,
     capacity_slots: int | None = None,
-) -> list[tuple[Node, Location, int]]:
-    """Replication orders ``(node, source replica, destination instance)`` for this iteration.
+) -> list[ReplicationOrder]:
+    """This iteration's replication orders.
 
     For each overloaded instance, its heavy hitters (most accessed first) are copied to the
     least-loaded live instance without a copy, while the estimated load says it helps.
@@ -185,7 +188,7 @@ def plan_replications(
     est = load.astype(np.float64)
     total = float(load[live].sum())
     live_set = set(live)
-    orders: list[tuple[Node, Location, int]] = []
+    orders: list[ReplicationOrder] = []
     planned: dict[int, set[int]] = {}  # node key -> destinations ordered this iteration
     for src in over:
         for node in hot:
@@ -203,7 +206,7 @@ def plan_replications(
             gain = node_load / n - node_load / (n + 1)
             if est[dst] + node_load / (n + 1) >= est[src] - gain:
                 continue  # the copy would not lower the maximum
-            orders.append((node, source, dst))
+            orders.append(ReplicationOrder(node, source, dst))
             planned.setdefault(node.key, set()).add(dst)
             est[src] -= gain
             est[dst] += node_load / (n + 1)
