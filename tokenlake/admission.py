@@ -106,19 +106,11 @@ def check_chunks(batches, requests: dict, tree: PrefixTree) -> dict:
     return matches
 
 
-def admit(
-    chunk: Chunk, state: RequestState | None, match: PrefixMatch | None, tree: PrefixTree
-) -> PlannedChunk:
-    """A running request's chunk, or a new request whose cached prefix gets pinned."""
+def admit(chunk: Chunk, match: PrefixMatch, tree: PrefixTree) -> PlannedChunk:
+    """A new request: pin (and touch) the cached prefix it starts from (``match``)."""
     pc = PlannedChunk(
-        state if state else RequestState(chunk.request_id),
-        chunk.start,
-        chunk.end,
-        chunk.token_ids,
-        is_new=state is None,
+        RequestState(chunk.request_id), chunk.start, chunk.end, chunk.token_ids, is_new=True
     )
-    if state is not None:
-        return pc
     full, rest = divmod(chunk.start, tree.segment_len)
     path = list(match.nodes[:full])
     pc.state.append_nodes(path)

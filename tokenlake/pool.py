@@ -147,33 +147,37 @@ class Pool:
         dops = admission.check_batches(batches, dops, len(self.placement.live))
         admission.check_instances(instances, batches, dops, self.placement.live)
         matches = admission.check_chunks(batches, self.requests, self.tree)
-        planned = [
-            [
-                admission.admit(
-                    c, self.requests.get(c.request_id), matches.get(c.request_id), self.tree
-                )
-                for c in batch
-            ]
-            for batch in batches
-        ]
-        chunks = [pc for batch in planned for pc in batch]
-        for pc in chunks:
-            if pc.is_new:
-                self.requests[pc.state.request_id] = pc.state
-                self.stats.record_admission(len(pc.token_ids), pc.start)
-        needed = sum(self.planner.num_new_slots(pc) for pc in chunks)
+        planned, chunks, new_chunks = [], [], []
+        for batch in batches:
+            row = []
+            for c in batch:
+                state = self.requests.get(c.request_id)
+                if state is None:
+                    pc = admission.admit(c, matches[c.request_id], self.tree)
+                    new_chunks.append(pc)
+                else:  # running: usually a decode step that stays inside its open tail
+                    pc = PlannedChunk(state, c.start, c.end, c.token_ids, False)
+                    self.planner.write_open_tail(pc)
+                row.append(pc)
+            planned.append(row)
+            chunks.extend(row)
+        for pc in new_chunks:
+            self.requests[pc.state.request_id] = pc.state
+            self.stats.record_admission(len(pc.token_ids), pc.start)
+        rest = [pc for pc in chunks if not pc.writes]
+        needed = sum(self.planner.num_new_slots(pc) for pc in rest)
         if needed > self.planner.free_capacity():
-            admission.release(chunks, self.requests, self.tree)
-            self.stats.undo_admissions([pc for pc in chunks if pc.is_new])
+            admission.release(new_chunks, self.requests, self.tree)
+            self.stats.undo_admissions(new_chunks)
             raise PoolFullError(
                 f"batches: need {needed} new slots, only {self.planner.free_capacity()} "
                 "free or evictable (the rest is pinned by running requests)"
             )
-        for pc in chunks:
+        for pc in rest:
             self.planner.plan_writes(pc)
         self.access.begin_iteration()
         replications = self._reserve_replications()
-        for pc in chunks:  # evictions above may have taken the copy source chosen earlier
+        for pc in new_chunks:  # evictions above may have taken the copy source chosen earlier
             if pc.source is not None:
                 for w in pc.writes:
                     if w.copy_from is not None and w.copy_from not in pc.source.replicas:
