@@ -11,6 +11,7 @@ import numpy as np
 
 from tokenlake import _C
 from tokenlake.balancer import AccessStats
+from tokenlake.plans import read_only
 from tokenlake.prefix_tree import PrefixTree
 from tokenlake.requests import PlannedChunk
 
@@ -142,12 +143,12 @@ class PageGatherer:
         new_holder[1:] = (e_sub[1:] != e_sub[:-1]) | (e_inst[1:] != e_inst[:-1])
         h_start = np.flatnonzero(new_holder)
         return PageIndex(
-            slot=slot.astype(np.int32),
+            slot=read_only(slot.astype(np.int32)),
             e_start=e_start,
             e_sub=e_sub,
             e_inst=e_inst,
             e_piece=e_piece,
-            e_last=tokens[e_end - 1].astype(np.int32),
+            e_last=read_only(tokens[e_end - 1].astype(np.int32)),
             h_start=h_start,
             h_sub=e_sub[h_start],
             a_sub=sub_of,

@@ -11,7 +11,7 @@ import numpy as np
 from tokenlake.balancer import AccessStats
 from tokenlake.dispatch import hungarian_dispatch, traffic_cost
 from tokenlake.page_gather import PageGatherer, PageIndex, split_rows
-from tokenlake.plans import Plans, QueryPlan, TransferPlan, frozen_i32
+from tokenlake.plans import Plans, QueryPlan, TransferPlan, frozen_i32, read_only
 from tokenlake.prefix_tree import Location, Node, PrefixTree
 from tokenlake.requests import PlannedChunk
 
@@ -188,12 +188,12 @@ class PlanBuilder:
         e_bounds = np.searchsorted(index.e_sub, num)
         h_bounds = np.searchsorted(index.h_sub, num)
         fp = heads.first_piece
-        e_req = (index.e_piece - fp[index.e_sub]).astype(np.int32)
-        h_inst = index.e_inst[index.h_start].astype(np.int32)
+        e_req = read_only((index.e_piece - fp[index.e_sub]).astype(np.int32))
+        h_inst = read_only(index.e_inst[index.h_start].astype(np.int32))
         h_indptr = (index.h_start - e_bounds[index.h_sub]).astype(np.int32)
         kv_indptr = (index.e_start - a_bounds[index.e_sub]).astype(np.int32)
-        positions = heads.positions.astype(np.int32)
-        prefix_lens = heads.starts.astype(np.int32)
+        positions = read_only(heads.positions.astype(np.int32))
+        prefix_lens = read_only(heads.starts.astype(np.int32))
         plans = []
         for u, (b, j, _) in enumerate(subs):
             a_lo, a_hi = a_bounds[u], a_bounds[u + 1]
@@ -224,6 +224,7 @@ class PlanBuilder:
     ) -> list[TransferPlan]:
         runs = runs[np.argsort(runs[:, 0] * self.num_instances + runs[:, 1], kind="stable")]
         runs = runs.astype(np.int32)
+        cols = [read_only(np.ascontiguousarray(runs[:, k])) for k in range(6)]
         n = len(runs)
         new_dst = np.ones(n, dtype=bool)
         new_dst[1:] = (runs[1:, 0] != runs[:-1, 0]) | (runs[1:, 1] != runs[:-1, 1])
@@ -232,7 +233,7 @@ class PlanBuilder:
         r_bounds = np.searchsorted(runs[:, 0], num)
         d_bounds = np.searchsorted(runs[d_start, 0], num)
         d_indptr = (d_start - r_bounds[runs[d_start, 0]]).astype(np.int32)
-        d_ids = runs[d_start, 1]
+        d_ids = read_only(runs[d_start, 1])
         c = np.asarray(copies, dtype=np.int32).reshape(-1, 6)
         c = c[np.argsort(c[:, 0], kind="stable")]
         c_bounds = np.searchsorted(c[:, 0], num)
@@ -251,10 +252,10 @@ class PlanBuilder:
                     num_rows=int(heads.rows[p_lo:p_hi].sum()),
                     dst_ids=frozen_i32(d_ids[d_lo:d_hi]),
                     dst_indptr=frozen_i32(np.append(d_indptr[d_lo:d_hi], r_hi - r_lo)),
-                    run_src_row=frozen_i32(runs[r_lo:r_hi, 2]),
-                    run_len=frozen_i32(runs[r_lo:r_hi, 3]),
-                    run_dst_slot=frozen_i32(runs[r_lo:r_hi, 4]),
-                    run_dst_offset=frozen_i32(runs[r_lo:r_hi, 5]),
+                    run_src_row=frozen_i32(cols[2][r_lo:r_hi]),
+                    run_len=frozen_i32(cols[3][r_lo:r_hi]),
+                    run_dst_slot=frozen_i32(cols[4][r_lo:r_hi]),
+                    run_dst_offset=frozen_i32(cols[5][r_lo:r_hi]),
                     copy_src_instance=frozen_i32(cu[:, 1]),
                     copy_src_slot=frozen_i32(cu[:, 2]),
                     copy_dst_instance=frozen_i32(cu[:, 3]),

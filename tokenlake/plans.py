@@ -16,6 +16,12 @@ import numpy as np
 from tokenlake.keys import as_tokens
 
 
+def read_only(arr: np.ndarray) -> np.ndarray:
+    """Mark an array the caller owns read-only, so plans can hold slices of it as they are."""
+    arr.flags.writeable = False
+    return arr
+
+
 def frozen_i32(values: Sequence[int] | np.ndarray) -> np.ndarray:
     """A read-only contiguous int32 array (a view when ``values`` already is one)."""
     arr = np.ascontiguousarray(values, dtype=np.int32)
