@@ -16,7 +16,12 @@ $(VENV)/.deps:
 		pytest hypothesis ruff
 	touch $@
 
-$(STAMP): $(VENV)/.deps pyproject.toml CMakeLists.txt $(CSRC)
+# the model engine and the server (a separate stamp, so existing venvs pick them up)
+$(VENV)/.deps-model: $(VENV)/.deps
+	$(PY) -m pip install -q "transformers>=5,<6" safetensors tokenizers fastapi uvicorn httpx
+	touch $@
+
+$(STAMP): $(VENV)/.deps $(VENV)/.deps-model pyproject.toml CMakeLists.txt $(CSRC)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 

@@ -1,0 +1,31 @@
+"""The compute engine of a served model: one planned iteration in, next-token logits out."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from tokenlake.engines.forward import run_forward
+from tokenlake.engines.model.llama import LlamaModel
+from tokenlake.plans import Chunk, Plans
+
+
+class ModelEngine:
+    """Runs a :class:`LlamaModel` over a cluster's engines (``LocalCluster`` or ``MPCluster``)."""
+
+    def __init__(self, model: LlamaModel, cluster) -> None:
+        self.model = model
+        self.cluster = cluster
+
+    def run(self, plans: Plans, chunks: Mapping[int | str, Chunk]) -> dict[int | str, torch.Tensor]:
+        """Execute one iteration. Returns ``{request_id: logits [vocab] float32}`` for every
+        chunk that reaches the end of its known tokens (a prompt's last chunk, a decode step):
+        the distribution of the request's next token."""
+        batch, state = run_forward(self.cluster, plans, chunks, self.model)
+        wanted = [b for b, c in enumerate(batch.chunks) if c.end == len(c.token_ids)]
+        if not wanted:
+            return {}
+        rows = torch.from_numpy(batch.last_rows[wanted])
+        logits = self.model.logits(state, rows)
+        return {batch.request_ids[b]: logits[i] for i, b in enumerate(wanted)}
