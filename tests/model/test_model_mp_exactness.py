@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from driver import generate
-from test_exactness import check, prompts_with_shared_prefix
+from test_model_exactness import check, prompts_with_shared_prefix
 
 import tokenlake as tl
 from tokenlake.engines.dataplane_config import DataPlaneConfig
