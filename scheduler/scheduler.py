@@ -88,6 +88,21 @@ class ElasticScheduler:
         except (KeyError, TypeError):
             raise UnknownRequestError(f"request_id: unknown request {request_id!r}") from None
 
+    def cancel(self, request_id: int | str) -> None:
+        """Drop a request that is not in the iteration in flight (a client went away, a stop
+        token came): it leaves the queue, and the pool releases its pins (``pool.finish``,
+        which keeps its partial tail) if it had reached the pool."""
+        req = self.request(request_id)
+        if self._inflight is not None and any(
+            c.request_id == request_id for c in self._inflight.decision.chunks
+        ):
+            raise InvalidArgumentError(
+                f"request_id: {request_id!r} is in the iteration in flight; complete it first"
+            )
+        if req.phase is not Phase.WAITING:
+            self.pool.finish(request_id)
+        del self._requests[request_id]
+
     @property
     def has_work(self) -> bool:
         return bool(self._requests)

@@ -29,3 +29,9 @@ class ModelEngine:
         rows = torch.from_numpy(batch.last_rows[wanted])
         logits = self.model.logits(state, rows)
         return {batch.request_ids[b]: logits[i] for i, b in enumerate(wanted)}
+
+    def retire(self, plans: Plans) -> None:
+        """The control plane committed or aborted ``plans``: the data plane may drop them."""
+        retire = getattr(self.cluster, "retire", None)
+        if retire is not None:
+            retire(plans.epoch)

@@ -1,0 +1,5 @@
+import sys
+
+from tokenlake.serve.cli import main
+
+sys.exit(main())

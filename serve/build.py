@@ -1,0 +1,144 @@
+"""Composing a server from its :class:`ServeConfig`: checkpoint → model and tokenizer →
+pool → data plane → compute engine → (profiled) elastic scheduler → :class:`Runtime`."""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import tokenlake as tl
+from tokenlake.engines.model.engine import ModelEngine
+from tokenlake.engines.model.llama import LlamaModel
+from tokenlake.engines.model.tiny import TINY_RANDOM, write_tiny_random
+from tokenlake.engines.model.tokenizer import Tokenizer
+from tokenlake.errors import InvalidArgumentError
+from tokenlake.scheduler import (
+    Coeffs,
+    ElasticScheduler,
+    LatencyModel,
+    SchedulerConfig,
+    default_cases,
+    fit_latency_model,
+    measure_rows,
+)
+from tokenlake.serve.config import ServeConfig
+from tokenlake.serve.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Served:
+    """A running runtime and what the HTTP layer needs besides it."""
+
+    runtime: Runtime
+    tokenizer: Tokenizer | None
+    model_path: Path
+    config: ServeConfig
+
+
+def build(config: ServeConfig) -> Served:
+    """Load, compose and start everything ``config`` describes (the caller closes
+    ``served.runtime``)."""
+    closers = []
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    try:
+        path = _model_path(config, closers)
+        model = LlamaModel.from_dir(path, config.dtype)
+        tokenizer = Tokenizer.from_dir(path)
+        pool_config = tl.PoolConfig(
+            model.shape, config.num_instances, config.num_slots, config.segment_len,
+            namespace=f"{config.model_name}:{model.dtype}",
+        )  # fmt: skip
+        max_len = _max_model_len(config, model, pool_config)
+        pool = tl.Pool(pool_config)
+        cluster = _cluster(config, pool, closers)
+        engine = ModelEngine(model, cluster)
+        sched_config = SchedulerConfig(
+            config.num_instances, config.segment_len, chunk_len=config.chunk_len
+        )
+        latency = _latency_model(config, model)
+        scheduler = ElasticScheduler(sched_config, latency, pool)
+        eos = model.config.eos_token_ids
+        if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos = (tokenizer.eos_token_id,)
+        runtime = Runtime(
+            engine, scheduler, max_len, config.max_num_seqs, eos, config.seed, tuple(closers)
+        )
+        return Served(runtime.start(), tokenizer, path, config)
+    except BaseException:
+        for close in reversed(closers):
+            close()
+        raise
+
+
+def _model_path(config: ServeConfig, closers: list) -> Path:
+    if config.model == TINY_RANDOM:
+        tmp = tempfile.TemporaryDirectory(prefix="tokenlake-tiny-random-")
+        closers.append(tmp.cleanup)
+        return write_tiny_random(Path(tmp.name), seed=config.seed)
+    path = Path(config.model)
+    if not path.is_dir():
+        raise InvalidArgumentError(
+            f"model: {config.model!r} is not a checkpoint directory (or {TINY_RANDOM!r}); "
+            "weights are never downloaded"
+        )
+    return path
+
+
+def _max_model_len(config: ServeConfig, model: LlamaModel, pool_config: tl.PoolConfig) -> int:
+    # one request must fit the whole pool with a segment to spare per instance
+    capacity = (pool_config.num_slots - 1) * pool_config.num_instances * pool_config.segment_len
+    limit = min(model.config.max_context_len, capacity)
+    if config.max_model_len > limit:
+        raise InvalidArgumentError(
+            f"max_model_len: {config.max_model_len} exceeds what the model and pool allow "
+            f"({limit}: max_position_embeddings / sliding window, pool capacity)"
+        )
+    return config.max_model_len or limit
+
+
+def _cluster(config: ServeConfig, pool: tl.Pool, closers: list):
+    if config.data_plane == "local":
+        from tokenlake.engines.local_cluster import LocalCluster
+
+        return LocalCluster(pool, backend=config.kernel_backend)
+    from tokenlake.engines.dataplane_config import DataPlaneConfig
+    from tokenlake.engines.mp_cluster import MPCluster
+
+    rows = config.chunk_len * config.num_instances + config.max_num_seqs
+    cluster = MPCluster(
+        pool, DataPlaneConfig(max_q_rows=rows, max_kv_rows=rows), backend=config.kernel_backend
+    )
+    closers.append(cluster.close)
+    return cluster
+
+
+def _latency_model(config: ServeConfig, model: LlamaModel) -> LatencyModel:
+    """Fit ``T(batch, k)`` on this model and machine (a second or two, on a scratch pool so
+    the served pool's cache and counters stay clean), or a flat guess."""
+    if not config.profile:
+        return LatencyModel({1: Coeffs(1e-3, 1e-5, 1e-9)}, Coeffs(1e-3, 1e-5, 0.0))
+    from tokenlake.engines.local_cluster import LocalCluster
+
+    dops = tuple(range(1, min(config.num_instances, 4) + 1))
+    max_len = min(config.chunk_len, 256)
+    cases = default_cases(dops, max_len=max_len, num_prefill=3)
+    slots = 4 * 4 * max_len // config.segment_len + 8
+    pool = tl.Pool(tl.PoolConfig(model.shape, max(dops), slots, config.segment_len))
+    engine = ModelEngine(model, LocalCluster(pool, backend=config.kernel_backend))
+    rows = measure_rows(
+        pool, lambda plans, chunks: engine.run(plans, chunks), cases, repeats=1,
+        vocab=engine.model.config.vocab_size,
+    )  # fmt: skip
+    fitted = fit_latency_model(rows)
+    log.info("latency model: %s", fitted)
+    if not all(math.isfinite(x) for x in fitted.decode):
+        raise InvalidArgumentError("profile: the latency fit failed")
+    return fitted

@@ -1,0 +1,270 @@
+"""The runtime loop: requests in → scheduler step → plans to the compute engine → tokens out.
+
+One thread owns the pool, the scheduler and the engine; clients talk to it only through
+:meth:`Runtime.submit` / :meth:`Runtime.cancel` (thread-safe) and the ``sink`` callback each
+request carries, which receives :class:`TokenEvent` s on the runtime thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tokenlake.engines.model.engine import ModelEngine
+from tokenlake.engines.model.sampling import sample
+from tokenlake.errors import InvalidArgumentError, PoolFullError, UnknownRequestError
+from tokenlake.scheduler import ElasticScheduler
+from tokenlake.serve.request import GenerationRequest, TokenEvent
+
+log = logging.getLogger(__name__)
+Sink = Callable[[TokenEvent], None]
+
+
+@dataclass(eq=False)
+class _Live:
+    request: GenerationRequest
+    sink: Sink
+    generator: torch.Generator | None
+    num_cached: int = -1  # set at its first chunk
+    num_generated: int = 0
+
+
+class Runtime:
+    """Serves :class:`GenerationRequest` s with ``engine`` under ``scheduler``.
+
+    ``max_model_len`` bounds prompt + output tokens; ``max_num_seqs`` the requests in the
+    scheduler at once (the rest queue here, in arrival order). ``on_close`` callbacks run
+    after the loop stopped (releasing engines, temporary files).
+    """
+
+    def __init__(
+        self,
+        engine: ModelEngine,
+        scheduler: ElasticScheduler,
+        max_model_len: int,
+        max_num_seqs: int = 64,
+        eos_token_ids: tuple[int, ...] = (),
+        seed: int = 0,
+        on_close: tuple[Callable[[], None], ...] = (),
+    ) -> None:
+        self.engine = engine
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._seed = seed
+        self._on_close = on_close
+        self._cond = threading.Condition()
+        self._inbox: collections.deque[_Live] = collections.deque()
+        self._cancels: set[str] = set()
+        self._live: dict[str, _Live] = {}
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.counters = collections.Counter()
+        self.iteration_seconds = 0.0
+        self.pool_stats: dict = scheduler.pool.get_stats()
+
+    # ---- client side (any thread) ---------------------------------------------------------
+    def submit(self, request: GenerationRequest, sink: Sink) -> None:
+        """Queue ``request``; ``sink`` receives its events. Raises ``InvalidArgumentError``
+        (nothing queued) for an empty or over-long prompt, a bad token id, a duplicate id."""
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise InvalidArgumentError("prompt: expected at least one token")
+        if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int):
+            raise InvalidArgumentError(f"max_tokens: expected an int, got {request.max_tokens!r}")
+        if request.max_tokens < 1:
+            raise InvalidArgumentError(f"max_tokens: expected >= 1, got {request.max_tokens}")
+        if n + request.max_tokens > self.max_model_len:
+            raise InvalidArgumentError(
+                f"prompt: this model's maximum context length is {self.max_model_len} tokens; "
+                f"the request has {n} prompt tokens and max_tokens={request.max_tokens} "
+                f"({n + request.max_tokens} in total)"
+            )
+        vocab = self.engine.model.config.vocab_size
+        bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgumentError(f"prompt: token ids must be in [0, {vocab}), got {bad[:3]}")
+        generator = None
+        if not request.sampling.greedy:
+            seed = request.sampling.seed
+            if seed is None:
+                seed = zlib.crc32(f"{self._seed}:{request.request_id}".encode())
+            generator = torch.Generator().manual_seed(seed)
+        with self._cond:
+            if self._stopping or not self.alive:
+                raise RuntimeError("runtime: not running")
+            if request.request_id in self._live or any(
+                x.request.request_id == request.request_id for x in self._inbox
+            ):
+                raise InvalidArgumentError(f"request_id: {request.request_id!r} is in use")
+            self._inbox.append(_Live(request, sink, generator))
+            self.counters["requests"] += 1
+            self._cond.notify()
+
+    def cancel(self, request_id: str) -> None:
+        """End a request (its client went away): its pins are released before the next
+        iteration; its sink gets a final ``abort`` event. Unknown ids are ignored."""
+        with self._cond:
+            self._cancels.add(request_id)
+            self._cond.notify()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._inbox) + self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> Runtime:
+        self._thread = threading.Thread(target=self._loop, name="tokenlake-runtime", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the loop (requests still running end with ``abort``), then release resources."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        for callback in self._on_close:
+            try:
+                callback()
+            except Exception:  # keep releasing the rest
+                log.exception("runtime: a close callback failed")
+
+    # ---- the loop (runtime thread) --------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    if self._stopping:
+                        break
+                    if not self._inbox and not self._cancels and not self.scheduler.has_work:
+                        self._cond.wait(timeout=0.5)
+                        continue
+                    cancels, self._cancels = self._cancels, set()
+                self._apply_cancels(cancels)
+                self._admit()
+                if self.scheduler.has_work:
+                    self._iterate()
+        except BaseException as e:  # never expected: report it, fail everyone
+            log.exception("runtime: the loop failed")
+            self._error = e
+        finally:
+            for rid in list(self._live):
+                self._end(rid, None, "abort" if self._error is None else "error")
+            with self._cond:
+                pending, self._inbox = list(self._inbox), collections.deque()
+            for live in pending:
+                _deliver(live, TokenEvent(live.request.request_id, None, "abort"))
+
+    def _apply_cancels(self, cancels: set[str]) -> None:
+        for rid in cancels:
+            if rid in self._live:
+                self._end(rid, None, "abort")
+                continue
+            with self._cond:
+                found = [x for x in self._inbox if x.request.request_id == rid]
+                for x in found:
+                    self._inbox.remove(x)
+            for x in found:
+                _deliver(x, TokenEvent(rid, None, "abort"))
+
+    def _admit(self) -> None:
+        while len(self._live) < self.max_num_seqs:
+            with self._cond:
+                if not self._inbox:
+                    return
+                live = self._inbox.popleft()
+            req = live.request
+            self.scheduler.add_request(req.request_id, list(req.prompt_ids), req.max_tokens)
+            self._live[req.request_id] = live
+
+    def _iterate(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            it = self.scheduler.step()
+        except PoolFullError as e:  # the running requests alone overflow the pool
+            newest = next(reversed(self._live))
+            log.warning("runtime: %s; ending request %s", e, newest)
+            self._end(newest, None, "error", f"KV pool full: {e}")
+            return
+        if it is None:
+            return
+        chunks = {c.request_id: c for c in it.decision.chunks}
+        try:
+            logits = self.engine.run(it.plans, chunks)
+        except Exception as e:
+            log.exception("runtime: iteration %d failed", it.plans.epoch)
+            self.scheduler.abort(it)
+            self.engine.retire(it.plans)
+            for rid in chunks:
+                self._end(rid, None, "error", f"engine error: {e}")
+            return
+        tokens = {}
+        for rid, row in logits.items():
+            live = self._live[rid]
+            tokens[rid] = sample(row, live.request.sampling, live.generator)
+        for rid, chunk in chunks.items():
+            live = self._live[rid]
+            if live.num_cached < 0:
+                live.num_cached = chunk.start
+        finished = {r.request_id for r in self.scheduler.complete(it, tokens)}
+        self.engine.retire(it.plans)
+        self.counters["iterations"] += 1
+        self.counters["computed_tokens"] += sum(c.num_new_tokens for c in chunks.values())
+        for rid, token in tokens.items():
+            self._emit(rid, token, rid in finished)
+        self.pool_stats = self.scheduler.pool.get_stats()
+        self.iteration_seconds += time.perf_counter() - t0
+
+    def _emit(self, rid: str, token: int, finished: bool) -> None:
+        live = self._live[rid]
+        req = live.request
+        live.num_generated += 1
+        self.counters["generation_tokens"] += 1
+        stop = token in req.stop_token_ids or (not req.ignore_eos and token in self.eos_token_ids)
+        if stop or finished:
+            if not finished:
+                self.scheduler.cancel(rid)
+            del self._live[rid]
+            self._count_end(live, "stop" if stop else "length")
+            _deliver(live, TokenEvent(rid, token, "stop" if stop else "length", live.num_cached))
+            return
+        _deliver(live, TokenEvent(rid, token, None, live.num_cached))
+
+    def _end(self, rid: str, token: int | None, reason: str, error: str | None = None) -> None:
+        live = self._live.pop(rid)
+        with contextlib.suppress(InvalidArgumentError, UnknownRequestError):
+            self.scheduler.cancel(rid)  # unless it already finished there
+        self._count_end(live, reason)
+        _deliver(live, TokenEvent(rid, token, reason, max(live.num_cached, 0), error))
+
+    def _count_end(self, live: _Live, reason: str) -> None:
+        self.counters[f"finished_{reason}"] += 1
+        self.counters["prompt_tokens"] += len(live.request.prompt_ids)
+        self.counters["cached_prompt_tokens"] += max(live.num_cached, 0)
+
+
+def _deliver(live: _Live, event: TokenEvent) -> None:
+    try:
+        live.sink(event)
+    except Exception:  # a client's sink must not stop the loop
+        log.exception("runtime: the sink of request %s failed", event.request_id)
