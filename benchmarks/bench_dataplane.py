@@ -1,7 +1,7 @@
 """Data-plane benchmark: the multi-process engines against in-process work on the same data.
 
 * query: per-layer latency of ``engine.query`` through the engine processes vs calling the
-  kernel in-process (``executor.holder_attention`` per holder, plus the merge when there are
+  kernel in-process (``BoundPart.attend`` per holder, plus the merge when there are
   several) on the very same shared pool and q rows, at N=1 and N=2 instances.
   Target: <= 1.2x in-process at N=1.
 * put: bandwidth of ``put`` (all layers of a prefill chunk, timed until landed) vs a plain
@@ -25,6 +25,7 @@ import torch
 import tokenlake as tl
 from tokenlake.engines import executor
 from tokenlake.engines.dataplane_config import DataPlaneConfig
+from tokenlake.engines.executor import BoundPart
 from tokenlake.engines.mp_cluster import MPCluster
 
 
@@ -65,20 +66,18 @@ def bench_query(pool, cluster, chunks, reps, gen) -> dict:
     q_buf = engine.init_query(qp)
     q_buf.copy_(torch.randn(q_buf.shape, generator=gen).to(q_buf.dtype))
     views = cluster._driver.views  # the same shared pools the engines read
-    parts = executor.prepare_query(qp, "cpu")
+    parts = [BoundPart.from_part(p, "cpu") for p in qp.parts]
     backend = cluster.backend
     num_layers = pool.config.model.num_layers
 
     def in_process(layer: int):
         if len(parts) == 1:
-            return executor.holder_attention(
-                views[parts[0].instance_id].pool.layer(layer), parts[0], q_buf, backend
-            )
+            return parts[0].attend(q_buf, views[parts[0].instance_id].pool.layer(layer), backend)
         o = torch.zeros(q_buf.shape, dtype=torch.float32)
         lse = torch.full(q_buf.shape[:2], -float("inf"))
         for part in parts:
             pool_layer = views[part.instance_id].pool.layer(layer)
-            o_p, lse_p = executor.holder_attention(pool_layer, part, q_buf, backend)
+            o_p, lse_p = part.attend(q_buf, pool_layer, backend)
             executor.merge_rows(o, lse, part.rows, o_p, lse_p, backend)
         return o, lse
 

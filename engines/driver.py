@@ -1,10 +1,13 @@
-"""State the compute-engine clients of one launcher share: the sockets to every engine, the
-point-to-point group, the ledger of puts still in flight, and segment-copy execution.
+"""What the engine clients of one process share: the channel to every engine (ZeroMQ or
+in-process), views of the buffers of every instance this process can map, the
+point-to-point group to other hosts, and the ledger of between-host puts still in flight.
 
-The ledger is what makes ``put`` asynchronous yet ordered: a put only records its tickets
-here and returns; a query of layer ``l`` (from any client) first waits for every put of
-layer ``l``, and ``init_transfer`` waits for all of them (its copies read earlier puts, and
-it hands out kv rows those puts may still be reading).
+Inside one host every bulk write is a direct (P2P) write by the process that holds the data,
+as NCCL's P2P and shared-memory transports do: a put writes the origin's ``kv_buf`` rows
+straight into the destination's pool, a segment copy copies pool to pool. Only between hosts
+does a transfer engine receive over ``torch.distributed`` point-to-point. The ledger makes
+those asynchronous yet ordered: a query of layer ``l`` first waits for the client's puts of
+layer ``l``, and :meth:`Driver.flush` for all of them.
 """
 
 from __future__ import annotations
@@ -13,29 +16,33 @@ from collections import defaultdict
 
 import numpy as np
 
-from tokenlake.engines import messages, process_group
+from tokenlake.engines import executor, messages, process_group
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
 from tokenlake.engines.shared_buffers import InstanceViews, Layout
-from tokenlake.engines.transport import Requester
 from tokenlake.plans import TransferPlan
 
 _TAG_SPACE = 1 << 30
 
 
 class Driver:
-    """Shared by every :class:`~tokenlake.engines.engine_client.EngineClient` of a cluster."""
+    """Shared by every :class:`~tokenlake.engines.engine_client.EngineClient` of a process.
+
+    ``channel`` is a :class:`~tokenlake.engines.transport.Requester` or a
+    :class:`~tokenlake.engines.transport.LocalChannel`; ``views`` holds every instance whose
+    buffers this process maps (on another host: only its own are used).
+    """
 
     def __init__(
         self,
         config: DataPlaneConfig,
         num_instances: int,
-        requester: Requester,
+        channel,
         group=None,
         events=None,
     ) -> None:
         self.config = config
         self.num_instances = num_instances
-        self.requester = requester
+        self.channel = channel
         self.group = group
         self.events = events  # client-side interprocess CUDA events (GPU only)
         self.layout: Layout | None = None
@@ -64,6 +71,31 @@ class Driver:
         self._next_binding += 1
         return self._next_binding
 
+    def configure(self, keys: list, layout: Layout, backend: str | None) -> None:
+        """Lay every engine in ``keys`` (and this process's views) out for ``layout``."""
+        m = layout.model
+        tickets = [
+            self.channel.request(
+                key,
+                lambda seq: messages.Configure(
+                    seq,
+                    m.num_layers,
+                    m.num_q_heads,
+                    m.num_kv_heads,
+                    m.head_dim,
+                    m.dtype,
+                    layout.num_slots,
+                    layout.segment_len,
+                    layout.max_q_rows,
+                    layout.max_kv_rows,
+                    backend or "",
+                ),
+            )  # fmt: skip
+            for key in keys
+        ]
+        self.channel.wait(tickets, "configure")
+        self.layout, self.backend = layout, backend
+
     # ---- the put ledger ------------------------------------------------------------------
     def record_put(self, layer: int, ticket, work=None, peer: int = -1, tensor=None) -> None:
         self._puts[layer].append(ticket)
@@ -75,9 +107,10 @@ class Driver:
         return (process_group.watch(work, self.config.timeout_s), peer, tensor)
 
     def wait_puts(self, layer: int, what: str) -> None:
-        """Wait for every put of ``layer`` still in flight (all clients)."""
+        """Wait for every between-host put of ``layer`` still in flight."""
         tickets, works = self._puts.pop(layer, []), self._works.pop(layer, [])
-        self.wait(tickets, works, what)
+        if tickets or works:
+            self.wait(tickets, works, what)
 
     def flush(self, what: str) -> None:
         """Wait for every put in flight, all layers."""
@@ -94,7 +127,7 @@ class Driver:
             pending[:] = process_group.poll_works(pending, self.num_instances, what)
             return len(pending)
 
-        self.requester.wait(tickets, what, poll if pending else None)
+        self.channel.wait(tickets, what, poll if pending else None)
         if pending:  # the replies came, but a transfer did not finish in time
             role, instance = process_group.peer_of(pending[0][1], self.num_instances)
             raise PeerFailedError(instance, role, f"{what}: transfer not done in time")
@@ -111,23 +144,28 @@ class Driver:
         """Wait until every live engine answered everything sent to it, so no request of an
         aborted iteration can land after the next one starts."""
         self.flush(what)
-        self.requester.wait(self.requester.outstanding(), what)
+        self.channel.wait(self.channel.outstanding(), what)
 
-    # ---- segment copies (copy-on-extend, replication) ------------------------------------
+    # ---- segment copies (copy-on-extend, replication orders) -----------------------------
     def run_copies(self, plan: TransferPlan) -> None:
-        """Execute a transfer plan's copy orders and wait for them: one message per
-        destination transfer engine on the source's host, else a send/receive pair."""
+        """Execute a transfer plan's copy orders and wait for them. Copies this process can
+        reach (both sides on the origin's host) are direct; a copy inside another host is one
+        message to that host's transfer engine; between hosts a send/receive pair."""
+        origin = plan.origin
         local = defaultdict(list)  # dst -> [(src, src_slot, dst_slot, n)]
         recv = defaultdict(list)  # dst -> [(peer, slot, n, tag)]
         send = defaultdict(list)  # src -> [(peer, slot, n, tag)]
-        for i in range(plan.num_copies):
-            src, dst = int(plan.copy_src_instance[i]), int(plan.copy_dst_instance[i])
-            s_slot, d_slot, n = (
-                int(plan.copy_src_slot[i]),
-                int(plan.copy_dst_slot[i]),
-                int(plan.copy_len[i]),
-            )
-            if self.same_host(src, dst):
+        for src, s_slot, dst, d_slot, n in zip(
+            plan.copy_src_instance.tolist(),
+            plan.copy_src_slot.tolist(),
+            plan.copy_dst_instance.tolist(),
+            plan.copy_dst_slot.tolist(),
+            plan.copy_len.tolist(),
+            strict=True,
+        ):
+            if self.same_host(origin, src) and self.same_host(origin, dst):
+                executor.copy_segment(self.views[src].pool, s_slot, self.views[dst].pool, d_slot, n)
+            elif self.same_host(src, dst):
                 local[dst].append((src, s_slot, d_slot, n))
             else:
                 tag = self.new_tag()
@@ -137,7 +175,7 @@ class Driver:
         for dst, rows in local.items():
             cols = _columns(rows, 4)
             tickets.append(
-                self.requester.request(
+                self.channel.request(
                     ("transfer", dst), lambda seq, c=cols: messages.CopyLocal(seq, *c)
                 )
             )
@@ -145,12 +183,13 @@ class Driver:
         for instance in sorted(set(recv) | set(send)):
             r, s = _columns(recv[instance], 4), _columns(send[instance], 4)
             tickets.append(
-                self.requester.request(
+                self.channel.request(
                     ("transfer", instance),
                     lambda seq, r=r, s=s: messages.CopyRemote(seq, *r, *s),
                 )
             )
-        self.requester.wait(tickets, "segment copies")
+        if tickets:
+            self.channel.wait(tickets, "segment copies")
 
 
 def _columns(rows: list[tuple], width: int) -> list[np.ndarray]:

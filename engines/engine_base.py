@@ -1,54 +1,43 @@
-"""What the query and the transfer engine processes share: their spawn spec, start-up
-(socket, readiness, process group), buffer layout and message dispatch."""
+"""What the query and the transfer engine share, in a process of their own or in the
+caller's: the buffers of their host, the layout, the bindings and message dispatch."""
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import zmq
 
 from tokenlake.config import ModelShape
 from tokenlake.engines import messages, process_group
-from tokenlake.engines.process_group import GroupSpec
 from tokenlake.engines.shared_buffers import InstanceBuffers, InstanceViews, Layout
-from tokenlake.engines.transport import Server
 from tokenlake.errors import InvalidArgumentError
 
 ROLES = ("query", "transfer")
 
 
 @dataclass(frozen=True)
-class EngineSpec:
-    """Everything a spawned engine process needs (pickled once by ``multiprocessing``).
+class EngineHost:
+    """Where an engine runs: its instance, and the storage of every instance on its host
+    (all of them on one host, only its own when instances are separate hosts).
+    ``event_handles`` are the clients' interprocess CUDA events per instance (GPU only)."""
 
-    ``buffers`` holds the shared storage of every instance on this engine's host: all of
-    them on one host, only its own when instances are separate hosts.
-    ``event_handles`` are the client's interprocess CUDA events per instance (GPU only).
-    """
-
-    role: str
     instance_id: int
     num_instances: int
     buffers: dict[int, InstanceBuffers]
-    ready_endpoint: str
-    host: str
-    parent_pid: int
-    kernel_threads: int
     timeout_s: float
-    group: GroupSpec | None = None
+    group_backend: str = "gloo"
     event_handles: dict[int, bytes] | None = None
 
 
 class EngineBase:
     """Dispatches decoded messages to ``handlers`` by type; owns the buffer views."""
 
-    def __init__(self, spec: EngineSpec, group) -> None:
-        self.spec = spec
-        self.instance_id = spec.instance_id
+    role = ""
+
+    def __init__(self, host: EngineHost, group=None) -> None:
+        self.host = host
+        self.instance_id = host.instance_id
         self.group = group
         self.layout: Layout | None = None
         self.views: dict[int, InstanceViews] = {}
@@ -56,11 +45,10 @@ class EngineBase:
         self.bindings: dict[tuple[int, int], object] = {}
         self.staging = None  # point-to-point buffers, when instances are separate hosts
         self.sync = None
-        if spec.event_handles:
+        if host.event_handles:
             from tokenlake.engines.gpu import EventWaiter
 
-            device = next(iter(spec.buffers.values())).raw["pool"].device
-            self.sync = EventWaiter(device, spec.event_handles)
+            self.sync = EventWaiter(self.device, host.event_handles)
         self.handlers: dict[type, Callable[[object], None]] = {
             messages.Configure: self.configure,
             messages.Stop: lambda message: None,
@@ -74,13 +62,13 @@ class EngineBase:
 
     @property
     def device(self) -> torch.device:
-        return self.spec.buffers[self.instance_id].raw["pool"].device
+        return self.host.buffers[self.instance_id].raw["pool"].device
 
     def handle(self, message: object) -> None:
         handler = self.handlers.get(type(message))
         if handler is None:
             raise InvalidArgumentError(
-                f"message: a {self.spec.role} engine does not handle {type(message).__name__}"
+                f"message: a {self.role} engine does not handle {type(message).__name__}"
             )
         handler(message)
 
@@ -88,19 +76,19 @@ class EngineBase:
         model = ModelShape(m.num_layers, m.num_q_heads, m.num_kv_heads, m.head_dim, m.dtype)
         layout = Layout(
             model,
-            self.spec.num_instances,
+            self.host.num_instances,
             m.num_slots,
             m.segment_len,
             m.max_q_rows,
             m.max_kv_rows,
         )
-        self.views = {i: b.views(layout) for i, b in self.spec.buffers.items()}
+        self.views = {i: b.views(layout) for i, b in self.host.buffers.items()}
         self.layout = layout
         if self.group is not None:
             if hasattr(self.staging, "close"):
                 self.staging.close()
             self.staging = process_group.make_staging(
-                self.group, self.spec.group.backend, _staging_bytes(layout), self.device
+                self.group, self.host.group_backend, _staging_bytes(layout), self.device
             )
         self.backend = m.backend or None
         self.bindings.clear()
@@ -137,49 +125,3 @@ def _staging_bytes(layout: Layout) -> int:
     kv = layout.max_kv_rows * 2 * m.num_kv_heads * m.head_dim * item
     segments = 2 * m.num_layers * 2 * layout.segment_len * m.num_kv_heads * m.head_dim * item
     return q + kv + segments + 4096
-
-
-def main(spec: EngineSpec) -> None:
-    """Entry point of an engine process (``multiprocessing`` spawn target)."""
-    if spec.role not in ROLES:
-        raise ValueError(f"spec.role: expected one of {ROLES}, got {spec.role!r}")
-    # Several engines share each host's cores: torch's own thread pool per process would
-    # oversubscribe them (a descheduled OpenMP worker stalls a whole copy). The attention
-    # kernels have their own pool, sized by kernel_threads.
-    torch.set_num_threads(1)
-    if spec.role == "query":
-        from tokenlake.engines.query_engine import QueryEngine as engine_cls
-
-        if spec.kernel_threads and spec.buffers[spec.instance_id].raw["pool"].is_cpu:
-            from tokenlake.kernels import cpu
-
-            cpu.set_num_threads(spec.kernel_threads)
-    else:
-        from tokenlake.engines.transfer_engine import TransferEngine as engine_cls
-    ctx = zmq.Context()
-    server = Server(ctx, spec.host)
-    ready = ctx.socket(zmq.PUSH)
-    ready.setsockopt(zmq.LINGER, 1000)
-    group = store = None
-    try:
-        ready.connect(spec.ready_endpoint)
-        ready.send(
-            messages.encode(
-                messages.Ready(spec.role, spec.instance_id, server.endpoint, os.getpid())
-            )
-        )
-        if spec.group is not None:
-            rank = process_group.rank_of(spec.role, spec.instance_id, spec.num_instances)
-            store = process_group.make_store(spec.group, is_master=False)
-            group = process_group.connect(spec.group, store, rank)
-        engine = engine_cls(spec, group)
-        server.serve(engine.handle, spec.parent_pid)
-    finally:
-        process_group.shutdown(group)
-        ready.close()
-        server.close()
-        ctx.term()
-    # Everything is released; skip the interpreter's teardown of torch (seconds per process).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -1,10 +1,14 @@
-"""The compute-engine side of one instance: ``init_query``/``query``/``init_transfer``/``put``
-(the same API as :class:`tokenlake.engines.local_cluster.LocalEngine`), executed by the
-query and transfer engine processes of the cluster.
+"""The engine client of one instance: the data-plane API a compute engine uses
+(:class:`tokenlake.engines.protocol.Engine`), the same over every transport.
 
-Plans are validated here against the pool's active epoch (the control plane lives with the
-clients); engines learn plans from bind messages. ``q_buf``/``kv_buf`` are views of this
-instance's shared buffers, carved consecutively per iteration (capacity:
+Plans are bound per ``(origin, epoch)``: binding a plan of a newer epoch at this instance
+retires the older ones, and :meth:`EngineClient.retire` retires an epoch the control plane
+committed or aborted; plans and buffers of a retired epoch raise ``StalePlanError``. The
+client never asks the control plane anything.
+
+Where each part runs: this instance's own part of a query in this process (its memory is
+here), every other holder's part in that holder's query engine. ``q_buf``/``kv_buf`` are
+views of this instance's buffers, carved consecutively per epoch (capacity:
 ``DataPlaneConfig.max_q_rows`` / ``max_kv_rows``).
 """
 
@@ -14,14 +18,13 @@ import math
 import weakref
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from tokenlake.engines import executor, messages, process_group
 from tokenlake.engines.driver import Driver
+from tokenlake.engines.executor import BoundPart
 from tokenlake.errors import InvalidArgumentError, StalePlanError
 from tokenlake.plans import QueryPlan, TransferPlan
-from tokenlake.pool import Pool
 from tokenlake.validate import check_int, check_tensor
 
 
@@ -30,9 +33,8 @@ class _BoundQuery:
     plan: QueryPlan
     binding: int
     offset: int
-    parts: list[executor.PreparedPart]
     buf: torch.Tensor
-    identity: bool  # one holder covering every row in order: no merge needed
+    parts: list[BoundPart]  # in plan order; rows index buf
 
 
 @dataclass(eq=False)
@@ -40,20 +42,22 @@ class _BoundTransfer:
     plan: TransferPlan
     binding: int
     buf: torch.Tensor
-    dests: list[tuple[int, executor.PutRuns, bool]]  # (instance, runs, remote)
+    local: list[tuple[int, list]]  # (instance, runs) written directly
+    remote: list[tuple[int, list]]  # (instance, packed runs) sent to its transfer engine
 
 
 class EngineClient:
-    """The data-plane API of one instance, backed by engine processes."""
+    """The data-plane API of one instance (see :class:`~tokenlake.engines.protocol.Engine`)."""
 
-    def __init__(self, instance_id: int, pool: Pool, driver: Driver) -> None:
+    def __init__(self, instance_id: int, driver: Driver) -> None:
         self.instance_id = instance_id
-        self._pool = pool
         self._driver = driver
+        self._epoch: int | None = None  # the epoch bound here; older ones are retired
+        self._retired: set[int] = set()
         self._queries: dict[int, _BoundQuery] = {}
         self._transfers: dict[int, _BoundTransfer] = {}
-        self._stale: dict[int, weakref.ref] = {}  # buffers handed out in earlier iterations
-        self._used = {"q": [None, 0], "kv": [None, 0]}  # kind -> [epoch, rows handed out]
+        self._stale: dict[int, weakref.ref] = {}  # buffers handed out in retired epochs
+        self._used = {"q": 0, "kv": 0}  # rows handed out in the bound epoch
 
     @property
     def _views(self):
@@ -63,35 +67,66 @@ class EngineClient:
     def _layout(self):
         return self._driver.layout
 
-    def _check_plan(self, name: str, plan, kind: type) -> None:
-        executor.check_plan(name, plan, kind, self.instance_id, self._pool.active_epoch)
-
-    def _reserve(self, kind: str, rows: int, epoch: int, name: str, capacity: int) -> int:
-        """First row of ``rows`` fresh rows of the shared ``kind`` buffer for this iteration."""
-        used = self._used[kind]
-        if used[0] != epoch:
-            used[0], used[1] = epoch, 0
-        if used[1] + max(rows, 1) > capacity:
-            raise InvalidArgumentError(
-                f"{name}: needs {rows} {kind} rows, but only {capacity - used[1]} of the "
-                f"cluster's {capacity} (DataPlaneConfig.max_{kind}_rows) are free this iteration"
+    # ---- epochs --------------------------------------------------------------------------
+    def _admit(self, name: str, plan, kind: type) -> None:
+        executor.check_plan(name, plan, kind, self.instance_id)
+        epoch = plan.epoch
+        if epoch in self._retired or (self._epoch is not None and epoch < self._epoch):
+            raise StalePlanError(
+                f"{name}: from iteration {epoch}, which is retired at instance "
+                f"{self.instance_id} (bound: {self._epoch})"
             )
-        offset = used[1]
-        used[1] += max(rows, 1)  # never two buffers with one data_ptr
-        return offset
+        if epoch != self._epoch:
+            self._drop_bindings()
+            self._retired = {e for e in self._retired if e > epoch}
+            self._epoch = epoch
 
+    def _check_live(self, name: str, epoch: int) -> None:
+        if epoch != self._epoch or epoch in self._retired:
+            raise StalePlanError(f"{name}: bound in iteration {epoch}, which is retired")
+
+    def retire(self, epoch: int) -> None:
+        """The control plane committed or aborted ``epoch``: its plans and buffers are stale
+        from now on. Waits for this instance's puts still in flight."""
+        epoch = check_int("epoch", epoch, low=0)
+        self._driver.flush(f"retiring iteration {epoch}")
+        self._retired.add(epoch)
+        if epoch == self._epoch:
+            self._drop_bindings()
+
+    def _drop_bindings(self) -> None:
+        self._stale = {k: r for k, r in self._stale.items() if r() is not None}
+        for bound in (*self._queries.values(), *self._transfers.values()):
+            self._stale[id(bound.buf)] = weakref.ref(bound.buf)
+        self._queries, self._transfers = {}, {}
+        self._used = {"q": 0, "kv": 0}
+
+    def _reserve(self, kind: str, rows: int, name: str, capacity: int) -> int:
+        """First row of ``rows`` fresh rows of this instance's ``kind`` buffer."""
+        used = self._used[kind]
+        if used + max(rows, 1) > capacity:
+            raise InvalidArgumentError(
+                f"{name}: needs {rows} {kind} rows, but only {capacity - used} of the "
+                f"instance's {capacity} (DataPlaneConfig.max_{kind}_rows) are free this iteration"
+            )
+        self._used[kind] = used + max(rows, 1)  # never two buffers with one data_ptr
+        return used
+
+    # ---- query ---------------------------------------------------------------------------
     def init_query(self, query_plan: QueryPlan) -> torch.Tensor:
         """Bind a query plan; returns ``q_buf`` ``[num_rows, H_q, D]`` (model dtype), a view of
-        this instance's shared q buffer, for the compute engine to write q into per layer."""
-        self._check_plan("query_plan", query_plan, QueryPlan)
+        this instance's q buffer, for the compute engine to write q into per layer."""
+        self._admit("query_plan", query_plan, QueryPlan)
         n = query_plan.num_rows
-        offset = self._reserve("q", n, query_plan.epoch, "query_plan", self._layout.max_q_rows)
+        offset = self._reserve("q", n, "query_plan", self._layout.max_q_rows)
         d = self._driver
         binding = d.new_binding()
         tickets = []
         for part in query_plan.parts:
+            if part.instance_id == self.instance_id:
+                continue
             tickets.append(
-                d.requester.request(
+                d.channel.request(
                     ("query", part.instance_id),
                     lambda seq, p=part: messages.BindQuery(
                         seq,
@@ -105,23 +140,19 @@ class EngineClient:
                         p.kv_indices,
                         p.last_len,
                     ),
-                )
+                )  # fmt: skip
             )
-        d.requester.wait(tickets, "init_query")
-        parts = executor.prepare_query(query_plan, self._views.q.device)
-        identity = len(parts) == 1 and np.array_equal(
-            query_plan.parts[0].rows, np.arange(n, dtype=np.int32)
-        )
+        d.channel.wait(tickets, "init_query")
+        device = self._views.q.device
+        parts = [BoundPart.from_part(p, device) for p in query_plan.parts]
         buf = self._views.q[offset : offset + n]
-        self._queries = self._prune(self._queries, query_plan.epoch)
-        self._queries[buf.data_ptr()] = _BoundQuery(
-            query_plan, binding, offset, parts, buf, identity
-        )
+        self._queries[buf.data_ptr()] = _BoundQuery(query_plan, binding, offset, buf, parts)
         return buf
 
     def query(self, q_buf: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefix attention of ``q_buf``'s rows over the whole pool for ``layer``: scatter the
-        rows to every holder, wait for the puts of ``layer`` first, merge the holders' states.
+        """Prefix attention of ``q_buf``'s rows over the whole pool for ``layer``: this
+        instance's part here, every other holder's part in its query engine (after this
+        instance's puts of ``layer`` landed), merged.
 
         Returns ``o`` ``[num_rows, H_q, D]`` float32 and ``lse`` ``[num_rows, H_q]`` float32
         (natural log; ``-inf`` for rows with an empty prefix).
@@ -130,131 +161,143 @@ class EngineClient:
         """
         bound = self._bound(self._queries, "q_buf", q_buf, "init_query")
         layer = check_int("layer", layer, low=0, high=self._layout.model.num_layers)
-        self._check_plan("q_buf", bound.plan, QueryPlan)
         d = self._driver
         d.wait_puts(layer, f"puts of layer {layer}")
         if d.events is not None:
             d.events.record(self.instance_id)
         views, off = self._views, bound.offset
         tickets, works = [], []
-        for part, prepared in zip(bound.plan.parts, bound.parts, strict=True):
-            h, m = part.instance_id, len(part.rows)
+        for part in bound.parts:
+            h, m = part.instance_id, part.num_rows
+            if h == self.instance_id:
+                continue
             tag = -1
             if not d.same_host(self.instance_id, h):
                 tag, rank = d.new_tag(), d.rank("query", h)
                 o_dst, lse_dst = views.out_o[h, off : off + m], views.out_lse[h, off : off + m]
                 works.append(d.watch(process_group.recv(d.group, o_dst, rank, tag + 1), rank))
                 works.append(d.watch(process_group.recv(d.group, lse_dst, rank, tag + 2), rank))
-                rows = bound.buf.index_select(0, prepared.rows)
+                rows = bound.buf.index_select(0, part.rows)
                 works.append(d.watch(process_group.send(d.group, rows, rank, tag), rank, rows))
             tickets.append(
-                d.requester.request(
+                d.channel.request(
                     ("query", h),
                     lambda seq, t=tag: messages.RunQuery(
                         seq, self.instance_id, bound.binding, layer, t
                     ),
                 )
             )
-        d.wait(tickets, works, f"query of layer {layer}")
-        return self._merge(bound)
+        own = None
+        for part in bound.parts:  # overlaps with the peers' work
+            if part.instance_id == self.instance_id:
+                own = part.attend(bound.buf, views.pool.layer(layer), d.backend)
+        if tickets or works:
+            d.wait(tickets, works, f"query of layer {layer}")
+        return self._merge(bound, own)
 
-    def _merge(self, bound: _BoundQuery) -> tuple[torch.Tensor, torch.Tensor]:
+    def _merge(self, bound: _BoundQuery, own) -> tuple[torch.Tensor, torch.Tensor]:
         views, off, n = self._views, bound.offset, bound.plan.num_rows
-        if bound.identity:
-            h = bound.parts[0].instance_id
-            return views.out_o[h, off : off + n].clone(), views.out_lse[h, off : off + n].clone()
+        results = []
+        for part in bound.parts:
+            h, m = part.instance_id, part.num_rows
+            if h == self.instance_id:
+                results.append((part, *own))
+            else:
+                results.append(
+                    (part, views.out_o[h, off : off + m], views.out_lse[h, off : off + m])
+                )
+        if len(results) == 1 and results[0][0].identity and results[0][0].num_rows == n:
+            part, o, lse = results[0]
+            if part.instance_id == self.instance_id:
+                return o, lse  # fresh tensors from the kernel
+            return o.clone(), lse.clone()  # the output region is reused next layer
         _, h_q, dim = bound.buf.shape
         o = torch.zeros((n, h_q, dim), dtype=torch.float32, device=bound.buf.device)
         lse = torch.full((n, h_q), -math.inf, dtype=torch.float32, device=bound.buf.device)
-        for part in bound.parts:
-            h, m = part.instance_id, part.rows.shape[0]
-            o_p, lse_p = views.out_o[h, off : off + m], views.out_lse[h, off : off + m]
+        for part, o_p, lse_p in results:
             executor.merge_rows(o, lse, part.rows, o_p, lse_p, self._driver.backend)
         return o, lse
 
+    # ---- transfer ------------------------------------------------------------------------
     def init_transfer(self, transfer_plan: TransferPlan) -> torch.Tensor:
         """Bind a transfer plan and run its segment copies; returns ``kv_buf``
-        ``[num_layers, num_rows, 2, H_kv, D]`` (model dtype), a view of this instance's shared
-        kv buffer, for the compute engine's new K and V."""
-        self._check_plan("transfer_plan", transfer_plan, TransferPlan)
+        ``[num_layers, num_rows, 2, H_kv, D]`` (model dtype), a view of this instance's kv
+        buffer, for the compute engine's new K and V."""
+        self._admit("transfer_plan", transfer_plan, TransferPlan)
         d = self._driver
         n = transfer_plan.num_rows
-        d.flush("puts of the previous iteration")
-        offset = self._reserve(
-            "kv", n, transfer_plan.epoch, "transfer_plan", self._layout.max_kv_rows
-        )
+        offset = self._reserve("kv", n, "transfer_plan", self._layout.max_kv_rows)
         d.run_copies(transfer_plan)
         binding = d.new_binding()
-        tickets, dests = [], []
+        tickets, local, remote = [], [], []
         for k, h in enumerate(transfer_plan.dst_ids.tolist()):
             runs = executor.put_runs(transfer_plan, k)
-            remote = not d.same_host(self.instance_id, h)
-            sent = runs.packed() if remote else runs
+            if d.same_host(self.instance_id, h):
+                local.append((h, runs.as_lists()))
+                continue
+            packed = runs.packed()
             tickets.append(
-                d.requester.request(
+                d.channel.request(
                     ("transfer", h),
-                    lambda seq, r=sent, off=(0 if remote else offset): messages.BindPut(
+                    lambda seq, r=packed: messages.BindPut(
                         seq,
                         self.instance_id,
                         transfer_plan.epoch,
                         binding,
-                        off,
                         r.src_row,
                         r.length,
                         r.dst_slot,
                         r.dst_offset,
                     ),
-                )
+                )  # fmt: skip
             )
-            dests.append((h, runs, remote))
-        d.requester.wait(tickets, "init_transfer")
+            remote.append((h, runs.as_lists()))
+        if tickets:
+            d.channel.wait(tickets, "init_transfer")
         buf = self._views.kv[:, offset : offset + n]
-        self._transfers = self._prune(self._transfers, transfer_plan.epoch)
-        self._transfers[buf.data_ptr()] = _BoundTransfer(transfer_plan, binding, buf, dests)
+        self._transfers[buf.data_ptr()] = _BoundTransfer(transfer_plan, binding, buf, local, remote)
         return buf
 
     def put(self, kv_buf: torch.Tensor, layer: int) -> None:
-        """Start storing ``kv_buf[layer]`` into the planned slots and return at once; the data
-        lands before any later ``query`` of ``layer``. Do not rewrite ``kv_buf[layer]`` until
-        then."""
+        """Store ``kv_buf[layer]`` into the planned slots. Inside this host the rows are
+        written directly; to another host they are sent and the call returns at once (the
+        data lands before any later ``query`` of ``layer`` from this instance, and before
+        :meth:`synchronize` returns). Do not rewrite ``kv_buf[layer]`` until then."""
         bound = self._bound(self._transfers, "kv_buf", kv_buf, "init_transfer")
         layer = check_int("layer", layer, low=0, high=self._layout.model.num_layers)
-        self._check_plan("kv_buf", bound.plan, TransferPlan)
         d = self._driver
-        if d.events is not None:
-            d.events.record(self.instance_id)
-        for h, runs, remote in bound.dests:
-            tag = d.new_tag() if remote else -1
-            ticket = d.requester.request(
+        kv_layer = bound.buf[layer]
+        for h, runs in bound.local:
+            executor.write_runs(d.views[h].pool, runs, kv_layer, layer)
+        for h, runs in bound.remote:
+            tag = d.new_tag()
+            ticket = d.channel.request(
                 ("transfer", h),
                 lambda seq, t=tag: messages.Put(seq, self.instance_id, bound.binding, layer, t),
             )
-            if not remote:
-                d.record_put(layer, ticket)
-                continue
-            rows = executor.gather_runs(bound.buf[layer], runs)
+            rows = executor.gather_runs(kv_layer, runs)
             rank = d.rank("transfer", h)
             d.record_put(layer, ticket, process_group.send(d.group, rows, rank, tag), rank, rows)
 
-    def _prune(self, table: dict, epoch: int) -> dict:
-        self._stale = {k: r for k, r in self._stale.items() if r() is not None}
-        kept = {}
-        for key, bound in table.items():
-            if bound.plan.epoch == epoch:
-                kept[key] = bound
-            else:
-                self._stale[id(bound.buf)] = weakref.ref(bound.buf)
-        return kept
+    def synchronize(self) -> None:
+        """Wait until every put of this instance has landed (call it before reporting an
+        iteration done, so the control plane may commit it)."""
+        self._driver.flush("synchronize")
+        if self._driver.events is not None:
+            import torch.cuda
+
+            torch.cuda.current_stream().synchronize()
 
     def _bound(self, table: dict, name: str, buf: object, init: str):
         check_tensor(name, buf)
         ref = self._stale.get(id(buf))
         if ref is not None and ref() is buf:
-            raise StalePlanError(f"{name}: a buffer of an earlier iteration")
+            raise StalePlanError(f"{name}: a buffer of a retired iteration")
         bound = table.get(buf.data_ptr())
         if bound is None:
             raise InvalidArgumentError(f"{name}: not a buffer returned by this engine's {init}()")
         check_tensor(
             name, buf, shape=tuple(bound.buf.shape), dtype=bound.buf.dtype, device=bound.buf.device
         )
+        self._check_live(name, bound.plan.epoch)
         return bound

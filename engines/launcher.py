@@ -14,7 +14,8 @@ import zmq
 
 from tokenlake.engines import messages
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
-from tokenlake.engines.engine_base import EngineSpec, main
+from tokenlake.engines.engine_base import EngineHost
+from tokenlake.engines.engine_process import EngineSpec, main
 from tokenlake.engines.process_group import GroupSpec
 from tokenlake.engines.shared_buffers import InstanceBuffers
 from tokenlake.engines.transport import bind_random
@@ -70,10 +71,13 @@ class EngineProcesses:
                 visible = dict(enumerate(self._buffers))
                 if cfg.separate_hosts:
                     visible = {i: self._buffers[i]}
-                spec = EngineSpec(
-                    role, i, len(self._buffers), visible, endpoint, cfg.host, os.getpid(),
-                    cfg.kernel_threads, cfg.timeout_s, self._group, self._event_handles,
+                host = EngineHost(
+                    i, len(self._buffers), visible, cfg.timeout_s,
+                    self._group.backend if self._group else "gloo", self._event_handles,
                 )  # fmt: skip
+                spec = EngineSpec(
+                    role, host, endpoint, cfg.host, os.getpid(), cfg.kernel_threads, self._group
+                )
                 p = spawn.Process(
                     target=main, args=(spec,), name=f"tokenlake-{role}-{i}", daemon=True
                 )

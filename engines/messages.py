@@ -98,16 +98,14 @@ class RunQuery:
 
 @dataclass(frozen=True)
 class BindPut:
-    """Runs of a transfer plan that land on this engine's instance: kv rows
-    ``src_row[i]:src_row[i] + length[i]`` go to slot ``dst_slot[i]`` from ``dst_offset[i]``.
-    Rows are relative to ``kv_offset`` of the origin's shared kv buffer (or to the packed
-    rows received over the process group)."""
+    """Runs of a transfer plan from another host that land on this engine's instance: rows
+    ``src_row[i]:src_row[i] + length[i]`` of the packed rows each :class:`Put` receives go to
+    slot ``dst_slot[i]`` from token ``dst_offset[i]``."""
 
     seq: int
     origin: int
     epoch: int
     binding: int
-    kv_offset: int
     src_row: np.ndarray
     length: np.ndarray
     dst_slot: np.ndarray
@@ -116,8 +114,8 @@ class BindPut:
 
 @dataclass(frozen=True)
 class Put:
-    """Store one layer of a bound put. ``tag < 0``: read the origin's shared kv buffer; else
-    receive the packed rows ``[n, 2, H_kv, D]`` from the caller's rank under ``tag``."""
+    """Store one layer of a bound put: receive the packed rows ``[n, 2, H_kv, D]`` from the
+    caller's rank under ``tag``."""
 
     seq: int
     origin: int

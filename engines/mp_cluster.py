@@ -1,8 +1,9 @@
 """Local launcher of the multi-process data plane: N instances on one machine, each a query
 engine and a transfer engine process beside the compute-engine clients (this process).
 
-    with MPCluster(pool, DataPlaneConfig()) as cluster:
+    with MPCluster(pool.config, DataPlaneConfig()) as cluster:
         run_iteration(cluster, plans, chunks, model)     # same API as LocalCluster
+        cluster.retire(plans.epoch)                      # after pool.commit / pool.abort
 
 Start-up: shared buffers are allocated here, engines are spawned with them
 (:mod:`tokenlake.engines.launcher`), and the cluster waits until every engine reported ready.
@@ -18,31 +19,29 @@ import contextlib
 import zmq
 
 from tokenlake.engines import messages, process_group
-from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
+from tokenlake.engines.cluster_base import ClusterBase, layout_for, pool_config
+from tokenlake.engines.dataplane_config import DataPlaneConfig
 from tokenlake.engines.driver import Driver
 from tokenlake.engines.engine_base import ROLES
-from tokenlake.engines.engine_client import EngineClient
 from tokenlake.engines.launcher import EngineProcesses
 from tokenlake.engines.shared_buffers import InstanceBuffers, Layout
 from tokenlake.engines.transport import Requester
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.plans import Plans
-from tokenlake.pool import Pool
 from tokenlake.validate import check_int
 
 
-class MPCluster:
-    """``pool.config.num_instances`` instances, each two engine processes sharing buffers.
+class MPCluster(ClusterBase):
+    """``config.num_instances`` instances, each two engine processes sharing buffers
+    (``config``: a ``PoolConfig``, or a ``Pool`` whose config is read).
 
     ``engine(i)`` returns instance ``i``'s :class:`EngineClient`; ``backend`` is the kernel
     backend every engine uses (``None``: by device). :meth:`reset` re-lays the running
-    cluster for another pool (at most as many instances; the rest idle);
-    :meth:`fail_over` handles a :class:`PeerFailedError`; :meth:`restart` brings a lost
-    instance back with fresh engine processes.
+    cluster for another pool (at most as many instances; the rest idle); :meth:`mark_lost`
+    stops using a failed instance; :meth:`restart` brings it back with fresh engines.
     """
 
     def __init__(
-        self, pool: Pool, config: DataPlaneConfig | None = None, backend: str | None = None
+        self, pool, config: DataPlaneConfig | None = None, backend: str | None = None
     ) -> None:
         config = config if config is not None else DataPlaneConfig()
         if not isinstance(config, DataPlaneConfig):
@@ -50,7 +49,7 @@ class MPCluster:
                 f"config: expected a DataPlaneConfig, got {type(config).__name__}"
             )
         self.config = config
-        self.num_instances = pool.config.num_instances
+        self._num_launched = pool_config(pool).num_instances
         self._ctx = zmq.Context()
         self._procs: EngineProcesses | None = None
         self._store = self._group = self._mps = None
@@ -63,8 +62,8 @@ class MPCluster:
             raise
 
     # ---- lifecycle -----------------------------------------------------------------------
-    def _launch(self, pool: Pool) -> None:
-        cfg, n = self.config, self.num_instances
+    def _launch(self, pool) -> None:
+        cfg, n = self.config, self._num_launched
         layout = self._layout(pool)
         if cfg.use_mps:  # not run on a GPU; before any CUDA context, so all join the daemon
             from tokenlake.engines.gpu import MpsDaemon
@@ -102,14 +101,14 @@ class MPCluster:
         self._closed = True
         driver = getattr(self, "_driver", None)
         if driver is not None:
-            for key in driver.requester.keys:
+            for key in driver.channel.keys:
                 if self._is_alive(key):
                     with contextlib.suppress(zmq.ZMQError):
-                        driver.requester.request(key, messages.Stop)
+                        driver.channel.request(key, messages.Stop)
         if self._procs is not None:
             self._procs.stop_all(5.0)
         if driver is not None:
-            driver.requester.close()
+            driver.channel.close()
         process_group.shutdown(self._group)
         self._group = self._store = self._driver = None
         self._ctx.destroy(linger=0)  # closes any socket a failed start-up left open
@@ -123,83 +122,45 @@ class MPCluster:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- the LocalCluster API ------------------------------------------------------------
-    @property
-    def backend(self) -> str | None:
-        return self._driver.backend
-
+    # ---- the cluster API ------------------------------------------------------------------
     @property
     def pids(self) -> dict[tuple[str, int], int]:
         """Process id of every engine, by ``(role, instance_id)`` (for tests and tools)."""
         return self._procs.pids
 
-    def engine(self, instance_id: int) -> EngineClient:
-        check_int("instance_id", instance_id, low=0, high=len(self._clients))
-        if instance_id in self._driver.lost:
-            raise PeerFailedError(instance_id, "query", "instance was marked lost")
-        return self._clients[instance_id]
-
-    def synchronize(self) -> None:
-        """Wait until every put in flight has landed (a query of a layer does this for that
-        layer on its own; this is for measuring and for shutting an iteration down)."""
-        self._driver.flush("synchronize")
-
-    def reset(self, pool: Pool, backend: str | None = None) -> MPCluster:
-        """Serve ``pool`` (same number of instances; its layout must fit the buffers
-        allocated at launch) with kernel ``backend``. Drops every binding; instances already
-        lost are dropped from ``pool`` too."""
-        if not isinstance(pool, Pool):
-            raise InvalidArgumentError(f"pool: expected a Pool, got {type(pool).__name__}")
-        if pool.config.num_instances > self.num_instances:
+    def reset(self, config, backend: str | None = None) -> MPCluster:
+        """Serve a new pool (``config``: its ``PoolConfig`` or the ``Pool``; at most as many
+        instances as launched, its layout must fit the buffers allocated at launch) with
+        kernel ``backend``. Drops every binding; lost instances stay lost (the control plane
+        must not place data on them: ``Pool.drop_instance``)."""
+        cfg = pool_config(config)
+        if cfg.num_instances > self._num_launched:
             raise InvalidArgumentError(
-                f"pool: has {pool.config.num_instances} instances, the cluster only "
-                f"{self.num_instances}"
+                f"config: has {cfg.num_instances} instances, the cluster only {self._num_launched}"
             )
-        layout = self._layout(pool)
+        layout = self._layout(cfg)
         problem = self._buffers[0].fits(layout)
         if problem is not None:
-            raise InvalidArgumentError(f"pool: {problem}")
+            raise InvalidArgumentError(f"config: {problem}")
         d = self._driver
         d.quiesce("reset")
-        self._configure(d.requester.keys, layout, backend)
-        d.layout, d.backend = layout, backend
+        d.configure(d.channel.keys, layout, backend)
         d.views = {i: b.views(layout) for i, b in enumerate(self._buffers)}
-        for i in sorted(d.lost):
-            if i in pool.live_instances:
-                pool.drop_instance(i)
-        self._clients = [EngineClient(i, pool, d) for i in range(pool.config.num_instances)]
-        self.pool = pool
+        self._make_clients(cfg.num_instances)
         return self
 
     # ---- failures ------------------------------------------------------------------------
     def mark_lost(self, instance_id: int) -> None:
         """Stop using an instance: kill its engines, forget work addressed to them, and wait
         until the surviving engines finished everything already sent to them."""
-        check_int("instance_id", instance_id, low=0, high=self.num_instances)
+        check_int("instance_id", instance_id, low=0, high=self._num_launched)
         d = self._driver
         d.lost.add(instance_id)
         self._procs.kill([(role, instance_id) for role in ROLES])
         for role in ROLES:
-            d.requester.disconnect((role, instance_id))
+            d.channel.disconnect((role, instance_id))
         d.forget(instance_id)
         d.quiesce("fail-over")
-
-    def fail_over(self, plans: Plans, error: PeerFailedError) -> list[int | str]:
-        """The control plane's reaction to ``error`` raised while executing ``plans``: abort
-        the iteration, drop the failed instance from the pool and from this cluster.
-
-        Returns the ids of the running requests that lost data; recompute them (their
-        prefix cached elsewhere still matches). Then re-plan: the tree no longer lists
-        the dead replicas."""
-        if not isinstance(error, PeerFailedError):
-            raise InvalidArgumentError(
-                f"error: expected a PeerFailedError, got {type(error).__name__}"
-            )
-        if self.pool.active_epoch == plans.epoch:
-            self.pool.abort(plans)
-        failed = self.pool.drop_instance(error.instance_id)
-        self.mark_lost(error.instance_id)
-        return failed
 
     @property
     def lost(self) -> frozenset[int]:
@@ -210,7 +171,7 @@ class MPCluster:
         """Start fresh engines for a lost instance and configure them for the current pool;
         the next :meth:`reset` serves it again (its old slots are empty for the new pool).
         On one host only: a process group cannot admit new ranks."""
-        check_int("instance_id", instance_id, low=0, high=self.num_instances)
+        check_int("instance_id", instance_id, low=0, high=self._num_launched)
         d = self._driver
         if instance_id not in d.lost:
             raise InvalidArgumentError(f"instance_id: {instance_id} is not lost")
@@ -218,40 +179,13 @@ class MPCluster:
             raise InvalidArgumentError("instance_id: cannot restart with separate_hosts=True")
         keys = [(role, instance_id) for role in ROLES]
         for key, ep in self._procs.spawn(keys).items():
-            d.requester.connect(key, ep)
+            d.channel.connect(key, ep)
         d.lost.discard(instance_id)
-        self._configure(keys, d.layout, d.backend)
+        d.configure(keys, d.layout, d.backend)
 
     # ---- internals -----------------------------------------------------------------------
-    def _configure(self, keys: list, layout: Layout, backend: str | None) -> None:
-        m, d = layout.model, self._driver
-        tickets = [
-            d.requester.request(
-                key,
-                lambda seq: messages.Configure(
-                    seq,
-                    m.num_layers,
-                    m.num_q_heads,
-                    m.num_kv_heads,
-                    m.head_dim,
-                    m.dtype,
-                    layout.num_slots,
-                    layout.segment_len,
-                    layout.max_q_rows,
-                    layout.max_kv_rows,
-                    backend or "",
-                ),
-            )  # fmt: skip
-            for key in keys
-        ]
-        d.requester.wait(tickets, "configure")
-
-    def _layout(self, pool: Pool) -> Layout:
-        c = pool.config
-        return Layout(
-            c.model, self.num_instances, c.num_slots, c.segment_len,
-            self.config.max_q_rows, self.config.max_kv_rows,
-        )  # fmt: skip
+    def _layout(self, config) -> Layout:
+        return layout_for(pool_config(config), self.config, self._num_launched)
 
     def _is_alive(self, key: tuple[str, int]) -> bool:
         return self._procs is not None and self._procs.is_alive(key)

@@ -8,13 +8,11 @@ another host the rows arrive, and the results leave, over the point-to-point gro
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-import numpy as np
-
-from tokenlake.engines import executor, messages, process_group
-from tokenlake.engines.engine_base import EngineBase, EngineSpec
+from tokenlake.engines import messages, process_group
+from tokenlake.engines.engine_base import EngineBase, EngineHost
+from tokenlake.engines.executor import BoundPart
 from tokenlake.plans import HolderPart
 
 
@@ -22,17 +20,19 @@ from tokenlake.plans import HolderPart
 class _QueryBinding:
     epoch: int
     q_offset: int
-    part: executor.PreparedPart  # rows index the origin's plan rows
-    packed: executor.PreparedPart  # rows 0..n-1: the rows as received from another host
+    part: BoundPart  # rows index the origin's q_buf
+    packed: BoundPart  # rows 0..n-1: the rows as received from another host
 
     @property
     def num_rows(self) -> int:
-        return int(self.part.rows.shape[0])
+        return self.part.num_rows
 
 
 class QueryEngine(EngineBase):
-    def __init__(self, spec: EngineSpec, group) -> None:
-        super().__init__(spec, group)
+    role = "query"
+
+    def __init__(self, host: EngineHost, group=None) -> None:
+        super().__init__(host, group)
         self.handlers[messages.BindQuery] = self.bind
         self.handlers[messages.RunQuery] = self.run
 
@@ -40,15 +40,12 @@ class QueryEngine(EngineBase):
         part = HolderPart(
             self.instance_id, m.rows, m.q_indptr, m.kv_indptr, m.kv_indices, m.last_len
         )
-        packed_rows = np.arange(len(m.rows), dtype=np.int32)
         self.drop_older(m.origin, m.epoch)
         self.bindings[(m.origin, m.binding)] = _QueryBinding(
             m.epoch,
             m.q_offset,
-            executor.PreparedPart.from_part(part, self.device),
-            executor.PreparedPart.from_part(
-                dataclasses.replace(part, rows=packed_rows), self.device
-            ),
+            BoundPart.from_part(part, self.device),
+            BoundPart.from_part(part, self.device, packed=True),
         )
 
     def run(self, m: messages.RunQuery) -> None:
@@ -59,7 +56,7 @@ class QueryEngine(EngineBase):
             origin = self.peer_views(m.origin)
             if self.sync is not None:
                 self.sync.wait(m.origin)
-            o, lse = executor.holder_attention(pool_layer, b.part, origin.q[lo:], self.backend)
+            o, lse = b.part.attend(origin.q[lo:], pool_layer, self.backend)
             origin.out_o[self.instance_id, lo:hi].copy_(o)
             origin.out_lse[self.instance_id, lo:hi].copy_(lse)
             if self.sync is not None:
@@ -69,7 +66,7 @@ class QueryEngine(EngineBase):
         self.staging.reset()
         q = self.staging.empty((b.num_rows, model.num_q_heads, model.head_dim), model.torch_dtype)
         self._wait([process_group.recv(self.group, q, process_group.DRIVER_RANK, m.tag)], "q rows")
-        o, lse = executor.holder_attention(pool_layer, b.packed, q, self.backend)
+        o, lse = b.packed.attend(q, pool_layer, self.backend)
         o, lse = o.contiguous(), lse.contiguous()
         if self.sync is not None:
             self.sync.finish()
@@ -84,7 +81,7 @@ class QueryEngine(EngineBase):
     def _wait(self, works: list, what: str) -> None:
         process_group.wait_works(
             [(w, process_group.DRIVER_RANK) for w in works],
-            self.spec.num_instances,
-            self.spec.timeout_s,
+            self.host.num_instances,
+            self.host.timeout_s,
             what,
         )

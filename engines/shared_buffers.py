@@ -93,12 +93,15 @@ class InstanceBuffers:
         self.raw = raw
 
     @classmethod
-    def allocate(cls, nbytes: dict[str, int], device: str) -> InstanceBuffers:
-        """Zeroed storage of ``nbytes[name]`` bytes per buffer, shareable across processes."""
+    def allocate(cls, nbytes: dict[str, int], device, shared: bool = True) -> InstanceBuffers:
+        """Storage of ``nbytes[name]`` bytes per buffer, shareable across processes when
+        ``shared``. The pool is zeroed; unshared staging buffers are left to the OS to map
+        on first touch (every row is written before it is read)."""
         raw = {}
         for name in cls.NAMES:
-            t = torch.zeros(nbytes[name], dtype=torch.uint8, device=device)
-            raw[name] = t.share_memory_() if t.device.type == "cpu" else t
+            make = torch.zeros if shared or name == "pool" else torch.empty
+            t = make(nbytes[name], dtype=torch.uint8, device=device)
+            raw[name] = t.share_memory_() if shared and t.device.type == "cpu" else t
         return cls(raw)
 
     def fits(self, layout: Layout) -> str | None:

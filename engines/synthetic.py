@@ -15,8 +15,9 @@ import torch
 
 from tokenlake import kernels
 from tokenlake.config import ModelShape
+from tokenlake.engines.iteration import run_sub_batch
 from tokenlake.kernels.reference import attend
-from tokenlake.plans import Chunk, Plans
+from tokenlake.plans import Chunk, Plans, QueryPlan
 
 
 class SyntheticModel:
@@ -64,47 +65,63 @@ class RowResult:
     lse: torch.Tensor  # [end - first, H_q] float32
 
 
+class SyntheticCompute:
+    """The synthetic compute engine of one sub-batch (a
+    :class:`~tokenlake.engines.protocol.LayerCompute`): writes K/V and q of the chunks' new
+    tokens, merges prefix attention with causal self-attention over the chunk's new tokens,
+    and keeps every row's result in :attr:`results`."""
+
+    def __init__(
+        self,
+        model: SyntheticModel,
+        query_plan: QueryPlan,
+        chunks: Mapping[int | str, Chunk],
+        backend: str | None,
+    ) -> None:
+        self.model, self.backend = model, backend
+        self.results: list[RowResult] = []
+        self._pieces = []
+        for r, rid in enumerate(query_plan.request_ids):
+            lo, hi = int(query_plan.q_indptr[r]), int(query_plan.q_indptr[r + 1])
+            first = int(query_plan.positions[r])
+            self._pieces.append((rid, lo, hi, first, first + hi - lo, chunks[rid]))
+
+    def write(self, layer: int, q_buf: torch.Tensor, kv_buf: torch.Tensor) -> None:
+        self._q_buf = q_buf
+        for _, lo, hi, first, end, chunk in self._pieces:
+            pos = np.arange(first, end)
+            kv_buf[layer, lo:hi] = self.model.kv(chunk.token_ids[first:end], pos, layer)
+            q_buf[lo:hi] = self.model.q(chunk.token_ids[first:end], pos, layer)
+
+    def attend(self, layer: int, o: torch.Tensor, lse: torch.Tensor) -> None:
+        q_buf, model = self._q_buf, self.model
+        for rid, lo, hi, first, end, chunk in self._pieces:
+            # self-attention covers the chunk's new tokens up to this piece's end
+            pos = np.arange(chunk.start, end)
+            kv = model.kv(chunk.token_ids[chunk.start : end], pos, layer)
+            o_s, lse_s = kernels.self_attention(
+                q_buf[lo:hi],
+                kv[:, 0].contiguous(),
+                kv[:, 1].contiguous(),
+                torch.tensor([0, hi - lo], dtype=torch.int32),
+                backend=self.backend,
+                kv_indptr=torch.tensor([0, end - chunk.start], dtype=torch.int32),
+            )
+            o_m, lse_m = kernels.merge(
+                o[lo:hi].contiguous(), lse[lo:hi].contiguous(), o_s, lse_s, backend=self.backend
+            )
+            self.results.append(RowResult(rid, first, end, layer, o_m, lse_m))
+
+
 def run_iteration(
     cluster, plans: Plans, chunks: Mapping[int | str, Chunk], model: SyntheticModel
 ) -> list[RowResult]:
-    """Play the compute engine for one planned iteration (DESIGN §3.1), layer by layer:
-    write new K/V and put it, write q and query the pool, add causal self-attention over the
-    chunk's new tokens, merge. Returns the merged attention of every row and layer."""
+    """Play the compute engine of every sub-batch of one planned iteration (DESIGN §3.1) with
+    :func:`~tokenlake.engines.iteration.run_sub_batch`. Returns the merged attention of every
+    row and layer; every put has landed when it returns."""
     results = []
     for qp, tp in zip(plans.query_plans, plans.transfer_plans, strict=True):
-        engine = cluster.engine(qp.origin)
-        q_buf = engine.init_query(qp)
-        kv_buf = engine.init_transfer(tp)
-        pieces = []
-        for r, rid in enumerate(qp.request_ids):
-            lo, hi = int(qp.q_indptr[r]), int(qp.q_indptr[r + 1])
-            first = int(qp.positions[r])
-            pieces.append((rid, lo, hi, first, first + hi - lo, chunks[rid]))
-        for layer in range(model.model.num_layers):
-            for _, lo, hi, first, end, chunk in pieces:
-                pos = np.arange(first, end)
-                kv_buf[layer, lo:hi] = model.kv(chunk.token_ids[first:end], pos, layer)
-                q_buf[lo:hi] = model.q(chunk.token_ids[first:end], pos, layer)
-            engine.put(kv_buf, layer)
-            o, lse = engine.query(q_buf, layer)
-            for rid, lo, hi, first, end, chunk in pieces:
-                # self-attention covers the chunk's new tokens up to this piece's end
-                pos = np.arange(chunk.start, end)
-                kv = model.kv(chunk.token_ids[chunk.start : end], pos, layer)
-                o_s, lse_s = kernels.self_attention(
-                    q_buf[lo:hi],
-                    kv[:, 0].contiguous(),
-                    kv[:, 1].contiguous(),
-                    torch.tensor([0, hi - lo], dtype=torch.int32),
-                    backend=cluster.backend,
-                    kv_indptr=torch.tensor([0, end - chunk.start], dtype=torch.int32),
-                )
-                o_m, lse_m = kernels.merge(
-                    o[lo:hi].contiguous(),
-                    lse[lo:hi].contiguous(),
-                    o_s,
-                    lse_s,
-                    backend=cluster.backend,
-                )
-                results.append(RowResult(rid, first, end, layer, o_m, lse_m))
+        compute = SyntheticCompute(model, qp, chunks, cluster.backend)
+        run_sub_batch(cluster.engine(qp.origin), qp, tp, compute)
+        results.extend(compute.results)
     return results

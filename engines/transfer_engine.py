@@ -1,10 +1,9 @@
-"""The transfer engine of one instance (DESIGN §2.2): owns the writes into the instance's slot
-pool — puts of new KV, copy-on-extend and replication copies.
-
-On one host it reads the origin's rows straight from the origin's shared kv buffer (one
-strided copy per run); from another host the packed rows arrive over the point-to-point
-group. Writes into this pool come only from this process, in request order, so a later
-request never races an earlier one.
+"""The transfer engine of one instance (DESIGN §2.2): the writes into the instance's slot
+pool that its own host's processes cannot do directly — puts of new KV and segment copies
+from another host (over the point-to-point group), and copies inside its host ordered by a
+client on another host. Inside one host, clients write puts and copies directly (see
+:mod:`tokenlake.engines.driver`); no two writers ever target the same slot range in one
+iteration.
 """
 
 from __future__ import annotations
@@ -12,19 +11,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenlake.engines import executor, messages, process_group
-from tokenlake.engines.engine_base import EngineBase, EngineSpec
+from tokenlake.engines.engine_base import EngineBase, EngineHost
 
 
 @dataclass(eq=False)
 class _PutBinding:
     epoch: int
-    kv_offset: int
-    runs: executor.PutRuns
+    runs: list  # packed runs, as PutRuns.as_lists()
+    num_rows: int
 
 
 class TransferEngine(EngineBase):
-    def __init__(self, spec: EngineSpec, group) -> None:
-        super().__init__(spec, group)
+    role = "transfer"
+
+    def __init__(self, host: EngineHost, group=None) -> None:
+        super().__init__(host, group)
         self.handlers[messages.BindPut] = self.bind
         self.handlers[messages.Put] = self.put
         self.handlers[messages.CopyLocal] = self.copy_local
@@ -33,25 +34,20 @@ class TransferEngine(EngineBase):
     def bind(self, m: messages.BindPut) -> None:
         self.drop_older(m.origin, m.epoch)
         runs = executor.PutRuns(m.src_row, m.length, m.dst_slot, m.dst_offset)
-        self.bindings[(m.origin, m.binding)] = _PutBinding(m.epoch, m.kv_offset, runs)
+        self.bindings[(m.origin, m.binding)] = _PutBinding(m.epoch, runs.as_lists(), runs.num_rows)
 
     def put(self, m: messages.Put) -> None:
+        """Receive one layer of packed put rows from another host and store them."""
         b: _PutBinding = self.binding(m.origin, m.binding)
         layer = self.check_layer(m.layer)
-        if m.tag < 0:
-            if self.sync is not None:
-                self.sync.wait(m.origin)
-            kv_layer = self.peer_views(m.origin).kv[layer, b.kv_offset :]
-            executor.write_runs(self.own.pool, b.runs, kv_layer, layer)
-        else:
-            model = self.layout.model
-            self.staging.reset()
-            rows = self.staging.empty(
-                (b.runs.num_rows, 2, model.num_kv_heads, model.head_dim), model.torch_dtype
-            )
-            work = process_group.recv(self.group, rows, process_group.DRIVER_RANK, m.tag)
-            self._wait([(work, process_group.DRIVER_RANK)], "put rows")
-            executor.write_runs(self.own.pool, b.runs, rows, layer)
+        model = self.layout.model
+        self.staging.reset()
+        rows = self.staging.empty(
+            (b.num_rows, 2, model.num_kv_heads, model.head_dim), model.torch_dtype
+        )
+        work = process_group.recv(self.group, rows, process_group.DRIVER_RANK, m.tag)
+        self._wait([(work, process_group.DRIVER_RANK)], "put rows")
+        executor.write_runs(self.own.pool, b.runs, rows, layer)
         if self.sync is not None:
             self.sync.finish()
 
@@ -101,4 +97,4 @@ class TransferEngine(EngineBase):
             self.sync.finish()
 
     def _wait(self, works: list, what: str) -> None:
-        process_group.wait_works(works, self.spec.num_instances, self.spec.timeout_s, what)
+        process_group.wait_works(works, self.host.num_instances, self.host.timeout_s, what)

@@ -1,6 +1,8 @@
-"""Control-message transport over ZeroMQ: the caller side (:class:`Requester`) and the engine
-side (:class:`Server`). Every wait is bounded in time, and a peer whose process has exited
-fails its waiters at once instead of at the timeout."""
+"""Control-message transports. Over ZeroMQ: the caller side (:class:`Requester`) and the
+engine side (:class:`Server`); every wait is bounded in time, and a peer whose process has
+exited fails its waiters at once instead of at the timeout. In one process:
+:class:`LocalChannel`, which hands the same messages to the same engine objects.
+Both answer every request through :func:`dispatch`."""
 
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ class Requester:
         sock = self._sockets.get(key)
         if sock is None:
             raise PeerFailedError(key[1], key[0], "marked lost; not reachable")
-        sock.send(messages.encode(message), copy=False)
+        sock.send(messages.encode(message))
         ticket = (key, message.seq)
         self._outstanding.add(ticket)
         return ticket
@@ -172,12 +174,7 @@ class Server:
             except messages.ProtocolError as e:
                 self._reply(identity, messages.Reply(-1, False, str(e)))
                 continue
-            try:
-                handle(message)
-                reply = messages.Reply(message.seq, True)
-            except Exception as e:  # reported to the caller, who raises RemoteEngineError
-                reply = messages.Reply(message.seq, False, f"{type(e).__name__}: {e}")
-            self._reply(identity, reply)
+            self._reply(identity, dispatch(handle, message))
             if isinstance(message, messages.Stop):
                 return
 
@@ -186,3 +183,58 @@ class Server:
 
     def close(self) -> None:
         self._sock.close(linger=0)
+
+
+def dispatch(handle: Callable[[object], None], message) -> messages.Reply:
+    """Run one request and answer it; an error is answered, never raised."""
+    try:
+        handle(message)
+        return messages.Reply(message.seq, True)
+    except Exception as e:  # reported to the caller, who raises RemoteEngineError
+        return messages.Reply(message.seq, False, f"{type(e).__name__}: {e}")
+
+
+class LocalChannel:
+    """The in-process transport: requests go to engine objects of this process, answered
+    at once by :func:`dispatch`, so errors surface exactly as over ZeroMQ."""
+
+    def __init__(self, engines: dict[PeerKey, object]) -> None:
+        self._engines = engines
+        self._next_seq = 1
+        self._replies: dict[tuple[PeerKey, int], messages.Reply] = {}
+
+    @property
+    def keys(self) -> list[PeerKey]:
+        return list(self._engines)
+
+    def new_seq(self) -> int:
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        return seq
+
+    def send(self, key: PeerKey, message: object) -> tuple[PeerKey, int]:
+        engine = self._engines.get(key)
+        if engine is None:
+            raise PeerFailedError(key[1], key[0], "marked lost; not reachable")
+        self._replies[(key, message.seq)] = dispatch(engine.handle, message)
+        return (key, message.seq)
+
+    def request(self, key: PeerKey, make: Callable[[int], object]) -> tuple[PeerKey, int]:
+        return self.send(key, make(self.new_seq()))
+
+    def outstanding(self, key: PeerKey | None = None) -> list[tuple[PeerKey, int]]:
+        return []  # every request is answered when sent
+
+    def wait(self, tickets, what: str, others: Callable[[], int] | None = None) -> None:
+        failed = None
+        for ticket in tickets:
+            reply = self._replies.pop(ticket, None)
+            if reply is not None and not reply.ok and failed is None:
+                failed = RemoteEngineError(f"{ticket[0][0]} engine {ticket[0][1]}: {reply.error}")
+        if failed is not None:
+            raise failed
+
+    def disconnect(self, key: PeerKey) -> None:
+        self._engines.pop(key, None)
+
+    def close(self) -> None:
+        self._engines.clear()

@@ -44,6 +44,7 @@ class Harness:
         chunks = {c.request_id: c for batch in batches for c in batch}
         results = run_iteration(self.cluster, plans, chunks, self.model)
         self.pool.commit(plans)
+        self.cluster.retire(plans.epoch)
         self.pool.check_invariants()
         self.last_plans = plans
         rows = {}
@@ -59,6 +60,16 @@ class Harness:
 
     def cached(self, tokens: np.ndarray) -> int:
         return self.pool.get_prefix_tree().match(tokens).num_tokens
+
+    def fail_over(self, plans: tl.Plans, error) -> list[int | str]:
+        """The control plane's reaction to a ``PeerFailedError`` raised while executing
+        ``plans``: abort the iteration, drop the failed instance from the pool and from the
+        data plane, retire the epoch. Returns the running requests that lost data."""
+        self.pool.abort(plans)
+        failed = self.pool.drop_instance(error.instance_id)
+        self.cluster.mark_lost(error.instance_id)
+        self.cluster.retire(plans.epoch)
+        return failed
 
 
 def tokens(seed: int, n: int, vocab: int = 1000) -> np.ndarray:

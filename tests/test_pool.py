@@ -183,6 +183,7 @@ def test_bad_data_plane_input_names_argument_and_changes_nothing():
     with pytest.raises(IterationStateError):
         h.pool.gen_plans([[tl.Chunk("z", ids, 0)]])
     h.pool.abort(plans)
+    h.cluster.retire(plans.epoch)  # the control plane tells the data plane
     h.pool.check_invariants()
     # everything bound to the aborted iteration is now stale
     for call in (

@@ -49,7 +49,10 @@ class SharedCluster:
         while lost and num_instances - len(lost) < need:
             self.cluster.restart(lost.pop(0))
         h = Harness(num_instances, *args, **kwargs)
-        h.cluster = self.cluster.reset(h.pool, h.cluster.backend)
+        h.cluster = self.cluster.reset(h.pool.config, h.cluster.backend)
+        for i in sorted(self.cluster.lost):  # the control plane learns what the data plane lost
+            if i in h.pool.live_instances:
+                h.pool.drop_instance(i)
         return h
 
 

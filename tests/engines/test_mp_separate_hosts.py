@@ -31,7 +31,7 @@ def _harness(cluster, *args, balancer=None, **kwargs) -> Harness:
     h = Harness(NUM_INSTANCES, *args, **kwargs)
     if balancer is not None:
         h.pool = tl.Pool(h.config, balancer=balancer)
-    h.cluster = cluster.reset(h.pool, h.cluster.backend)
+    h.cluster = cluster.reset(h.pool.config, h.cluster.backend)
     return h
 
 

@@ -78,8 +78,8 @@ def test_views_share_the_raw_storage_and_capacity_is_checked():
         buffers.views(bigger)
 
 
-def test_write_runs_equals_write_rows_and_packed_gather():
-    """The run-based put (one copy per run) stores exactly what the foundation's row-based
+def test_write_runs_equals_a_row_by_row_put_and_packed_gather():
+    """The run-based put (one copy per run) stores exactly what a brute-force row-by-row
     put stores, both from the kv buffer and from packed rows as received between hosts."""
     cfg = tl.PoolConfig(SHAPE, 2, num_slots=8, segment_len=8)
     pool = tl.Pool(cfg)
@@ -88,16 +88,17 @@ def test_write_runs_equals_write_rows_and_packed_gather():
     tp = plans.transfer_plans[0]
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn((SHAPE.num_layers, tp.num_rows, 2, 2, 8), generator=gen)
-    puts = executor.prepare_put(tp, cfg.segment_len, "cpu")
-    for d, put in enumerate(puts):
+    for d in range(len(tp.dst_ids)):
         runs = executor.put_runs(tp, d)
-        assert runs.num_rows == put.src_rows.numel()
+        src, slot, offset = tp.rows_to(d)
+        assert runs.num_rows == len(src)
         by_rows, by_runs, packed = (KVPool(SHAPE, 8, 8) for _ in range(3))
         for layer in range(SHAPE.num_layers):
-            executor.write_rows(by_rows, put, kv[layer], layer)
-            executor.write_runs(by_runs, runs, kv[layer], layer)
-            rows = executor.gather_runs(kv[layer], runs)
-            executor.write_runs(packed, runs.packed(), rows, layer)
+            for r, s_, o in zip(src.tolist(), slot.tolist(), offset.tolist(), strict=True):
+                by_rows.data[layer, s_, :, o] = kv[layer, r]
+            executor.write_runs(by_runs, runs.as_lists(), kv[layer], layer)
+            rows = executor.gather_runs(kv[layer], runs.as_lists())
+            executor.write_runs(packed, runs.packed().as_lists(), rows, layer)
         assert torch.equal(by_rows.data, by_runs.data)
         assert torch.equal(by_rows.data, packed.data)
     pool.abort(plans)
