@@ -1,7 +1,7 @@
 """The one engine protocol every compute engine codes against, whatever the transport
 (in-process :class:`~tokenlake.engines.local_cluster.LocalCluster`, multi-process
-:class:`~tokenlake.engines.mp_cluster.MPCluster`, or a compute process of its own:
-:mod:`tokenlake.engines.compute_process`), and the iteration driver's compute hook.
+:class:`~tokenlake.engines.mp_cluster.MPCluster`, or a compute process of its own). The
+iteration driver that runs a model through it is :func:`tokenlake.engines.forward.run_forward`.
 
 One layer of one iteration (DESIGN §3.1)::
 
@@ -60,17 +60,4 @@ class Engine(Protocol):
 
     def retire(self, epoch: int) -> None:
         """The control plane committed or aborted ``epoch``; its plans are stale."""
-        ...
-
-
-class LayerCompute(Protocol):
-    """What a compute engine does around prefix attention in one sub-batch (the hook of
-    :func:`tokenlake.engines.iteration.run_sub_batch`)."""
-
-    def write(self, layer: int, q_buf: torch.Tensor, kv_buf: torch.Tensor) -> None:
-        """Write this layer's q rows into ``q_buf`` and new K/V into ``kv_buf[layer]``."""
-        ...
-
-    def attend(self, layer: int, o: torch.Tensor, lse: torch.Tensor) -> None:
-        """Consume the prefix attention of this layer (merge with self-attention, go on)."""
         ...

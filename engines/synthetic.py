@@ -13,11 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenlake import kernels
 from tokenlake.config import ModelShape
-from tokenlake.engines.iteration import run_sub_batch
+from tokenlake.engines.forward import RowBatch, run_forward
 from tokenlake.kernels.reference import attend
-from tokenlake.plans import Chunk, Plans, QueryPlan
+from tokenlake.plans import Chunk, Plans
 
 
 class SyntheticModel:
@@ -65,63 +64,37 @@ class RowResult:
     lse: torch.Tensor  # [end - first, H_q] float32
 
 
-class SyntheticCompute:
-    """The synthetic compute engine of one sub-batch (a
-    :class:`~tokenlake.engines.protocol.LayerCompute`): writes K/V and q of the chunks' new
-    tokens, merges prefix attention with causal self-attention over the chunk's new tokens,
-    and keeps every row's result in :attr:`results`."""
+class SyntheticLayerModel:
+    """:class:`SyntheticModel` as a :class:`~tokenlake.engines.forward.LayerModel` for the
+    iteration driver: q, K, V of every row from the tables, and every chunk's merged
+    attention of every layer recorded as a :class:`RowResult`."""
 
-    def __init__(
-        self,
-        model: SyntheticModel,
-        query_plan: QueryPlan,
-        chunks: Mapping[int | str, Chunk],
-        backend: str | None,
-    ) -> None:
-        self.model, self.backend = model, backend
-        self.results: list[RowResult] = []
-        self._pieces = []
-        for r, rid in enumerate(query_plan.request_ids):
-            lo, hi = int(query_plan.q_indptr[r]), int(query_plan.q_indptr[r + 1])
-            first = int(query_plan.positions[r])
-            self._pieces.append((rid, lo, hi, first, first + hi - lo, chunks[rid]))
+    def __init__(self, model: SyntheticModel) -> None:
+        self.model = model
+        self.num_layers = model.model.num_layers
 
-    def write(self, layer: int, q_buf: torch.Tensor, kv_buf: torch.Tensor) -> None:
-        self._q_buf = q_buf
-        for _, lo, hi, first, end, chunk in self._pieces:
-            pos = np.arange(first, end)
-            kv_buf[layer, lo:hi] = self.model.kv(chunk.token_ids[first:end], pos, layer)
-            q_buf[lo:hi] = self.model.q(chunk.token_ids[first:end], pos, layer)
+    def begin(self, batch: RowBatch) -> tuple[RowBatch, list[RowResult]]:
+        return batch, []
 
-    def attend(self, layer: int, o: torch.Tensor, lse: torch.Tensor) -> None:
-        q_buf, model = self._q_buf, self.model
-        for rid, lo, hi, first, end, chunk in self._pieces:
-            # self-attention covers the chunk's new tokens up to this piece's end
-            pos = np.arange(chunk.start, end)
-            kv = model.kv(chunk.token_ids[chunk.start : end], pos, layer)
-            o_s, lse_s = kernels.self_attention(
-                q_buf[lo:hi],
-                kv[:, 0].contiguous(),
-                kv[:, 1].contiguous(),
-                torch.tensor([0, hi - lo], dtype=torch.int32),
-                backend=self.backend,
-                kv_indptr=torch.tensor([0, end - chunk.start], dtype=torch.int32),
+    def project(self, state, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch, _ = state
+        kv = self.model.kv(batch.token_ids, batch.positions, layer)
+        return self.model.q(batch.token_ids, batch.positions, layer), kv[:, 0], kv[:, 1]
+
+    def absorb(self, state, layer: int, o: torch.Tensor, lse: torch.Tensor) -> None:
+        batch, results = state
+        for b, chunk in enumerate(batch.chunks):
+            lo, hi = int(batch.indptr[b]), int(batch.indptr[b + 1])
+            results.append(
+                RowResult(chunk.request_id, chunk.start, chunk.end, layer, o[lo:hi], lse[lo:hi])
             )
-            o_m, lse_m = kernels.merge(
-                o[lo:hi].contiguous(), lse[lo:hi].contiguous(), o_s, lse_s, backend=self.backend
-            )
-            self.results.append(RowResult(rid, first, end, layer, o_m, lse_m))
 
 
 def run_iteration(
     cluster, plans: Plans, chunks: Mapping[int | str, Chunk], model: SyntheticModel
 ) -> list[RowResult]:
-    """Play the compute engine of every sub-batch of one planned iteration (DESIGN §3.1) with
-    :func:`~tokenlake.engines.iteration.run_sub_batch`. Returns the merged attention of every
-    row and layer; every put has landed when it returns."""
-    results = []
-    for qp, tp in zip(plans.query_plans, plans.transfer_plans, strict=True):
-        compute = SyntheticCompute(model, qp, chunks, cluster.backend)
-        run_sub_batch(cluster.engine(qp.origin), qp, tp, compute)
-        results.extend(compute.results)
+    """Play the compute engine of one planned iteration (DESIGN §3.1) with the iteration
+    driver :func:`~tokenlake.engines.forward.run_forward`. Returns every chunk's merged
+    attention of every layer; every put has landed when it returns."""
+    _, (_, results) = run_forward(cluster, plans, chunks, SyntheticLayerModel(model))
     return results
