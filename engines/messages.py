@@ -39,11 +39,13 @@ class Ready:
 
 @dataclass(frozen=True)
 class Reply:
-    """Engine → caller: request ``seq`` finished (``ok``) or failed with ``error``."""
+    """Engine → caller: request ``seq`` finished (``ok``, with the handler's ``payload``) or
+    failed with ``error``."""
 
     seq: int
     ok: bool
     error: str = ""
+    payload: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,29 @@ class Stop:
     seq: int
 
 
-MESSAGES = (Ready, Reply, Configure, BindQuery, RunQuery, BindPut, Put, CopyLocal, CopyRemote, Stop)
+@dataclass(frozen=True)
+class RunStep:
+    """Scheduler → compute process: run one iteration's sub-batches of the instances this
+    process drives. ``plans`` is a :mod:`tokenlake.plan_wire` encoding of a ``Plans``
+    holding only those sub-batches; ``chunks`` one encoded ``Chunk`` per request."""
+
+    seq: int
+    plans: bytes
+    chunks: list
+
+
+@dataclass(frozen=True)
+class Retire:
+    """Scheduler → compute process: the control plane committed or aborted ``epoch``."""
+
+    seq: int
+    epoch: int
+
+
+MESSAGES = (
+    Ready, Reply, Configure, BindQuery, RunQuery, BindPut, Put, CopyLocal, CopyRemote, Stop,
+    RunStep, Retire,
+)  # fmt: skip
 _BY_NAME = {cls.__name__: cls for cls in MESSAGES}
 
 

@@ -87,6 +87,7 @@ class MPCluster(ClusterBase):
         handles = events.handles if events is not None else None
         self._procs = EngineProcesses(cfg, self._ctx, self._buffers, spec_group, handles)
         endpoints = self._procs.spawn([(role, i) for role in ROLES for i in range(n)])
+        self._endpoints = dict(endpoints)
         if spec_group is not None:
             self._group = process_group.connect(spec_group, self._store, process_group.DRIVER_RANK)
         requester = Requester(self._ctx, cfg.timeout_s, cfg.poll_interval_s, self._is_alive)
@@ -123,6 +124,20 @@ class MPCluster(ClusterBase):
         self.close()
 
     # ---- the cluster API ------------------------------------------------------------------
+    @property
+    def layout(self) -> Layout:
+        return self._driver.layout
+
+    @property
+    def buffers(self) -> list[InstanceBuffers]:
+        """Every instance's shared storage (for compute processes on this host)."""
+        return list(self._buffers)
+
+    @property
+    def endpoints(self) -> dict[tuple[str, int], str]:
+        """Every engine's socket, by ``(role, instance_id)``."""
+        return dict(self._endpoints)
+
     @property
     def pids(self) -> dict[tuple[str, int], int]:
         """Process id of every engine, by ``(role, instance_id)`` (for tests and tools)."""
@@ -180,6 +195,7 @@ class MPCluster(ClusterBase):
         keys = [(role, instance_id) for role in ROLES]
         for key, ep in self._procs.spawn(keys).items():
             d.channel.connect(key, ep)
+            self._endpoints[key] = ep
         d.lost.discard(instance_id)
         d.configure(keys, d.layout, d.backend)
 

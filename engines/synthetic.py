@@ -98,3 +98,25 @@ def run_iteration(
     attention of every layer; every put has landed when it returns."""
     _, (_, results) = run_forward(cluster, plans, chunks, SyntheticLayerModel(model))
     return results
+
+
+class SyntheticProgram:
+    """A compute process's program (see :mod:`tokenlake.engines.compute_process`): runs the
+    synthetic model over its sub-batches and returns every row result as plain values
+    ``[request_id, first, end, layer, o (f32, flat), lse (f32, flat)]``."""
+
+    def __init__(self, shape: ModelShape, seed: int = 0) -> None:
+        self.model = SyntheticModel(shape, seed)
+
+    def __call__(self, cluster, plans: Plans, chunks: Mapping[int | str, Chunk]) -> list:
+        return [
+            [
+                r.request_id,
+                r.first,
+                r.end,
+                r.layer,
+                r.o.reshape(-1).numpy(),
+                r.lse.reshape(-1).numpy(),
+            ]
+            for r in run_iteration(cluster, plans, chunks, self.model)
+        ]

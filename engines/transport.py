@@ -100,27 +100,29 @@ class Requester:
         tickets: Iterable[tuple[PeerKey, int]],
         what: str,
         others: Callable[[], int] | None = None,
-    ) -> None:
+    ) -> list[bytes]:
         """Wait until every ticket is answered (and ``others()``, polled alongside, returns 0
         things pending). Raises :class:`PeerFailedError` when a peer's process exits or does
         not answer within the timeout, :class:`RemoteEngineError` when an engine answered
-        with an error. The tickets are forgotten either way."""
+        with an error. The tickets are forgotten either way. Returns the replies' payloads in
+        ticket order."""
         tickets = list(tickets)
         pending = set(tickets)
+        answered: dict = {}
         deadline = time.monotonic() + self._timeout_s
         try:
             while True:
-                self._collect(pending)
+                self._collect(pending, answered)
                 busy = others() if others is not None else 0
                 if not pending and not busy:
-                    return
+                    return [answered.get(t, b"") for t in tickets]
                 for key in sorted({k for k, _ in pending}):
                     if key not in self._sockets or not self._is_alive(key):
                         raise PeerFailedError(key[1], key[0], f"process exited during {what}")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    if not pending:
-                        return  # the caller's others() names its own laggard
+                    if not pending:  # the caller's others() names its own laggard
+                        return [answered.get(t, b"") for t in tickets]
                     key = min(k for k, _ in pending)
                     raise PeerFailedError(
                         key[1], key[0], f"no answer to {what} within {self._timeout_s:g} s"
@@ -133,7 +135,7 @@ class Requester:
             for t in tickets:
                 self._replies.pop(t, None)
 
-    def _collect(self, pending: set) -> None:
+    def _collect(self, pending: set, answered: dict) -> None:
         """Drain every socket without blocking; remove answered tickets from ``pending``."""
         for sock, key in list(self._keys.items()):
             while True:
@@ -148,6 +150,7 @@ class Requester:
         for ticket in [t for t in pending if t in self._replies]:
             reply = self._replies.pop(ticket)
             pending.discard(ticket)
+            answered[ticket] = reply.payload
             if not reply.ok:
                 raise RemoteEngineError(f"{ticket[0][0]} engine {ticket[0][1]}: {reply.error}")
 
@@ -185,11 +188,12 @@ class Server:
         self._sock.close(linger=0)
 
 
-def dispatch(handle: Callable[[object], None], message) -> messages.Reply:
-    """Run one request and answer it; an error is answered, never raised."""
+def dispatch(handle: Callable[[object], bytes | None], message) -> messages.Reply:
+    """Run one request and answer it (with the bytes the handler returns, if any); an error
+    is answered, never raised."""
     try:
-        handle(message)
-        return messages.Reply(message.seq, True)
+        payload = handle(message)
+        return messages.Reply(message.seq, True, "", payload or b"")
     except Exception as e:  # reported to the caller, who raises RemoteEngineError
         return messages.Reply(message.seq, False, f"{type(e).__name__}: {e}")
 
@@ -224,14 +228,16 @@ class LocalChannel:
     def outstanding(self, key: PeerKey | None = None) -> list[tuple[PeerKey, int]]:
         return []  # every request is answered when sent
 
-    def wait(self, tickets, what: str, others: Callable[[], int] | None = None) -> None:
-        failed = None
+    def wait(self, tickets, what: str, others: Callable[[], int] | None = None) -> list[bytes]:
+        failed, payloads = None, []
         for ticket in tickets:
             reply = self._replies.pop(ticket, None)
+            payloads.append(reply.payload if reply is not None else b"")
             if reply is not None and not reply.ok and failed is None:
                 failed = RemoteEngineError(f"{ticket[0][0]} engine {ticket[0][1]}: {reply.error}")
         if failed is not None:
             raise failed
+        return payloads
 
     def disconnect(self, key: PeerKey) -> None:
         self._engines.pop(key, None)
