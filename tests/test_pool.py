@@ -128,8 +128,8 @@ BAD_PLANS = [
     ("batches[0]", lambda ids: ([["not a chunk"]],)),
     ("Chunk.start", lambda ids: ([[tl.Chunk("new", ids[::-1], 5)]],)),  # nothing cached
     ("Chunk.start", lambda ids: ([[tl.Chunk("a", ids, 3)]],)),  # a has 20 stored
-    ("Chunk.start/end", lambda ids: ([[tl.Chunk("a", ids, 20, 20)]],)),
-    ("appears twice", lambda ids: ([[tl.Chunk("a", ids, 20)], [tl.Chunk("a", ids, 20)]],)),
+    ("Chunk.end", lambda ids: ([[tl.Chunk("a", ids, 20, 20)]],)),
+    ("twice", lambda ids: ([[tl.Chunk("a", ids, 20)], [tl.Chunk("a", ids, 20)]],)),
     ("dops", lambda ids: ([[tl.Chunk("a", ids, 20)]], [1, 1])),
     ("dops[0]", lambda ids: ([[tl.Chunk("a", ids, 20)]], [0])),
     ("dops", lambda ids: ([[tl.Chunk("a", ids, 20)], [tl.Chunk("b", ids, 0)]], [2, 1])),
@@ -180,8 +180,11 @@ def test_bad_data_plane_input_names_argument_and_changes_nothing():
         assert_same(before, snapshot(h))
     with pytest.raises(IterationStateError):
         h.pool.finish("a")
-    with pytest.raises(IterationStateError):
-        h.pool.gen_plans([[tl.Chunk("z", ids, 0)]])
+    other_plans = h.pool.gen_plans([[tl.Chunk("z", ids, 0)]])  # on the other, free instance
+    assert set(other_plans.origins).isdisjoint(plans.origins)
+    with pytest.raises(IterationStateError, match="free"):
+        h.pool.gen_plans([[tl.Chunk("y", ids, 0)]])  # no instance left to run it
+    h.pool.abort(other_plans, executed=False)
     h.pool.abort(plans)
     h.cluster.retire(plans.epoch)  # the control plane tells the data plane
     h.pool.check_invariants()

@@ -3,73 +3,90 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 from tokenlake.dispatch import hungarian_dispatch
-from tokenlake.errors import InvalidArgumentError
+from tokenlake.errors import InvalidArgumentError, IterationStateError
 from tokenlake.plans import Chunk
 from tokenlake.prefix_tree import PrefixMatch, PrefixTree
 from tokenlake.requests import PlannedChunk, RequestState
+from tokenlake.validate import check_int, check_sequence, fail, is_int
 
 
 def check_batches(batches, dops, num_live: int) -> list[int]:
     """Shape of ``batches``/``dops``; returns the dops (default 1 each)."""
-    if not isinstance(batches, Sequence) or isinstance(batches, str) or not batches:
-        raise InvalidArgumentError("batches: expected a non-empty list of batches")
+    check_sequence("batches", batches, min_len=1)
     for b, batch in enumerate(batches):
-        if not isinstance(batch, Sequence) or not batch:
-            raise InvalidArgumentError(f"batches[{b}]: expected a non-empty list of Chunk")
-        for chunk in batch:
+        check_sequence(f"batches[{b}]", batch, min_len=1)
+        for i, chunk in enumerate(batch):
             if not isinstance(chunk, Chunk):
-                raise InvalidArgumentError(
-                    f"batches[{b}]: expected Chunk items, got {type(chunk).__name__}"
-                )
-    dops = [1] * len(batches) if dops is None else list(dops)
-    if len(dops) != len(batches):
-        raise InvalidArgumentError(f"dops: expected {len(batches)} entries, got {len(dops)}")
+                raise fail(f"batches[{b}][{i}]", "a Chunk", chunk)
+    if dops is None:
+        dops = [1] * len(batches)
+    check_sequence("dops", dops, length=len(batches))
+    out = []
     for b, (dop, batch) in enumerate(zip(dops, batches, strict=True)):
         rows = sum(c.num_new_tokens for c in batch)
-        if isinstance(dop, bool) or not isinstance(dop, int) or not 1 <= dop <= max(rows, 1):
-            raise InvalidArgumentError(f"dops[{b}]: expected an int in 1..{rows}, got {dop!r}")
-    if sum(dops) > num_live:
+        out.append(check_int(f"dops[{b}]", dop, low=1, high=min(rows, num_live) + 1))
+    if sum(out) > num_live:
         raise InvalidArgumentError(
-            f"dops: {sum(dops)} sub-batches exceed the {num_live} live instances"
+            f"dops: expected at most {num_live} sub-batches in all (the live instances), "
+            f"got {sum(out)} ({out})"
         )
-    return dops
+    return out
 
 
-def check_instances(instances, batches, dops: list[int], live) -> None:
-    """``instances[b]``: ``None`` or distinct live instance ids, at least ``dops[b]`` of them."""
+def check_instances(instances, batches, dops: list[int], live, busy) -> None:
+    """``instances[b]``: ``None`` or distinct live instance ids, at least ``dops[b]`` of them;
+    sub-batches go to free (not ``busy``) instances only, and an assignment must exist."""
+    free = sorted(i for i in live if i not in busy)
+    if sum(dops) > len(free):
+        raise IterationStateError(
+            f"dops: {sum(dops)} sub-batches need as many free instances; only {free} are free "
+            f"(instances {sorted(busy)} run iterations in flight)"
+        )
     if instances is None:
         return
-    if not isinstance(instances, Sequence) or len(instances) != len(batches):
-        raise InvalidArgumentError(f"instances: expected {len(batches)} entries (one per batch)")
+    check_sequence("instances", instances, length=len(batches))
     for b, allowed in enumerate(instances):
         if allowed is None:
             continue
-        ids = list(allowed)
-        if len(set(ids)) != len(ids) or not all(isinstance(i, int) and i in live for i in ids):
-            raise InvalidArgumentError(
-                f"instances[{b}]: expected distinct live instance ids, got {ids!r}"
-            )
-        if len(ids) < dops[b]:
-            raise InvalidArgumentError(
-                f"instances[{b}]: {len(ids)} instances cannot host DoP {dops[b]}"
+        name = f"instances[{b}]"
+        check_sequence(name, allowed, min_len=dops[b])
+        for i, instance_id in enumerate(allowed):
+            if not is_int(instance_id) or int(instance_id) not in live:
+                raise fail(
+                    f"{name}[{i}]", f"a live instance id (one of {sorted(live)})", instance_id
+                )
+        if len(set(allowed)) != len(allowed):
+            raise fail(name, "distinct instance ids", allowed)
+        taken = sorted(int(i) for i in allowed if int(i) in busy)
+        if taken:
+            raise IterationStateError(
+                f"{name}: instances {taken} run iterations in flight; free ones: {free}"
             )
     # every sub-batch needs its own allowed instance: a matching must exist (checked here,
     # before anything changes, with a zero-cost assignment)
-    live = sorted(live)
     num_sub = sum(dops)
     allowed = np.ones((num_sub, max(live) + 1), dtype=bool)
     u = 0
     for b, dop in enumerate(dops):
         if instances[b] is not None:
             allowed[u : u + dop] = False
-            allowed[u : u + dop, list(instances[b])] = True
+            allowed[u : u + dop, [int(i) for i in instances[b]]] = True
         u += dop
-    hungarian_dispatch(np.zeros(allowed.shape), live, allowed)
+    hungarian_dispatch(np.zeros(allowed.shape), free, allowed)
+
+
+def check_not_in_flight(batches, busy_requests: dict) -> None:
+    """No request may be in two iterations in flight at once."""
+    for b, batch in enumerate(batches):
+        for c in batch:
+            epoch = busy_requests.get(c.request_id)
+            if epoch is not None:
+                raise IterationStateError(
+                    f"batches[{b}]: request {c.request_id!r} is in iteration {epoch} in flight"
+                )
 
 
 def check_chunks(batches, requests: dict, tree: PrefixTree) -> dict:
@@ -77,17 +94,12 @@ def check_chunks(batches, requests: dict, tree: PrefixTree) -> dict:
     seen, matches = set(), {}
     for batch in batches:
         for c in batch:
-            rid = c.request_id
-            if not isinstance(rid, int | str) or isinstance(rid, bool):
-                raise InvalidArgumentError(f"Chunk.request_id: expected an int or str, got {rid!r}")
+            rid = c.request_id  # Chunk checked its own fields when it was built
             if rid in seen:
-                raise InvalidArgumentError(f"batches: request {rid!r} appears twice")
-            seen.add(rid)
-            if not 0 <= c.start < c.end <= len(c.token_ids):
                 raise InvalidArgumentError(
-                    f"Chunk.start/end: expected 0 <= start < end <= len(token_ids)="
-                    f"{len(c.token_ids)}, got start={c.start}, end={c.end} ({rid!r})"
+                    f"batches: expected each request at most once, got {rid!r} twice"
                 )
+            seen.add(rid)
             state = requests.get(rid)
             if state is not None:
                 if c.start != state.num_tokens:
@@ -107,7 +119,8 @@ def check_chunks(batches, requests: dict, tree: PrefixTree) -> dict:
 
 
 def admit(chunk: Chunk, match: PrefixMatch, tree: PrefixTree) -> PlannedChunk:
-    """A new request: pin (and touch) the cached prefix it starts from (``match``)."""
+    """A new request: pin the cached prefix it starts from (``match``). Its LRU touch waits
+    for the commit."""
     pc = PlannedChunk(
         RequestState(chunk.request_id), chunk.start, chunk.end, chunk.token_ids, is_new=True
     )
@@ -120,7 +133,6 @@ def admit(chunk: Chunk, match: PrefixMatch, tree: PrefixTree) -> PlannedChunk:
         path.append(pc.source)
     for node in path:
         tree.pin(node)
-    tree.touch(path)
     return pc
 
 

@@ -12,9 +12,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tokenlake.errors import InvalidArgumentError
 from tokenlake.prefix_tree import Location, Node, PrefixTree
 from tokenlake.stats import coefficient_of_variation
+from tokenlake.validate import check_bool, check_float, check_int
 
 
 @dataclass(frozen=True)
@@ -44,26 +44,29 @@ class BalancerConfig:
     recent_decay: float = 0.9
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise InvalidArgumentError(f"BalancerConfig.window: expected >= 1, got {self.window}")
-        if not 0 < self.decay <= 1:
-            raise InvalidArgumentError(f"BalancerConfig.decay: expected (0, 1], got {self.decay}")
-        if not 0 <= self.max_replica_fraction <= 1:
-            raise InvalidArgumentError(
-                f"BalancerConfig.max_replica_fraction: expected [0, 1], got {self.max_replica_fraction}"
+        name = "BalancerConfig."
+        ints = {"window": (1, 2**20), "max_replications": (0, 2**20), "interval": (1, 2**20)}
+        for field, (low, high) in ints.items():
+            value = check_int(name + field, getattr(self, field), low=low, high=high + 1)
+            object.__setattr__(self, field, value)
+        floats = {  # field: (low, high, low_open, high_open)
+            "decay": (0.0, 1.0, True, False),
+            "overload_factor": (1.0, 1e6, False, False),
+            "heavy_hitter_k": (0.0, 1e6, True, False),
+            "max_replica_fraction": (0.0, 1.0, False, False),
+            "recent_decay": (0.0, 1.0, False, True),
+        }
+        for field, (low, high, low_open, high_open) in floats.items():
+            value = check_float(
+                name + field,
+                getattr(self, field),
+                low=low,
+                high=high,
+                low_open=low_open,
+                high_open=high_open,
             )
-        if not 0 <= self.recent_decay < 1:
-            raise InvalidArgumentError(
-                f"BalancerConfig.recent_decay: expected [0, 1), got {self.recent_decay}"
-            )
-        if self.overload_factor < 1:
-            raise InvalidArgumentError(
-                f"BalancerConfig.overload_factor: expected >= 1, got {self.overload_factor}"
-            )
-        if self.heavy_hitter_k <= 0 or self.max_replications < 0 or self.interval < 1:
-            raise InvalidArgumentError(
-                "BalancerConfig: expected heavy_hitter_k > 0, max_replications >= 0, interval >= 1"
-            )
+            object.__setattr__(self, field, value)
+        object.__setattr__(self, "replicate", check_bool(name + "replicate", self.replicate))
 
     def num_heavy_hitters(self, num_instances: int) -> int:
         n = max(num_instances, 2)
@@ -71,33 +74,57 @@ class BalancerConfig:
 
 
 class AccessStats:
-    """Decayed access counts live in ``table.access`` scaled by ``scale`` (= decay^-t), so an
-    access adds ``rows · scale`` and nothing is rescanned each iteration; counts stay
-    comparable and a read divides by ``scale``."""
+    """Decayed access counts live in ``table.access`` scaled by ``table.access_scale``
+    (= decay^-t), so an access adds ``rows · scale`` and nothing is rescanned each
+    iteration; counts stay comparable and a read divides by the scale.
 
-    def __init__(self, num_instances: int, tree: PrefixTree, config: BalancerConfig) -> None:
+    Everything here changes only when an iteration commits (an aborted one leaves no trace):
+    the decay step, the accesses, the per-instance load window, the short-horizon load and
+    the history of per-window load CVs, of which the last ``history_len`` are kept (a ring
+    buffer; their count and mean cover all of them).
+    """
+
+    def __init__(
+        self,
+        num_instances: int,
+        tree: PrefixTree,
+        config: BalancerConfig,
+        history_len: int = 1024,
+    ) -> None:
         self.config = config
-        self.tree = tree
-        self.scale = 1.0
+        self.table = tree.table
         self.total_access_tokens = 0.0  # scaled, like table.access
         self._window: deque[np.ndarray] = deque(maxlen=config.window)
         self._window_sum = np.zeros(num_instances)
-        self.cv_history: list[float] = []  # CV of each completed block of `window` iterations
+        self.cv_history: deque[float] = deque(maxlen=history_len)  # CV per block of `window`
+        self.num_cv_windows = 0  # every block so far, also those the ring buffer dropped
+        self._cv_sum = 0.0
         self._block = np.zeros(num_instances)
         self._block_len = 0
         self.recent_load = np.zeros(num_instances)  # EWMA over a few iterations, for PoT
 
+    @property
+    def scale(self) -> float:
+        return self.table.access_scale
+
+    @property
+    def mean_cv(self) -> float:
+        """Mean per-window load CV over every completed window (0 before the first)."""
+        return self._cv_sum / self.num_cv_windows if self.num_cv_windows else 0.0
+
     def begin_iteration(self) -> None:
-        self.scale /= self.config.decay
-        if self.scale > 1e100:  # renormalise before overflow
-            self.tree.table.access /= self.scale
-            self.total_access_tokens /= self.scale
-            self.scale = 1.0
+        table = self.table
+        table.access_scale /= self.config.decay
+        if table.access_scale > 1e100:  # renormalise before overflow
+            table.access /= table.access_scale
+            self.total_access_tokens /= table.access_scale
+            table.access_scale = 1.0
 
     def record_accesses(self, idx: np.ndarray, rows: np.ndarray, tokens: np.ndarray) -> None:
         """Segments ``idx`` were read by ``rows`` query rows each, ``tokens`` tokens each."""
-        np.add.at(self.tree.table.access, idx, rows * self.scale)
-        self.total_access_tokens += float(np.dot(rows, tokens)) * self.scale
+        scale = self.table.access_scale
+        np.add.at(self.table.access, idx, rows * scale)
+        self.total_access_tokens += float(np.dot(rows, tokens)) * scale
 
     def record_load(self, load: np.ndarray, live: list[int]) -> None:
         if len(self._window) == self._window.maxlen:
@@ -107,7 +134,10 @@ class AccessStats:
         self._block += load
         self._block_len += 1
         if self._block_len == self.config.window:
-            self.cv_history.append(coefficient_of_variation(self._block[live]))
+            cv = coefficient_of_variation(self._block[live])
+            self.cv_history.append(cv)
+            self.num_cv_windows += 1
+            self._cv_sum += cv
             self._block[:] = 0
             self._block_len = 0
         self.recent_load = self.config.recent_decay * self.recent_load + load
@@ -117,7 +147,7 @@ class AccessStats:
         return self._window_sum.copy()
 
     def access_count(self, node: Node) -> float:
-        return float(self.tree.table.access[node.idx]) / self.scale
+        return float(self.table.access[node.idx]) / self.table.access_scale
 
 
 def heavy_hitters(tree: PrefixTree, k: int) -> list[Node]:

@@ -1,20 +1,37 @@
-"""Frozen, validated configuration dataclasses. Derived values are properties, never stored."""
+"""Frozen, validated configuration dataclasses. Derived values are properties, never stored.
+
+Sizes have upper bounds as well as lower ones: plans carry slot ids, offsets and instance
+ids as int32, and byte counts must stay exact in int64, so ``2**63`` slots is bad input, not
+a pool.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from tokenlake.errors import InvalidArgumentError
+from tokenlake.validate import check_int, check_str, fail
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+MAX_HEADS = 2**14  # per layer, query or KV
+MAX_HEAD_DIM = 2**14
+MAX_LAYERS = 2**14
+MAX_INSTANCES = 2**16
+MAX_SLOTS = 2**31 - 1  # slot ids are int32 in plans
+MAX_SEGMENT_LEN = 2**20  # token offsets are int32 in plans
+MAX_SEGMENT_BYTES = 2**40
 
 
-def _positive(owner: str, **values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise InvalidArgumentError(f"{owner}.{name}: expected a positive int, got {value!r}")
+def _ints(owner: str, obj: object, bounds: dict[str, int]) -> None:
+    """``obj.<name>`` must be an int in ``[1, bound]``; numpy ints become Python ints."""
+    for name, bound in bounds.items():
+        value = check_int(f"{owner}.{name}", getattr(obj, name), low=1, high=bound + 1)
+        object.__setattr__(obj, name, value)
 
 
 @dataclass(frozen=True)
@@ -31,30 +48,33 @@ class ModelShape:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        _positive(
+        _ints(
             "ModelShape",
-            num_layers=self.num_layers,
-            num_q_heads=self.num_q_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
+            self,
+            {
+                "num_layers": MAX_LAYERS,
+                "num_q_heads": MAX_HEADS,
+                "num_kv_heads": MAX_HEADS,
+                "head_dim": MAX_HEAD_DIM,
+            },
         )
         if self.num_q_heads % self.num_kv_heads:
             raise InvalidArgumentError(
                 f"ModelShape.num_q_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, "
                 f"got {self.num_q_heads}"
             )
-        if not isinstance(self.dtype, str) or self.dtype not in _DTYPES:
-            raise InvalidArgumentError(
-                f"ModelShape.dtype: expected one of {sorted(_DTYPES)}, got {self.dtype!r}"
-            )
+        if type(self.dtype) is not str or self.dtype not in _DTYPE_BYTES:
+            raise fail("ModelShape.dtype", f"one of {sorted(_DTYPE_BYTES)}", self.dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch  # the data plane's concern; the control plane never needs torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def dtype_bytes(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return _DTYPE_BYTES[self.dtype]
 
     @property
     def kv_bytes_per_token_layer(self) -> int:
@@ -94,15 +114,20 @@ class PoolConfig:
             raise InvalidArgumentError(
                 f"PoolConfig.model: expected a ModelShape, got {type(self.model).__name__}"
             )
-        _positive(
+        _ints(
             "PoolConfig",
-            num_instances=self.num_instances,
-            num_slots=self.num_slots,
-            segment_len=self.segment_len,
+            self,
+            {
+                "num_instances": MAX_INSTANCES,
+                "num_slots": MAX_SLOTS,
+                "segment_len": MAX_SEGMENT_LEN,
+            },
         )
-        if not isinstance(self.namespace, str) or not self.namespace:
+        check_str("PoolConfig.namespace", self.namespace)
+        if self.segment_bytes > MAX_SEGMENT_BYTES:
             raise InvalidArgumentError(
-                f"PoolConfig.namespace: expected a non-empty str, got {self.namespace!r}"
+                f"PoolConfig.segment_len: a segment of {self.segment_len} tokens of this model "
+                f"takes {self.segment_bytes} bytes; expected at most {MAX_SEGMENT_BYTES}"
             )
 
     @property

@@ -12,6 +12,7 @@ import numpy as np
 import xxhash
 
 from tokenlake.errors import InvalidArgumentError
+from tokenlake.validate import check_int, check_str
 
 TOKEN_DTYPE = np.int32
 
@@ -26,20 +27,28 @@ def as_tokens(token_ids: Sequence[int] | np.ndarray, name: str = "token_ids") ->
         if not token_ids.flags.writeable and token_ids.ndim == 1:
             return token_ids
         arr = np.array(token_ids, copy=True)
-    else:
+    elif isinstance(token_ids, np.ndarray):
+        arr = token_ids
+    elif isinstance(token_ids, (list, tuple, range)):
+        if not isinstance(token_ids, range) and any(type(t) is bool for t in token_ids):
+            raise InvalidArgumentError(f"{name}: expected integer token ids, got a bool among them")
         try:
             arr = np.asarray(token_ids)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise InvalidArgumentError(f"{name}: expected a sequence of ints ({exc})") from None
         if arr.size == 0:
             arr = arr.astype(TOKEN_DTYPE)
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise InvalidArgumentError(f"{name}: expected integer token ids, got dtype {arr.dtype}")
+    else:
+        raise InvalidArgumentError(
+            f"{name}: expected a list or 1-D numpy array of token ids, got {type(token_ids).__name__}"
+        )
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidArgumentError(f"{name}: expected integer token ids, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise InvalidArgumentError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
     if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(TOKEN_DTYPE).max):
         raise InvalidArgumentError(
-            f"{name}: expected token ids in [0, 2**31), got out-of-range ids"
+            f"{name}: expected token ids in [0, 2**31), got ids from {arr.min()} to {arr.max()}"
         )
     arr = arr.astype(TOKEN_DTYPE, copy=arr.dtype != TOKEN_DTYPE)
     arr.flags.writeable = False
@@ -53,8 +62,8 @@ class SegmentHasher:
     """
 
     def __init__(self, namespace: str, key_bits: int = 64) -> None:
-        if not 1 <= key_bits <= 64:
-            raise InvalidArgumentError(f"key_bits: expected 1..64, got {key_bits}")
+        check_str("namespace", namespace)
+        key_bits = check_int("key_bits", key_bits, low=1, high=65)
         self.seed = xxhash.xxh64_intdigest(namespace.encode())
         self._mask = (1 << key_bits) - 1
         self.root_key = xxhash.xxh64_intdigest(b"tokenlake/root", seed=self.seed) & self._mask

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from tokenlake import _C
-from tokenlake.balancer import AccessStats
 from tokenlake.plans import read_only
-from tokenlake.prefix_tree import PrefixTree
 from tokenlake.requests import PlannedChunk
+from tokenlake.segment_table import SegmentTable
 
 Piece = tuple[int, int, int]  # (chunk index in batch, first row, end row) within the chunk
 
@@ -53,19 +53,37 @@ class PageIndex:
     h_sub: np.ndarray
 
 
+class Gathered(NamedTuple):
+    """Every page access of one iteration. ``inst``/``slot``/``tokens``/``piece_of``/
+    ``partial`` cover all pages (tree pages first, then open tails); ``node_idx``/
+    ``node_rows``/``node_tokens`` the pages that are table rows (read, counted as accesses at
+    commit); ``chosen_idx``/``chosen_inst`` the replicas picked among several (touched at
+    commit)."""
+
+    inst: np.ndarray
+    slot: np.ndarray
+    tokens: np.ndarray
+    piece_of: np.ndarray
+    partial: np.ndarray
+    node_idx: np.ndarray
+    node_rows: np.ndarray
+    node_tokens: np.ndarray
+    chosen_idx: np.ndarray
+    chosen_inst: np.ndarray
+
+
 class PageGatherer:
-    """Turns pieces into page accesses for one ``PrefixTree``; records their load."""
+    """Turns pieces into page accesses over one :class:`SegmentTable`. Reads only: the
+    accesses are recorded, and the chosen replicas touched, when the iteration commits."""
 
-    def __init__(
-        self, tree: PrefixTree, stats: AccessStats, num_instances: int, seed: int = 0
-    ) -> None:
-        self.tree, self.table, self.stats = tree, tree.table, stats
-        self.segment_len = tree.segment_len
+    def __init__(self, table: SegmentTable, segment_len: int, num_instances: int) -> None:
+        self.table = table
+        self.segment_len = segment_len
         self.num_instances = num_instances
-        self._seed = seed
 
-    def gather(self, pieces, piece_rows):
-        """Every prefix page of every piece: ``(inst, slot, tokens, piece, is_partial)``."""
+    def gather(self, pieces, piece_rows, base_load: np.ndarray, seed: int) -> Gathered:
+        """Every prefix page of every piece, a replica chosen for each (power of two choices
+        on ``base_load`` plus this iteration's own load, seeded by ``seed``)."""
         seg, table = self.segment_len, self.table
         page_lists = [pc.state.page_idx for pc, _, _ in pieces]
         sources, fixed = [], []  # partial last pages: a shared source node, or an open tail
@@ -83,46 +101,55 @@ class PageGatherer:
         inst = table.rep_inst[idx, 0].astype(np.int64)
         slot = table.rep_slot[idx, 0].astype(np.int64)
         rows = piece_rows[node_piece]
-        self._choose_replicas(idx, inst, slot, node_tokens * rows)
-        self.stats.record_accesses(idx, rows, node_tokens)
+        chosen_idx, chosen_inst = self._choose_replicas(
+            idx, inst, slot, node_tokens * rows, base_load, seed
+        )
         f = np.asarray(fixed, dtype=np.int64).reshape(-1, 4)
-        inst = np.concatenate([inst, f[:, 0]])
-        slot = np.concatenate([slot, f[:, 1]])
         tokens = np.concatenate([node_tokens, f[:, 2]])
-        piece_of = np.concatenate([node_piece, f[:, 3]])
-        partial = (tokens < seg).astype(np.int64)
-        return inst, slot, tokens, piece_of, partial
+        return Gathered(
+            inst=np.concatenate([inst, f[:, 0]]),
+            slot=np.concatenate([slot, f[:, 1]]),
+            tokens=tokens,
+            piece_of=np.concatenate([node_piece, f[:, 3]]),
+            partial=(tokens < seg).astype(np.int64),
+            node_idx=idx,
+            node_rows=rows,
+            node_tokens=node_tokens,
+            chosen_idx=chosen_idx,
+            chosen_inst=chosen_inst,
+        )
 
-    def _choose_replicas(self, idx, inst, slot, weights) -> None:
-        """Power of two choices for pages with several replicas, on the window load plus the
-        load this iteration has already placed (in place on ``inst`` / ``slot``)."""
+    def _choose_replicas(self, idx, inst, slot, weights, base_load, seed):
+        """Power of two choices for pages with several replicas, on ``base_load`` plus the
+        load this iteration has already placed (in place on ``inst`` / ``slot``). Returns
+        the distinct (row, instance) pairs chosen among several, sorted."""
         nrep = self.table.num_replicas[idx]
         multi = nrep > 1
         if not multi.any():
-            return
-        load = self.stats.recent_load + np.bincount(
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty
+        load = base_load + np.bincount(
             inst[~multi], weights=weights[~multi], minlength=self.num_instances
         )
         m_idx = idx[multi]
         chosen = np.empty(len(m_idx), dtype=np.int32)
-        self._seed += 1
         _C.choose_replicas(
             np.ascontiguousarray(self.table.rep_inst[m_idx]),
             np.ascontiguousarray(nrep[multi]),
             np.ascontiguousarray(weights[multi]),
-            load,
-            self._seed,
+            np.ascontiguousarray(load, dtype=np.float64),
+            seed,
             chosen,
         )
         inst[multi] = self.table.rep_inst[m_idx, chosen]
         slot[multi] = self.table.rep_slot[m_idx, chosen]
-        for key in np.unique(m_idx * self.num_instances + inst[multi]).tolist():
-            self.tree.touch_replica(key // self.num_instances, key % self.num_instances)
+        pairs = np.unique(m_idx * self.num_instances + inst[multi])
+        return pairs // self.num_instances, pairs % self.num_instances
 
-    def index(self, acc, piece_sub) -> PageIndex:
+    def index(self, acc: Gathered, piece_sub) -> PageIndex:
         """Sort every access by (sub-batch, holder, request, partial-last) once; each plan's
         CSR arrays are then slices of the same global arrays."""
-        inst, slot, tokens, piece_of, partial = acc
+        inst, slot, tokens, piece_of, partial = acc[:5]
         sub_of = piece_sub[piece_of]
         # one int64 key instead of lexsort (several times slower); ties need no order since
         # attention over one holder's pages is order-free, except the partial page goes last

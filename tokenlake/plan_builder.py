@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenlake.balancer import AccessStats
 from tokenlake.dispatch import hungarian_dispatch, traffic_cost
-from tokenlake.page_gather import PageGatherer, PageIndex, split_rows
+from tokenlake.page_gather import Gathered, PageGatherer, PageIndex, split_rows
 from tokenlake.plans import Plans, QueryPlan, TransferPlan, frozen_i32, read_only
-from tokenlake.prefix_tree import Location, Node, PrefixTree
+from tokenlake.prefix_tree import Location, Node
 from tokenlake.requests import PlannedChunk
+from tokenlake.segment_table import SegmentTable
 
 
 @dataclass(frozen=True)
@@ -41,28 +41,33 @@ class _PieceInfo:
 class PlanBuilder:
     def __init__(
         self,
-        tree: PrefixTree,
-        stats: AccessStats,
+        table: SegmentTable,
+        segment_len: int,
         num_instances: int,
         q_row_bytes: float,
         kv_token_bytes: float,
         segment_bytes: float,
-        seed: int = 0,
     ) -> None:
-        self.pages = PageGatherer(tree, stats, num_instances, seed)
+        self.pages = PageGatherer(table, segment_len, num_instances)
         self.num_instances = num_instances
         self.q_row_bytes, self.kv_token_bytes = q_row_bytes, kv_token_bytes
         self.segment_bytes = segment_bytes
 
     def build(
         self,
-        epoch: int,
+        ids: tuple[str, int],
         batches: Sequence[Sequence[PlannedChunk]],
         dops: Sequence[int],
-        live: Sequence[int],
-        replications: Sequence[tuple[Node, Location, Location]] = (),
-        instances: Sequence[Sequence[int] | None] | None = None,
-    ) -> tuple[Plans, Traffic]:
+        candidates: Sequence[int],
+        replications: Sequence[tuple[Node, Location, Location]],
+        instances: Sequence[Sequence[int] | None] | None,
+        base_load: np.ndarray,
+        seed: int,
+    ) -> tuple[Plans, Traffic, Gathered]:
+        """Plans for ``ids = (pool_id, epoch)``: sub-batches go to distinct ``candidates``
+        (the free live instances; ``instances[b]`` narrows batch ``b``), replicas are chosen
+        on ``base_load`` (see :meth:`PageGatherer.gather`)."""
+        pool_id, epoch = ids
         n_inst = self.num_instances
         subs = [
             (b, j, [(batch[ci], lo, hi) for ci, lo, hi in pieces])
@@ -77,8 +82,8 @@ class PlanBuilder:
                 pieces.append(piece)
         piece_sub = np.asarray(piece_sub, dtype=np.int64)
         piece_rows = np.asarray(piece_rows, dtype=np.float64)
-        acc = self.pages.gather(pieces, piece_rows)
-        inst, _, tokens, piece_of, _ = acc
+        acc = self.pages.gather(pieces, piece_rows, base_load, seed)
+        inst, tokens, piece_of = acc.inst, acc.tokens, acc.piece_of
         load = np.bincount(inst, weights=tokens * piece_rows[piece_of], minlength=n_inst)
         index = self.pages.index(acc, piece_sub)
         # traffic matrices for dispatch: rows to each holder once per request, tokens to homes
@@ -96,7 +101,7 @@ class PlanBuilder:
                 if instances[b] is not None:
                     allowed[u] = False
                     allowed[u, list(instances[b])] = True
-        origins = hungarian_dispatch(cost, live, allowed)
+        origins = hungarian_dispatch(cost, candidates, allowed)
         copies += self._replication_copies(replications, origins)
 
         local = np.arange(len(subs))
@@ -119,8 +124,14 @@ class PlanBuilder:
         groups: list[list[int]] = [[] for _ in batches]
         for (b, _, _), origin in zip(subs, origins, strict=True):
             groups[b].append(int(origin))
-        plans = Plans(epoch, tuple(query_plans), tuple(transfer_plans), tuple(map(tuple, groups)))
-        return plans, traffic
+        plans = Plans(
+            epoch,
+            tuple(query_plans),
+            tuple(transfer_plans),
+            tuple(map(tuple, groups)),
+            pool_id=pool_id,
+        )
+        return plans, traffic, acc
 
     def _runs(self, pieces, piece_sub):
         """Put runs ``[sub, dst_inst, src_row, len, slot, offset]`` and copy-on-extend orders."""

@@ -14,6 +14,7 @@ from functools import cached_property
 import numpy as np
 
 from tokenlake.keys import as_tokens
+from tokenlake.validate import check_int, check_request_id, fail, is_int
 
 
 def read_only(arr: np.ndarray) -> np.ndarray:
@@ -39,6 +40,10 @@ class Chunk:
     at a request's first chunk it is the whole prompt. ``start`` is the number of tokens
     whose KV is already in the pool: for a new request at most the prefix-tree match, for a
     running one exactly what it has stored. ``end`` defaults to ``len(token_ids)``.
+
+    Checked when built: ``request_id`` an int (int64) or a non-empty str, ``token_ids``
+    integers in ``[0, 2**31)``, ``0 <= start < end <= len(token_ids)`` as ints
+    (:class:`~tokenlake.InvalidArgumentError` otherwise).
     """
 
     request_id: int | str
@@ -47,9 +52,18 @@ class Chunk:
     end: int = -1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "token_ids", as_tokens(self.token_ids, "Chunk.token_ids"))
-        if self.end == -1:
-            object.__setattr__(self, "end", len(self.token_ids))
+        request_id = check_request_id("Chunk.request_id", self.request_id)
+        token_ids = as_tokens(self.token_ids, "Chunk.token_ids")
+        n = len(token_ids)
+        if not n:
+            raise fail("Chunk.token_ids", "at least one token id", self.token_ids)
+        start = check_int("Chunk.start", self.start, low=0, high=n)
+        end = n if is_int(self.end) and self.end == -1 else self.end
+        end = check_int("Chunk.end", end, low=start + 1, high=n + 1)
+        for name, value in (("request_id", request_id), ("token_ids", token_ids)):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "end", end)
 
     @property
     def num_new_tokens(self) -> int:
@@ -183,9 +197,18 @@ class Plans:
 
     ``query_plans[i]`` and ``transfer_plans[i]`` describe the same sub-batch; batch ``b``
     runs on instances ``groups[b]`` (its DoP), sub-batch ``j`` of it on ``groups[b][j]``.
+    ``(pool_id, epoch)`` identifies the iteration: ``pool_id`` is unique per
+    :class:`~tokenlake.Pool` object and epochs are never reused, so a plan of another pool or
+    of an earlier (committed or aborted) iteration never looks current.
     """
 
     epoch: int
     query_plans: tuple[QueryPlan, ...]
     transfer_plans: tuple[TransferPlan, ...]
     groups: tuple[tuple[int, ...], ...]
+    pool_id: str = ""
+
+    @property
+    def origins(self) -> tuple[int, ...]:
+        """The compute instances this iteration runs on (every sub-batch's origin)."""
+        return tuple(i for group in self.groups for i in group)

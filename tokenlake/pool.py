@@ -1,11 +1,13 @@
 """The control-plane facade: composes the prefix tree, placement, slot allocators, segment
-planner, balancer, dispatcher and plan builder; owns the table of running requests and the
-one iteration that may be in flight (reserve → transfer → commit | abort)."""
+planner, balancer, dispatcher and plan builder; owns the running requests and the
+iterations in flight (reserve → transfer → commit | abort), several at once."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+
+import numpy as np
 
 from tokenlake import admission, instance_loss
 from tokenlake.balancer import AccessStats, BalancerConfig, plan_replications
@@ -17,6 +19,7 @@ from tokenlake.errors import (
     StalePlanError,
     UnknownRequestError,
 )
+from tokenlake.iteration import Iteration, touched_instances
 from tokenlake.keys import SegmentHasher
 from tokenlake.load_model import LoadModel
 from tokenlake.placement import Placement
@@ -24,22 +27,13 @@ from tokenlake.plan_builder import PlanBuilder
 from tokenlake.plans import Chunk, Plans
 from tokenlake.pool_checks import check_pool_invariants
 from tokenlake.pool_view import PrefixTreeView
-from tokenlake.prefix_tree import Location, Node, PrefixTree
-from tokenlake.requests import OpenSegment, PlannedChunk, RequestState
+from tokenlake.prefix_tree import PrefixTree
+from tokenlake.requests import PlannedChunk, RequestState
+from tokenlake.sealing import seal_chunk
 from tokenlake.segment_planner import SegmentPlanner
 from tokenlake.slots import SlotAllocator
 from tokenlake.stats import PoolStats
-
-
-@dataclass(eq=False)
-class _Iteration:
-    epoch: int
-    batches: list[list[PlannedChunk]]
-    replications: list[tuple[Node, Location, Location]] = field(default_factory=list)
-
-    @property
-    def chunks(self) -> list[PlannedChunk]:
-        return [pc for batch in self.batches for pc in batch]
+from tokenlake.validate import check_bool, check_int, check_request_id, check_sequence, fail
 
 
 class Pool:
@@ -47,8 +41,13 @@ class Pool:
 
     Per iteration: ``gen_plans`` (reserves slots, pins prefixes, orders replications) → the
     data plane executes the plans → ``commit`` (seals full segments, deduplicating; adds the
-    new replicas) or ``abort`` (undoes all). ``finish`` releases a request's pins and keeps
-    its partial tail for a later turn. ``load_model`` enables :meth:`get_cache_load`.
+    new replicas) or ``abort`` (undoes all). Several iterations may be in flight at once,
+    each over its own requests and its own compute instances (``free_instances``); each is
+    committed or aborted on its own, in any order. ``finish`` releases a request's pins and
+    keeps its partial tail for a later turn. ``load_model`` enables :meth:`get_cache_load`.
+
+    The components (``tree``, ``allocators``, ``placement``, ``access``, ``requests``) are
+    exposed for inspection and tests; change the pool only through its methods.
     """
 
     def __init__(
@@ -59,6 +58,15 @@ class Pool:
         load_model: LoadModel | None = None,
         seed: int = 0,
     ) -> None:
+        for name, value, kind in (
+            ("config", config, PoolConfig),
+            ("hasher", hasher, SegmentHasher),
+            ("balancer", balancer, BalancerConfig),
+            ("load_model", load_model, LoadModel),
+        ):
+            if not isinstance(value, kind) and (value is not None or kind is PoolConfig):
+                raise fail(name, f"a {kind.__name__}", value)
+        self.seed = check_int("seed", seed, low=0, high=2**62)
         self.config = config
         self.hasher = hasher if hasher is not None else SegmentHasher(config.namespace)
         self.balancer = balancer if balancer is not None else BalancerConfig()
@@ -74,15 +82,24 @@ class Pool:
             m.q_bytes_per_token_layer + 4 * m.num_q_heads * (m.head_dim + 1)
         )
         self.builder = PlanBuilder(
-            self.tree, self.access, n, q_row_bytes, m.kv_bytes_per_token, config.segment_bytes, seed
+            self.tree.table,
+            config.segment_len,
+            n,
+            q_row_bytes,
+            m.kv_bytes_per_token,
+            config.segment_bytes,
         )
         self.stats = PoolStats(n)
         self.requests: dict[int | str, RequestState] = {}
+        self.pool_id = uuid.uuid4().hex  # binds plans to this pool object
         self._view = PrefixTreeView(self.tree)
-        self._epoch = 0
-        self._inflight: _Iteration | None = None
+        self._epoch = 0  # the last epoch handed out; epochs are never reused
+        self._inflight: dict[int, Iteration] = {}  # in planning order
+        self._busy_requests: dict[int | str, int] = {}  # request id -> epoch in flight
+        # committed iterations when the last committed replication decision was planned
+        self._replicated_at = -self.balancer.interval
 
-    # ---- control-plane API ---------------------------------------------------------------
+    # ---- reading ---------------------------------------------------------------------------
     def get_prefix_tree(self) -> PrefixTreeView:
         return self._view
 
@@ -91,15 +108,45 @@ class Pool:
         return tuple(sorted(self.placement.live))
 
     @property
+    def busy_instances(self) -> frozenset[int]:
+        """Compute instances running an iteration in flight (its sub-batches' origins)."""
+        return frozenset(i for it in self._inflight.values() for i in it.origins)
+
+    @property
+    def free_instances(self) -> tuple[int, ...]:
+        """Live instances no iteration in flight runs on: where ``gen_plans`` may dispatch."""
+        busy = self.busy_instances
+        return tuple(i for i in self.live_instances if i not in busy)
+
+    @property
+    def active_epochs(self) -> tuple[int, ...]:
+        """Epochs of the iterations in flight, oldest first."""
+        return tuple(self._inflight)
+
+    @property
     def active_epoch(self) -> int | None:
-        """Epoch of the iteration in flight, or ``None``."""
-        return self._inflight.epoch if self._inflight else None
+        """The newest epoch in flight, or ``None``. With several in flight use
+        :attr:`active_epochs` / :meth:`is_active`; kept for single-iteration callers."""
+        return next(reversed(self._inflight), None)
+
+    def is_active(self, plans: Plans | int) -> bool:
+        """Whether ``plans`` (or an epoch) is an iteration of this pool in flight."""
+        if isinstance(plans, Plans):
+            return plans.pool_id == self.pool_id and plans.epoch in self._inflight
+        return isinstance(plans, int) and plans in self._inflight
+
+    def iterations_in_flight(self) -> tuple[Iteration, ...]:
+        return tuple(self._inflight.values())
+
+    def in_flight_epoch(self, request_id: int | str) -> int | None:
+        """The epoch of the iteration in flight that includes ``request_id``, or ``None``."""
+        return self._busy_requests.get(check_request_id("request_id", request_id))
 
     def num_stored_tokens(self, request_id: int | str) -> int:
         return self._state(request_id).num_tokens
 
     def free_capacity(self) -> int:
-        """Slots obtainable now without touching pinned data (free plus evictable)."""
+        """Slots obtainable now without touching pinned or in-flight data."""
         return self.planner.free_capacity()
 
     def get_cache_load(
@@ -108,12 +155,19 @@ class Pool:
         """``L`` in ``[0, 1)``: the share of the cluster's time TokenLake needs for ``reqs``,
         a list of ``(prefix_len, input_len)`` (§6.1). Needs ``load_model``."""
         self._check_view(tree)
+        check_sequence("reqs", reqs)
+        for i, pair in enumerate(reqs):
+            check_sequence(f"reqs[{i}]", pair, length=2)
+            for j, value in enumerate(pair):
+                check_int(f"reqs[{i}][{j}]", value, low=0, high=2**40)
         if self.load_model is None:
             raise InvalidArgumentError(
                 "load_model: construct the Pool with a LoadModel to use get_cache_load"
             )
-        return self.load_model.cache_load(reqs, len(self.placement.live))
+        pairs = [(int(p), int(n)) for p, n in reqs]
+        return self.load_model.cache_load(pairs, len(self.placement.live))
 
+    # ---- an iteration --------------------------------------------------------------------
     def gen_plans(
         self,
         batches: Sequence[Sequence[Chunk]],
@@ -125,109 +179,98 @@ class Pool:
 
         Args:
             batches: the scheduler's batches, each a non-empty list of :class:`Chunk`;
-                a request appears at most once per iteration.
+                a request appears at most once, and not in another iteration in flight.
             dops: degree of parallelism per batch (default 1); every sub-batch gets its own
-                instance, so ``sum(dops)`` must not exceed the live instances.
+                free instance, so ``sum(dops)`` must not exceed :attr:`free_instances`.
             tree: the view from :meth:`get_prefix_tree` (optional; must be this pool's).
             instances: optional per-batch instance ids the batch may run on (``None`` for
-                any), for fixed-role deployments (xPyD); the dispatcher still picks among them.
+                any free instance), e.g. fixed roles (xPyD) or the instances an asynchronous
+                scheduler has decided for; the dispatcher still picks among them. Query
+                holders and put destinations may be any live instance, busy or not.
         Returns:
-            :class:`Plans` for this iteration's epoch (with replication orders in the
-            transfer plans' copies). Call :meth:`commit` after the data plane executed
-            them, or :meth:`abort`.
+            :class:`Plans` with a new epoch (with replication orders in the transfer plans'
+            copies). Call :meth:`commit` after the data plane executed them, or :meth:`abort`.
         Raises:
             InvalidArgumentError, UnknownRequestError: bad input; nothing changed.
+            IterationStateError: a request or instance is taken by an iteration in flight.
             PoolFullError: pinned data leaves too few slots; nothing changed.
         """
-        if self._inflight is not None:
-            raise IterationStateError(
-                f"iteration {self._inflight.epoch} is in flight; commit or abort it first"
-            )
         self._check_view(tree)
-        dops = admission.check_batches(batches, dops, len(self.placement.live))
-        admission.check_instances(instances, batches, dops, self.placement.live)
+        live = self.placement.live
+        dops = admission.check_batches(batches, dops, len(live))
+        busy = self.busy_instances
+        admission.check_instances(instances, batches, dops, live, busy)
+        admission.check_not_in_flight(batches, self._busy_requests)
         matches = admission.check_chunks(batches, self.requests, self.tree)
-        planned, chunks, new_chunks = [], [], []
-        for batch in batches:
-            row = []
-            for c in batch:
-                state = self.requests.get(c.request_id)
-                if state is None:
-                    pc = admission.admit(c, matches[c.request_id], self.tree)
-                    new_chunks.append(pc)
-                else:  # running: usually a decode step that stays inside its open tail
-                    pc = PlannedChunk(state, c.start, c.end, c.token_ids, False)
-                    self.planner.write_open_tail(pc)
-                row.append(pc)
-            planned.append(row)
-            chunks.extend(row)
-        for pc in new_chunks:
-            self.requests[pc.state.request_id] = pc.state
-            self.stats.record_admission(len(pc.token_ids), pc.start)
-        rest = [pc for pc in chunks if not pc.writes]
-        needed = sum(self.planner.num_new_slots(pc) for pc in rest)
-        if needed > self.planner.free_capacity():
-            admission.release(new_chunks, self.requests, self.tree)
-            self.stats.undo_admissions(new_chunks)
-            raise PoolFullError(
-                f"batches: need {needed} new slots, only {self.planner.free_capacity()} "
-                "free or evictable (the rest is pinned by running requests)"
-            )
-        for pc in rest:
-            self.planner.plan_writes(pc)
-        self.access.begin_iteration()
-        replications = self._reserve_replications()
-        for pc in new_chunks:  # evictions above may have taken the copy source chosen earlier
-            if pc.source is not None:
-                for w in pc.writes:
-                    if w.copy_from is not None and w.copy_from not in pc.source.replicas:
-                        w.copy_from = pc.source.replicas[0]  # pinned: its last copy stays
-        self._epoch += 1
-        plans, traffic = self.builder.build(
-            self._epoch, planned, dops, self.live_instances, replications, instances
-        )
-        self.access.record_load(traffic.load, list(self.live_instances))
-        self.stats.record_iteration(traffic)
-        self._inflight = _Iteration(self._epoch, planned, replications)
-        return plans
+        it = Iteration(self._epoch + 1)
+        try:
+            self._plan(it, batches, dops, instances, matches, busy)
+        except BaseException:
+            self._release(it, executed=False)
+            raise
+        self._epoch = it.epoch
+        self._inflight[it.epoch] = it
+        for pc in it.chunks:
+            self._busy_requests[pc.state.request_id] = it.epoch
+        return it.plans
 
     def commit(self, plans: Plans) -> None:
-        """Seal what the iteration wrote and add its new replicas.
+        """Seal what the iteration wrote, add its new replicas, make its evictions final and
+        book its accesses, LRU touches, load and counters.
 
         The data plane must have finished every put and copy of these plans (an
         asynchronous data plane: wait for it first, e.g. ``MPCluster.synchronize()``).
         """
-        iteration = self._take_inflight(plans)
-        for pc in iteration.chunks:
-            self._commit_chunk(pc)
-        for node, _, dst in iteration.replications:
-            if self.tree.get(node.key) is node:
-                self.tree.add_replica(node, dst)
-            else:  # cannot happen while no iteration is in flight; keep the slot consistent
-                self.allocators[dst.instance_id].free(dst.slot_id)
+        it = self._take(plans)
+        tree, g = self.tree, it.gathered
+        for pc in it.new_chunks:  # the admitted prefix was read: the most recent for LRU
+            tree.touch(pc.state.tree_nodes + ([pc.source] if pc.source else []))
+        tree.touch_replicas(g.chosen_idx.tolist(), g.chosen_inst.tolist())
+        self.access.begin_iteration()
+        self.access.record_accesses(g.node_idx, g.node_rows, g.node_tokens)
+        for pc in it.chunks:
+            self.stats.record_writes(pc.writes)
+            seal_chunk(pc, tree, self.allocators, self.stats)
+        for node, _, dst in it.replications:  # the node is pinned: it is still in the tree
+            if any(r.instance_id == dst.instance_id for r in node.replicas):
+                self.allocators[dst.instance_id].free(dst.slot_id)  # a restored copy won
+            else:
+                tree.add_replica(node, dst)
+        tree.add_readers(it.all_read_idx(), -1)
+        for node in it.replication_pins:
+            tree.unpin(node)
+        self.access.record_load(it.traffic.load, list(self.live_instances))
+        self.stats.record_iteration(it.traffic, it.new_chunks, len(it.victims))
+        if it.decided_replication is not None:
+            self._replicated_at = it.decided_replication
 
-    def abort(self, plans: Plans) -> None:
-        """Undo an iteration: free its new slots, forget its new requests and replicas."""
-        iteration = self._take_inflight(plans)
-        for pc in reversed(iteration.chunks):
-            for w in pc.writes:
-                if w.pending is not None:
-                    self.tree.abort(w.pending)
-                if w.new_slot:
-                    self.allocators[w.location.instance_id].free(w.location.slot_id)
-        for _, _, dst in iteration.replications:
-            self.allocators[dst.instance_id].free(dst.slot_id)
-        admission.release(iteration.chunks, self.requests, self.tree)
-        self.stats.undo_admissions([pc for pc in iteration.chunks if pc.is_new])
+    def abort(self, plans: Plans, executed: bool = True) -> None:
+        """Undo an iteration: free its new slots, forget its new requests, reservations,
+        pins and replica orders; its accesses, LRU touches, load and counters never count.
+
+        ``executed`` says whether any put or copy of these plans may have reached an engine.
+        The slots ``gen_plans`` took from evicted replicas were handed to this iteration's
+        writes, so a victim can come back only if nothing was written into its slot:
+        ``executed=False`` (the plans were never sent, or the caller knows no engine
+        started them) restores every victim whose place is still free, leaving the pool as
+        it was before ``gen_plans`` if nothing else happened since. The default ``True``
+        is always safe: after a partial execution (a peer died mid-iteration) a victim's
+        slot may hold this iteration's data, so the victims stay evicted and their slots
+        are freed; restoring them would serve overwritten KV. The epoch is not reused.
+        """
+        executed = check_bool("executed", executed)
+        self._release(self._take(plans), executed)
 
     def finish(self, request_id: int | str) -> None:
         """Release a finished request: unpin its prefix, keep its partial tail as a leaf."""
         state = self._state(request_id)
-        if self._inflight and any(pc.state is state for pc in self._inflight.chunks):
+        epoch = self._busy_requests.get(state.request_id)
+        if epoch is not None:
             raise IterationStateError(
-                f"request_id: {request_id!r} is in iteration {self._inflight.epoch}; commit it first"
+                f"request_id: {request_id!r} is in iteration {epoch} in flight; commit or "
+                "abort it first"
             )
-        del self.requests[request_id]
+        del self.requests[state.request_id]
         if state.open is not None:
             loc = state.open.location
             kept = None
@@ -242,26 +285,55 @@ class Pool:
             self.tree.unpin(node)
         self._free_private(state)
 
+    # ---- membership ----------------------------------------------------------------------
     def drop_instance(self, instance_id: int) -> list[int | str]:
         """Mark an instance lost (its engine died): forget its replicas and slots, stop
         placing segments on it, and fail the running requests whose data was only there.
 
         Returns the failed request ids; the caller recomputes them (their cached prefix
-        elsewhere is still matched). No iteration may be in flight (``abort`` it first).
+        elsewhere is still matched). Iterations in flight that use the instance (run on it,
+        read or write it, or pin a segment that only it holds) must be aborted first;
+        others go on.
         """
-        if self._inflight is not None:
-            raise IterationStateError("abort the iteration in flight before drop_instance")
-        return instance_loss.drop_instance(self, instance_id)
+        instance_id = check_int("instance_id", instance_id, low=0, high=self.config.num_instances)
+        live = self.placement.live
+        if instance_id not in live or len(live) == 1:
+            allowed = f"a live instance other than the last (one of {sorted(live)})"
+            if len(live) == 1:
+                allowed = "a live instance, but the last live instance cannot be dropped"
+            raise fail("instance_id", allowed, instance_id)
+        lost = instance_loss.lost_keys(self.tree, instance_id)
+        using = [
+            it.epoch
+            for it in self._inflight.values()
+            if instance_id in it.instances or any(n.key in lost for n in it.pinned_nodes())
+        ]
+        if using:
+            raise IterationStateError(
+                f"instance_id: iterations {using} in flight use instance {instance_id}; "
+                "abort them first"
+            )
+        failed = instance_loss.dependent_requests(self.requests.values(), instance_id, lost)
+        for state in failed:
+            del self.requests[state.request_id]
+            for node in state.tree_nodes:
+                self.tree.unpin(node)
+            if state.open is not None and state.open.location.instance_id != instance_id:
+                self.allocators[state.open.location.instance_id].free(state.open.location.slot_id)
+            self._free_private(state, skip_instance=instance_id)
+        for loc in self.tree.drop_instance(instance_id):
+            self.allocators[loc.instance_id].free(loc.slot_id)
+        self.placement.remove(instance_id)
+        self.allocators[instance_id] = SlotAllocator(self.config.num_slots)  # nothing lives there
+        return [state.request_id for state in failed]
 
     def restore_instance(self, instance_id: int) -> None:
         """Bring a dropped instance back, empty (its engine restarted): new segments may be
-        placed on it again. No iteration may be in flight."""
-        if self._inflight is not None:
-            raise IterationStateError("abort or commit the iteration in flight first")
-        if not 0 <= instance_id < self.config.num_instances or instance_id in self.placement.live:
-            raise InvalidArgumentError(
-                f"instance_id: expected a dropped instance of this pool, got {instance_id!r}"
-            )
+        placed on it again. Iterations in flight are not affected (none uses it)."""
+        instance_id = check_int("instance_id", instance_id, low=0, high=self.config.num_instances)
+        if instance_id in self.placement.live:
+            dropped = sorted(set(range(self.config.num_instances)) - set(self.placement.live))
+            raise fail("instance_id", f"a dropped instance (one of {dropped})", instance_id)
         self.allocators[instance_id] = SlotAllocator(self.config.num_slots)
         self.placement.add(instance_id)
 
@@ -273,16 +345,138 @@ class Pool:
         check_pool_invariants(self)
 
     # ---- internals -----------------------------------------------------------------------
+    def _plan(self, it: Iteration, batches, dops, instances, matches, busy) -> None:
+        tree, planner = self.tree, self.planner
+        for batch in batches:
+            row = []
+            for c in batch:
+                state = self.requests.get(c.request_id)
+                if state is None:
+                    pc = admission.admit(c, matches[c.request_id], tree)
+                    self.requests[c.request_id] = pc.state
+                    it.new_chunks.append(pc)
+                else:  # running: usually a decode step that stays inside its open tail
+                    pc = PlannedChunk(state, c.start, c.end, c.token_ids, False)
+                    planner.write_open_tail(pc)
+                row.append(pc)
+            it.batches.append(row)
+        rest = [pc for pc in it.chunks if not pc.writes]
+        needed = sum(planner.num_new_slots(pc) for pc in rest)
+        if needed > planner.free_capacity():
+            raise PoolFullError(
+                f"batches: need {needed} new slots, only {planner.free_capacity()} free or "
+                "evictable (the rest is pinned by running requests or read in flight)"
+            )
+        for pc in rest:
+            planner.plan_writes(pc, it.victims)
+        self._reserve_replications(it)
+        for pc in it.new_chunks:  # evictions above may have taken the copy source chosen earlier
+            if pc.source is not None:
+                for w in pc.writes:
+                    if w.copy_from is not None and w.copy_from not in pc.source.replicas:
+                        w.copy_from = pc.source.replicas[0]  # pinned: its last copy stays
+        free = [i for i in sorted(self.placement.live) if i not in busy]
+        base_load = self.access.recent_load.copy()
+        for other in self._inflight.values():
+            base_load += other.traffic.load
+        plans, traffic, gathered = self.builder.build(
+            (self.pool_id, it.epoch),
+            it.batches,
+            dops,
+            free,
+            it.replications,
+            instances,
+            base_load,
+            (self.seed * 1_000_003 + it.epoch) % 2**62,
+        )
+        self._add_readers(it, gathered.node_idx)
+        it.plans, it.traffic, it.gathered = plans, traffic, gathered
+        it.instances = touched_instances(plans)
+
+    def _add_readers(self, it: Iteration, idx) -> None:
+        idx = np.asarray(idx, dtype=np.int64)
+        self.tree.add_readers(idx, 1)
+        it.read_idx.append(idx)
+
+    def _reserve_replications(self, it: Iteration) -> None:
+        """Replication orders, decided every ``interval`` committed iterations with at most
+        one decision in flight; each source is pinned (with its path) and read for the
+        iteration, then a slot is reserved on its destination."""
+        committed = self.stats.num_iterations
+        due = committed - self._replicated_at >= self.balancer.interval
+        if not due or any(
+            other.decided_replication is not None for other in self._inflight.values()
+        ):
+            return
+        it.decided_replication = committed
+        capacity = self.config.num_slots * len(self.placement.live)
+        orders = plan_replications(
+            self.tree, self.access, list(self.live_instances), self.balancer, capacity
+        )
+        for node, src, dst in orders:
+            path = []
+            while node is not self.tree.root:
+                path.append(node)
+                node = node.parent
+            for n in path:
+                self.tree.pin(n)
+            it.replication_pins.extend(path)
+            self._add_readers(it, [path[0].idx])
+            loc = self.planner.reserve_replica(dst, it.victims)
+            if loc is not None:
+                it.replications.append((path[0], src, loc))
+
+    def _release(self, it: Iteration, executed: bool) -> None:
+        """Undo everything ``gen_plans`` reserved for ``it`` (see :meth:`abort`)."""
+        tree = self.tree
+        for pc in reversed(it.chunks):
+            for w in reversed(pc.writes):
+                if w.pending is not None and w.pending.state == "reserved":
+                    tree.abort(w.pending)
+        tree.add_readers(it.all_read_idx(), -1)
+        for node in it.replication_pins:
+            tree.unpin(node)
+        admission.release(it.new_chunks, self.requests, tree)
+        restored = set()
+        if not executed and it.victims:
+            done = tree.restore(it.victims, self.placement.live)
+            restored = {v.location for v, ok in zip(it.victims, done, strict=True) if ok}
+        for loc in it.new_slots():
+            if loc not in restored:
+                self.allocators[loc.instance_id].free(loc.slot_id)
+        self.stats.num_evictions += len(it.victims) - len(restored)
+
+    def _take(self, plans: Plans) -> Iteration:
+        """The iteration in flight ``plans`` belong to, removed from the in-flight set."""
+        if not isinstance(plans, Plans):
+            raise fail("plans", "a Plans returned by this pool's gen_plans", plans)
+        if plans.pool_id != self.pool_id:
+            raise StalePlanError(
+                f"plans: made by another pool ({plans.pool_id or 'none'}), not this one"
+            )
+        it = self._inflight.get(plans.epoch)
+        if it is None:
+            raise StalePlanError(
+                f"plans: epoch {plans.epoch} is not in flight (in flight: {self.active_epochs})"
+            )
+        if it.plans is not plans:
+            raise StalePlanError(
+                f"plans: not the Plans object gen_plans returned for epoch {plans.epoch}"
+            )
+        del self._inflight[plans.epoch]
+        for pc in it.chunks:
+            del self._busy_requests[pc.state.request_id]
+        return it
+
     def _check_view(self, tree) -> None:
         if tree is not None and tree is not self._view:
-            raise InvalidArgumentError(
-                "tree: expected the view returned by this pool's get_prefix_tree()"
-            )
+            raise fail("tree", "the view returned by this pool's get_prefix_tree()", tree)
 
     def _state(self, request_id) -> RequestState:
+        request_id = check_request_id("request_id", request_id)
         try:
             return self.requests[request_id]
-        except (KeyError, TypeError):
+        except KeyError:
             raise UnknownRequestError(f"request_id: unknown request {request_id!r}") from None
 
     def _free_private(self, state: RequestState, skip_instance: int | None = None) -> None:
@@ -290,54 +484,4 @@ class Pool:
             loc = node.replicas[0]
             if loc.instance_id != skip_instance:
                 self.allocators[loc.instance_id].free(loc.slot_id)
-            self.tree.table.free(node.idx)
-
-    def _reserve_replications(self) -> list[tuple[Node, Location, Location]]:
-        if self._epoch % self.balancer.interval:
-            return []
-        capacity = self.config.num_slots * len(self.placement.live)
-        orders = plan_replications(
-            self.tree, self.access, list(self.live_instances), self.balancer, capacity
-        )
-        return self.planner.reserve_replicas(orders)
-
-    def _take_inflight(self, plans: Plans) -> _Iteration:
-        if not isinstance(plans, Plans):
-            raise InvalidArgumentError(f"plans: expected Plans, got {type(plans).__name__}")
-        if self._inflight is None or plans.epoch != self._inflight.epoch:
-            raise StalePlanError(
-                f"plans: epoch {plans.epoch} is not the iteration in flight ({self.active_epoch})"
-            )
-        iteration, self._inflight = self._inflight, None
-        return iteration
-
-    def _commit_chunk(self, pc: PlannedChunk) -> None:
-        state, seg = pc.state, self.config.segment_len
-        state.open = None
-        sealed: list[Node] = []
-        for w in pc.writes:
-            self.stats.num_put_tokens += w.num_new
-            if w.copy_from is not None:
-                self.stats.num_copy_tokens += w.num_before
-            if len(w.tokens) < seg:
-                state.open = OpenSegment(w.location, w.parent_key, w.tokens)
-                continue
-            res = self.tree.commit(w.pending) if w.pending is not None else None
-            if res is None or res.node is None:
-                private = Node(self.hasher.key(w.parent_key, w.tokens), None, w.tokens, -1)
-                private.idx = self.tree.table.alloc()
-                private.replicas.append(w.location)
-                self.tree.table.set_replicas(private.idx, private.replicas)
-                sealed.append(private)
-                state.num_private += 1
-                state.detached = True
-                continue
-            if res.deduped:
-                self.allocators[w.location.instance_id].free(w.location.slot_id)
-                self.stats.num_dedup_segments += 1
-            self.tree.pin(res.node)
-            sealed.append(res.node)
-        state.append_nodes(sealed)
-        if pc.source is not None:
-            self.tree.unpin(pc.source)
-        state.num_tokens = pc.end
+            self.tree.free_private(node)

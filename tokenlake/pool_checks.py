@@ -5,28 +5,33 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from tokenlake.pool import Pool
 
 
 def check_pool_invariants(pool: Pool) -> None:
-    """Every used slot has exactly one owner; pins equal the running requests' references;
-    each request's stored length matches its segments."""
+    """Every used slot has exactly one owner; pins and readers equal what running requests
+    and iterations in flight hold; each request's stored length matches its segments;
+    iterations in flight have disjoint requests and compute instances."""
     tree, seg = pool.tree, pool.config.segment_len
     tree.check_invariants()
     for allocator in pool.allocators:
         allocator.check_invariants()
+    iterations = pool.iterations_in_flight()
+    live = set(pool.live_instances)
 
     owners: Counter = Counter()
     for node in tree.nodes():
         owners.update(node.replicas)
     expected_pins: Counter = Counter()
     num_private = 0
-    inflight = pool._inflight.chunks if pool._inflight else []
+    new_in_flight = {id(pc.state) for it in iterations for pc in it.new_chunks}
     for state in pool.requests.values():
         open_len = len(state.open.tokens) if state.open else 0
-        assert state.num_tokens == seg * len(state.nodes) + open_len or any(
-            pc.state is state and pc.is_new for pc in inflight
+        assert state.num_tokens == seg * len(state.nodes) + open_len or id(state) in (
+            new_in_flight
         ), f"request {state.request_id!r}: stored length does not match its segments"
         assert (state.open is None) == (state.num_tokens % seg == 0), "open tail mismatch"
         if state.open:
@@ -41,23 +46,38 @@ def check_pool_invariants(pool: Pool) -> None:
             owners.update(node.replicas)
             num_private += 1
         assert state.page_idx.tolist() == [n.idx for n in state.nodes], "page_idx drifted"
-    for _, _, dst in pool._inflight.replications if pool._inflight else []:
-        owners[dst] += 1
-        assert dst.instance_id in pool.placement.live, "replica reserved on a dead instance"
-    for pc in inflight:
-        if pc.source is not None:
-            expected_pins[pc.source.key] += 1
-        for w in pc.writes:
-            if w.new_slot:
-                owners[w.location] += 1
+
+    readers = np.zeros(tree.table.capacity, dtype=np.int64)
+    seen_requests: set = set()
+    seen_origins: set[int] = set()
+    for it in iterations:
+        rids = {pc.state.request_id for pc in it.chunks}
+        assert not rids & seen_requests, "a request is in two iterations in flight"
+        assert not it.origins & seen_origins, "two iterations in flight run on one instance"
+        seen_requests |= rids
+        seen_origins |= it.origins
+        assert it.instances <= live, "an iteration in flight uses a dead instance"
+        for pc in it.chunks:
+            assert pool.in_flight_epoch(pc.state.request_id) == it.epoch, "busy table drifted"
+            assert pool.requests.get(pc.state.request_id) is pc.state, "in-flight request lost"
+            if pc.source is not None:
+                expected_pins[pc.source.key] += 1
+            for w in pc.writes:
+                if w.new_slot:
+                    owners[w.location] += 1
+        for node in it.replication_pins:
+            expected_pins[node.key] += 1
+        for _, _, dst in it.replications:
+            owners[dst] += 1
+        np.add.at(readers, it.all_read_idx(), 1)
     for loc, count in owners.items():
         assert count == 1, f"slot {loc} has {count} owners"
         assert pool.allocators[loc.instance_id].is_used(loc.slot_id), f"slot {loc} owned but free"
+        assert loc.instance_id in live, f"slot {loc} on a dead instance"
     used = sum(a.num_used for a in pool.allocators)
     assert used == len(owners), f"{used - len(owners)} used slots have no owner (leak)"
     assert tree.table.num_live == tree.num_nodes + num_private, "segment table rows leaked"
-    for loc in owners:
-        assert loc.instance_id in pool.placement.live, f"slot {loc} on a dead instance"
+    assert np.array_equal(readers, tree.table.readers), "readers differ from iterations in flight"
     for node in tree.nodes():
         assert node.pin_count == expected_pins[node.key], (
             f"{node!r}: pin_count {node.pin_count}, expected {expected_pins[node.key]}"

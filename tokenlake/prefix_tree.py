@@ -4,15 +4,19 @@ Nodes are sealed segments (``C`` tokens) or tails (a finished request's last par
 fewer than ``C`` tokens, always a leaf). Each node lists its replicas (instance, slot). Inserts
 are two-phase — ``reserve`` while the KV is being written, then ``commit`` (deduplicating
 against an identical committed segment) or ``abort`` — and readers never see reservations.
-Eviction is LRU over replicas; it never removes a pinned node's last copy, and removes a last
-copy only from a leaf, so the tree stays prefix-closed.
+Eviction is LRU over replicas; it never removes a pinned node's last copy nor any copy of a
+node an in-flight iteration reads, and removes a last copy only from a leaf, so the tree stays
+prefix-closed. An eviction can be journaled and undone (:meth:`PrefixTree.restore`): the pool
+evicts tentatively while planning and restores the victims when an iteration is aborted before
+anything was written into their slots.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,6 +34,7 @@ from tokenlake.tree_types import (
 
 __all__ = [
     "CommitResult",
+    "Evicted",
     "Location",
     "Node",
     "PendingInsert",
@@ -39,8 +44,23 @@ __all__ = [
 ]
 
 
+class Evicted(NamedTuple):
+    """Undo record of one eviction: enough to put the replica (and, for a last copy, the
+    node) back exactly where it was, LRU position and access count included."""
+
+    node: Node
+    location: Location
+    stamp: int  # the replica's LRU stamp
+    parent: Node | None  # the node's parent when this was its last copy, else None
+    access: float  # decayed access count of a node that left the tree
+
+
 class PrefixTree:
-    """Global prefix tree over segments of ``segment_len`` tokens."""
+    """Global prefix tree over segments of ``segment_len`` tokens.
+
+    The replica LRU maps ``(key, instance_id)`` to a stamp from one clock; its order is the
+    stamps' order, so an undone eviction goes back to its exact place.
+    """
 
     def __init__(self, segment_len: int, hasher: SegmentHasher, max_replicas: int = 8) -> None:
         self.segment_len = segment_len
@@ -51,9 +71,8 @@ class PrefixTree:
         self._by_idx: dict[int, Node] = {}
         self._pending: dict[int, PendingInsert] = {}
         self._insert_ids = itertools.count()
-        self._lru: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._lru: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._clock = 0
-        self._num_evictable = 0  # all copies but pinned nodes' last: repeated eviction frees them
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -70,7 +89,12 @@ class PrefixTree:
 
     @property
     def num_evictable(self) -> int:
-        return self._num_evictable
+        """Replicas repeated eviction can free now (see :class:`SegmentTable`)."""
+        return self.table.num_evictable
+
+    def lru_order(self) -> list[tuple[int, int, int]]:
+        """``(key, instance_id, stamp)`` of every replica, least recently used first."""
+        return [(key, inst, stamp) for (key, inst), stamp in self._lru.items()]
 
     def get(self, key: int) -> Node | None:
         return self._nodes.get(key)
@@ -109,28 +133,50 @@ class PrefixTree:
         """Mark ``path`` (root-to-leaf order) accessed; ancestors end up more recent than
         descendants so LRU reaches leaves first."""
         for node in reversed(path):
-            self._clock += 1
-            node.last_access = self._clock
             for loc in node.replicas:
-                self._lru.move_to_end((node.key, loc.instance_id))
+                self._stamp((node.key, loc.instance_id))
+            node.last_access = self._clock
 
-    def touch_replica(self, idx: int, instance_id: int) -> None:
-        """Mark one replica (of the node in table row ``idx``) as just read."""
-        self._lru.move_to_end((self._by_idx[idx].key, instance_id))
+    def touch_replicas(self, idx: Iterable[int], instance_ids: Iterable[int]) -> None:
+        """Mark replicas (table row, instance) as just read, in order."""
+        for i, inst in zip(idx, instance_ids, strict=True):
+            node = self._by_idx.get(i)
+            if node is not None and (node.key, inst) in self._lru:
+                self._stamp((node.key, inst))
+
+    def _stamp(self, entry: tuple[int, int]) -> None:
+        self._clock += 1
+        self._lru[entry] = self._clock
+        self._lru.move_to_end(entry)
 
     def pin(self, node: Node) -> None:
         self._require_committed(node)
-        if node.pin_count == 0:
-            self._num_evictable -= 1  # its last copy is protected now
-        node.pin_count += 1
+        self.table.pin(node.idx, 1)
 
     def unpin(self, node: Node) -> None:
         self._require_committed(node)
         if node.pin_count <= 0:
             raise InvalidArgumentError(f"node: {node!r} is not pinned")
-        node.pin_count -= 1
-        if node.pin_count == 0:
-            self._num_evictable += 1
+        self.table.pin(node.idx, -1)
+
+    def add_readers(self, idx: np.ndarray, delta: int) -> None:
+        """Rows ``idx`` (table rows of committed nodes, repeats allowed) are read by one more
+        (``delta=1``) or one fewer (``-1``) in-flight iteration per occurrence; a node being
+        read keeps every copy (see :meth:`evict_lru`)."""
+        self.table.add_readers(np.asarray(idx, dtype=np.int64), delta)
+
+    # ---- private segments (outside the tree) ------------------------------------------------
+    def new_private(self, key: int, tokens: np.ndarray, location: Location) -> Node:
+        """A sealed segment only its writer uses (after a key collision): a table row for
+        plan building, never matched, pinned or evicted."""
+        node = Node(key, None, tokens, -1)
+        node.idx, node.table = self.table.alloc(in_tree=False), self.table
+        self.table.set_replicas(node.idx, [location])
+        return node
+
+    def free_private(self, node: Node) -> None:
+        self.table.free(node.idx)
+        node.idx = -1
 
     # ---- two-phase insert ----------------------------------------------------------------
     def reserve(
@@ -189,11 +235,7 @@ class PrefixTree:
             pending.result = existing
             return CommitResult(existing, True)
         node = Node(pending.key, parent, pending.tokens, parent.depth + 1)
-        node.idx = self.table.alloc()
-        self._by_idx[node.idx] = node
-        parent.children[node.key] = node
-        parent.by_first.setdefault(int(node.tokens[0]), []).append(node)
-        self._nodes[node.key] = node
+        self._attach(node, parent)
         self._add_replica(node, pending.location)
         self.touch([node])
         pending.result = node
@@ -212,30 +254,40 @@ class PrefixTree:
             )
         self._add_replica(node, location)
 
-    def _add_replica(self, node: Node, location: Location) -> None:
-        node.replicas.append(location)
-        self.table.set_replicas(node.idx, node.replicas)
-        self._lru[(node.key, location.instance_id)] = None
-        self._num_evictable += 1  # a new copy is either unpinned or an extra one
+    def _add_replica(self, node: Node, location: Location, stamp: int | None = None) -> None:
+        self.table.set_replicas(node.idx, [*node.replicas, location])
+        entry = (node.key, location.instance_id)
+        if stamp is None:
+            self._stamp(entry)
+        else:
+            self._lru[entry] = stamp
 
     def remove_replica(self, node: Node, instance_id: int) -> Location:
         """Drop ``node``'s replica on ``instance_id``; dropping the last one removes the node,
         which must then be a leaf. Returns the freed location."""
         self._require_committed(node)
-        idx = next((i for i, r in enumerate(node.replicas) if r.instance_id == instance_id), None)
+        replicas = node.replicas
+        idx = next((i for i, r in enumerate(replicas) if r.instance_id == instance_id), None)
         if idx is None:
             raise InvalidArgumentError(f"instance_id: {node!r} has no replica on {instance_id}")
-        if len(node.replicas) == 1 and node.children:
+        if len(replicas) == 1 and node.children:
             raise InvalidArgumentError(f"node: {node!r} has children; remove them first")
-        if len(node.replicas) == 1 and node.pin_count:
+        if len(replicas) == 1 and node.pin_count:
             raise InvalidArgumentError(f"node: {node!r} is pinned; its last copy cannot go")
-        self._num_evictable -= 1  # unpinned, or an extra copy of a pinned node
-        loc = node.replicas.pop(idx)
-        self.table.set_replicas(node.idx, node.replicas)
+        loc = replicas.pop(idx)
+        self.table.set_replicas(node.idx, replicas)
         del self._lru[(node.key, instance_id)]
-        if not node.replicas:
+        if not replicas:
             self._detach(node)
         return loc
+
+    def _attach(self, node: Node, parent: Node) -> None:
+        node.parent = parent
+        node.idx, node.table = self.table.alloc(in_tree=True), self.table
+        self._by_idx[node.idx] = node
+        parent.children[node.key] = node
+        parent.by_first.setdefault(int(node.tokens[0]), []).append(node)
+        self._nodes[node.key] = node
 
     def _detach(self, node: Node) -> None:
         parent = node.parent
@@ -250,18 +302,63 @@ class PrefixTree:
         node.parent = None
         node.idx = -1
 
-    def evict_lru(self, instance_id: int | None = None) -> tuple[Node, Location] | None:
+    def evict_lru(
+        self, instance_id: int | None = None, journal: list[Evicted] | None = None
+    ) -> tuple[Node, Location] | None:
         """Remove the least recently used evictable replica (on ``instance_id`` if given);
         ``None`` if there is none. Any copy of a segment with several may go (pinned or
-        not); a last copy goes only from an unpinned leaf. Callers that chose a replica
-        before evicting must re-check it (see ``Pool.gen_plans``)."""
-        for key, inst in self._lru:
-            node = self._nodes[key]
+        not); a last copy goes only from an unpinned leaf; no copy of a segment an in-flight
+        iteration reads goes. With ``journal``, an :class:`Evicted` record is appended so
+        :meth:`restore` can undo it."""
+        table = self.table
+        for (key, inst), stamp in self._lru.items():
             if instance_id is not None and inst != instance_id:
                 continue
-            if len(node.replicas) > 1 or (node.pin_count == 0 and not node.children):
-                return node, self.remove_replica(node, inst)
+            node = self._nodes[key]
+            idx = node.idx
+            if table.readers[idx]:
+                continue
+            if table.num_replicas[idx] > 1 or (not table.pins[idx] and not node.children):
+                parent = node.parent if table.num_replicas[idx] == 1 else None
+                access = float(table.access[idx]) / table.access_scale if parent else 0.0
+                loc = self.remove_replica(node, inst)
+                if journal is not None:
+                    journal.append(Evicted(node, loc, stamp, parent, access))
+                return node, loc
         return None
+
+    def restore(self, evicted: Sequence[Evicted], live: Iterable[int]) -> list[bool]:
+        """Undo evictions, latest first (so a parent comes back before its child). A victim
+        comes back only if its place is still free: its node (or, for a last copy, its
+        parent) is still in the tree, no node took its key, its instance is in ``live``, and
+        it has no replica there yet. Returns, per record, whether it was restored; the
+        caller frees the slots of the others. Only call this if nothing was written into
+        the victims' slots since they were evicted."""
+        live = set(live)
+        done = [False] * len(evicted)
+        last_stamp = next(reversed(self._lru.values()), 0)
+        reorder = False
+        for i in range(len(evicted) - 1, -1, -1):
+            node, loc, stamp, parent, access = evicted[i]
+            if loc.instance_id not in live:
+                continue
+            if parent is not None:  # the node left the tree with this copy
+                attached = parent is self.root or self._nodes.get(parent.key) is parent
+                if not attached or node.key in self._nodes or node.idx >= 0:
+                    continue
+                self._attach(node, parent)
+                self.table.access[node.idx] = access * self.table.access_scale
+            elif self._nodes.get(node.key) is not node or (
+                any(r.instance_id == loc.instance_id for r in node.replicas)
+                or node.num_replicas >= self.table.max_replicas
+            ):
+                continue
+            self._add_replica(node, loc, stamp)
+            reorder |= stamp < last_stamp
+            done[i] = True
+        if reorder:  # back to stamp order: an undone eviction returns to its old place
+            self._lru = OrderedDict(sorted(self._lru.items(), key=lambda item: item[1]))
+        return done
 
     def drop_instance(self, instance_id: int) -> list[Location]:
         """Forget every replica on a lost instance. A node whose only replica was there goes
@@ -303,40 +400,38 @@ class PrefixTree:
 
     # ---- invariants ----------------------------------------------------------------------
     def check_invariants(self) -> None:
-        seg = self.segment_len
+        seg, table = self.segment_len, self.table
         seen, stack = 0, [self.root]
         locations: set[Location] = set()
-        evictable = 0
         while stack:
             node = stack.pop()
             for key, child in node.children.items():
                 assert child.key == key and child.parent is node, "child link broken"
                 assert self._nodes.get(key) is child, "child missing from the index"
+                assert self._by_idx.get(child.idx) is child, "row index drifted"
+                assert table.is_live(child.idx) and table.in_tree[child.idx], "row not live"
                 assert len(node.tokens) in (0, seg), "a tail (partial segment) has children"
                 assert 0 < len(child.tokens) <= seg, "segment length out of range"
                 assert child.depth == node.depth + 1, "depth wrong"
                 assert child.key == self.hasher.key(node.key, child.tokens), "key mismatch"
                 assert child in node.by_first[int(child.tokens[0])], "first-token index missing"
-                assert child.pin_count >= 0, "negative pin count"
                 assert child.replicas, "node without replicas"
-                table = self.table
-                n = int(table.num_replicas[child.idx])
-                assert n == len(child.replicas), "segment table replica count drifted"
-                assert list(
-                    zip(table.rep_inst[child.idx, :n], table.rep_slot[child.idx, :n], strict=True)
-                ) == [tuple(r) for r in child.replicas], "segment table replicas drifted"
+                if child.pin_count or table.readers[child.idx]:
+                    assert node is self.root or node.pin_count, "pins not closed under parents"
                 insts = [r.instance_id for r in child.replicas]
                 assert len(set(insts)) == len(insts), "two replicas on one instance"
                 for loc in child.replicas:
                     assert loc not in locations, f"location {loc} used twice"
                     locations.add(loc)
                     assert (child.key, loc.instance_id) in self._lru, "replica missing from LRU"
-                evictable += len(child.replicas) - (1 if child.pin_count else 0)
                 seen += 1
                 stack.append(child)
             assert sum(len(v) for v in node.by_first.values()) == len(node.children), "index size"
-        assert seen == len(self._nodes), "unreachable nodes in the index"
+        assert seen == len(self._nodes) == len(self._by_idx), "unreachable nodes in the index"
         assert len(self._lru) == len(locations), "stale LRU entries"
-        assert evictable == self._num_evictable, "evictable counter drifted"
+        stamps = list(self._lru.values())
+        assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps), "LRU out of order"
+        assert not stamps or stamps[-1] <= self._clock, "stamp from the future"
+        table.check_invariants()
         for pending in self._pending.values():
             assert pending.location not in locations, "reserved location is also committed"

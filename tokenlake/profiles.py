@@ -8,8 +8,6 @@ import os
 import time
 from dataclasses import dataclass
 
-import torch
-
 from tokenlake.config import ModelShape
 from tokenlake.errors import InvalidArgumentError
 
@@ -120,6 +118,8 @@ def calibrate_cpu(
 
     Links are modelled as shared memory at memcpy speed; takes about a second.
     """
+    import torch  # measuring needs it; importing the control plane does not
+
     src = torch.ones(num_bytes // 4)
     dst = torch.empty_like(src)
     a = torch.randn(matmul_size, matmul_size)

@@ -1,5 +1,9 @@
 """Decides which slots a chunk writes: reuse the open tail, copy-on-extend a partial source,
-place new segments by rendezvous hashing, and evict by global LRU when the pool is full."""
+place new segments by rendezvous hashing, and evict by global LRU when the pool is full.
+
+Evictions are journaled into the iteration being planned (``journal``): they are tentative
+until it commits, and undone if it is aborted before anything was written (see
+:meth:`tokenlake.Pool.abort`)."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from collections.abc import Sequence
 
 from tokenlake.errors import PoolFullError
 from tokenlake.placement import Placement
-from tokenlake.prefix_tree import Location, Node, PrefixTree
+from tokenlake.prefix_tree import Evicted, Location, PrefixTree
 from tokenlake.requests import PlannedChunk, SegmentWrite
 from tokenlake.slots import SlotAllocator
 
@@ -23,7 +27,6 @@ class SegmentPlanner:
         self.placement = placement
         self.allocators = allocators
         self.segment_len = tree.segment_len
-        self.num_evictions = 0
 
     def num_new_slots(self, pc: PlannedChunk) -> int:
         seg = self.segment_len
@@ -34,17 +37,16 @@ class SegmentPlanner:
         """Slots obtainable without touching pinned data: free ones plus evictable replicas."""
         return sum(a.num_free for a in self.allocators) + self.tree.num_evictable
 
-    def allocate(self, preferred: Sequence[int]) -> Location:
+    def allocate(self, preferred: Sequence[int], journal: list[Evicted]) -> Location:
         """A slot on the first preferred live instance with room; otherwise the slot of the
         globally least recently used evictable replica (the pool is one cache)."""
         for instance_id in preferred:
             slot = self.allocators[instance_id].allocate()
             if slot is not None:
                 return Location(instance_id, slot)
-        evicted = self.tree.evict_lru()
+        evicted = self.tree.evict_lru(journal=journal)
         if evicted is None:
-            raise PoolFullError("no free or evictable slot left in the pool")
-        self.num_evictions += 1
+            raise PoolFullError("batches: no free or evictable slot left in the pool")
         return evicted[1]
 
     def write_open_tail(self, pc: PlannedChunk) -> bool:
@@ -60,7 +62,7 @@ class SegmentPlanner:
         )
         return True
 
-    def plan_writes(self, pc: PlannedChunk) -> None:
+    def plan_writes(self, pc: PlannedChunk, journal: list[Evicted]) -> None:
         """Fill ``pc.writes`` for tokens ``pc.start:pc.end``, allocating slots as needed."""
         seg, tree, state = self.segment_len, self.tree, pc.state
         tokens = pc.token_ids
@@ -84,7 +86,7 @@ class SegmentPlanner:
                     preferred = [copy_from.instance_id] + [
                         i for i in preferred if i != copy_from.instance_id
                     ]
-                location, new_slot = self.allocate(preferred), True
+                location, new_slot = self.allocate(preferred, journal), True
             write = SegmentWrite(
                 location=location,
                 parent_key=parent_key,
@@ -101,26 +103,11 @@ class SegmentPlanner:
             pc.writes.append(write)
             pos = seg_end
 
-    def reserve_replicas(self, orders) -> list[tuple[Node, Location, Location]]:
-        """Slots for replication orders ``(node, source, destination instance)``: a free one
-        on the destination, or its least recently used evictable replica. An order whose
-        source went in the process is dropped (its slot freed)."""
-        reserved = []
-        for node, src, dst in orders:
-            slot = self.allocators[dst].allocate()
-            if slot is None:
-                evicted = self.tree.evict_lru(instance_id=dst)
-                if evicted is None:
-                    continue
-                self.num_evictions += 1
-                loc = evicted[1]
-            else:
-                loc = Location(dst, slot)
-            reserved.append((node, src, loc))
-        kept = []
-        for node, src, loc in reserved:
-            if self.tree.get(node.key) is node and src in node.replicas:
-                kept.append((node, src, loc))
-            else:
-                self.allocators[loc.instance_id].free(loc.slot_id)
-        return kept
+    def reserve_replica(self, destination: int, journal: list[Evicted]) -> Location | None:
+        """A slot for a replication order on ``destination``: a free one, or the slot of its
+        least recently used evictable replica; ``None`` if it has neither."""
+        slot = self.allocators[destination].allocate()
+        if slot is not None:
+            return Location(destination, slot)
+        evicted = self.tree.evict_lru(instance_id=destination, journal=journal)
+        return None if evicted is None else evicted[1]

@@ -39,6 +39,10 @@ class SlotAllocator:
         self._used[slot] = 0
         heapq.heappush(self._free, slot)
 
+    def free_slots(self) -> list[int]:
+        """The free slot ids, in no particular order."""
+        return list(self._free)
+
     def is_used(self, slot: int) -> bool:
         return 0 <= slot < self.num_slots and bool(self._used[slot])
 

@@ -33,20 +33,22 @@ class PoolStats:
         self.query_bytes = 0.0
         self.put_bytes = 0.0
         self.replication_bytes = 0.0
+        self.num_evictions = 0
         self.load = np.zeros(num_instances, dtype=np.float64)
 
-    def record_admission(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
-        self.num_requests += 1
-        self.num_prompt_tokens += num_prompt_tokens
-        self.num_hit_tokens += num_hit_tokens
+    def record_writes(self, writes) -> None:
+        for w in writes:
+            self.num_put_tokens += w.num_new
+            if w.copy_from is not None:
+                self.num_copy_tokens += w.num_before
 
-    def undo_admissions(self, chunks) -> None:
-        for pc in chunks:
-            self.num_requests -= 1
-            self.num_prompt_tokens -= len(pc.token_ids)
-            self.num_hit_tokens -= pc.start
-
-    def record_iteration(self, traffic: Traffic) -> None:
+    def record_iteration(self, traffic: Traffic, new_chunks, num_evictions: int) -> None:
+        """A committed iteration: its traffic, the requests it admitted, its evictions."""
+        for pc in new_chunks:
+            self.num_requests += 1
+            self.num_prompt_tokens += len(pc.token_ids)
+            self.num_hit_tokens += pc.start
+        self.num_evictions += num_evictions
         self.num_iterations += 1
         self.load += traffic.load
         self.query_bytes += traffic.query_bytes
@@ -61,14 +63,17 @@ class PoolStats:
         - ``instance_load``: prefix tokens read per instance (query rows × tokens), in total;
           ``load_cv`` its coefficient of variation; ``window_load`` / ``window_load_cv`` the
           same over the balancer's sliding window; ``load_cv_over_time`` the CV of each
-          consecutive window of iterations (oldest first) and ``mean_load_cv`` their mean.
+          consecutive window of iterations (oldest first; the most recent 1,024 windows),
+          ``num_load_cv_windows`` how many windows there were and ``mean_load_cv`` the mean
+          over all of them.
+        - everything counts committed iterations only: an aborted one leaves no trace.
         - ``query_bytes`` / ``put_bytes`` / ``replication_bytes``: bytes planned to cross
           between instances (query rows to remote holders and their results back, new KV to
           remote homes, segment copies), all layers.
         - storage: segments, replicas, slots used, evictions, dedup savings.
         """
         window = pool.access.window_load
-        over_time = pool.access.cv_history
+        access = pool.access
         live = list(pool.live_instances)
         seg_bytes = pool.config.segment_bytes
         slots_used = [a.num_used for a in pool.allocators]
@@ -85,8 +90,9 @@ class PoolStats:
             "load_cv": coefficient_of_variation(self.load[live]),
             "window_load": window.tolist(),
             "window_load_cv": coefficient_of_variation(window[live]),
-            "load_cv_over_time": list(over_time),
-            "mean_load_cv": float(np.mean(over_time)) if over_time else 0.0,
+            "load_cv_over_time": list(access.cv_history),
+            "num_load_cv_windows": access.num_cv_windows,
+            "mean_load_cv": access.mean_cv,
             "query_bytes": self.query_bytes,
             "put_bytes": self.put_bytes,
             "replication_bytes": self.replication_bytes,
@@ -97,7 +103,8 @@ class PoolStats:
             "num_replicas": pool.tree.num_replicas,
             "num_replicated_segments": int((pool.tree.table.num_replicas > 1).sum()),
             "num_dedup_segments": self.num_dedup_segments,
-            "num_evictions": pool.planner.num_evictions,
+            "num_evictions": self.num_evictions,
+            "num_iterations_in_flight": len(pool.active_epochs),
             "slots_used": slots_used,
             "bytes_stored": sum(slots_used) * seg_bytes,
             "bytes_saved_by_dedup": self.num_dedup_segments * seg_bytes,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from tokenlake.segment_table import SegmentTable
 
 
 class Location(NamedTuple):
@@ -13,19 +16,20 @@ class Location(NamedTuple):
 
 
 class Node:
-    """One segment in the tree. Mutated only by :class:`PrefixTree`."""
+    """One segment in the tree (or a request's private segment outside it). Mutated only by
+    :class:`PrefixTree`; its replicas and pins live in the tree's
+    :class:`~tokenlake.segment_table.SegmentTable` row ``idx`` (``-1`` when it has none)."""
 
     __slots__ = (
         "key",
         "parent",
         "tokens",
         "depth",
-        "replicas",
-        "pin_count",
         "last_access",
         "children",
         "by_first",
         "idx",
+        "table",
     )
 
     def __init__(self, key: int, parent: Node | None, tokens: np.ndarray, depth: int) -> None:
@@ -33,19 +37,34 @@ class Node:
         self.parent = parent
         self.tokens = tokens
         self.depth = depth  # sealed segments before this one
-        self.replicas: list[Location] = []
-        self.pin_count = 0
         self.last_access = 0
         self.children: dict[int, Node] = {}
         self.by_first: dict[int, list[Node]] = {}
-        self.idx = -1  # row in the tree's SegmentTable while the node is live
+        self.idx = -1  # row in ``table`` while the node is live
+        self.table: SegmentTable | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
 
+    @property
+    def replicas(self) -> list[Location]:
+        """Where the segment's copies live, oldest first: a fresh list read from the segment
+        table (the only place replicas are stored; change them through the tree)."""
+        if self.idx < 0:
+            return []
+        return [Location(i, s) for i, s in self.table.replicas(self.idx)]
+
+    @property
+    def num_replicas(self) -> int:
+        return 0 if self.idx < 0 else int(self.table.num_replicas[self.idx])
+
+    @property
+    def pin_count(self) -> int:
+        return 0 if self.idx < 0 else int(self.table.pins[self.idx])
+
     def __repr__(self) -> str:
-        return f"Node(key={self.key:#x}, depth={self.depth}, len={len(self.tokens)}, replicas={self.replicas})"
+        return f"Node(key={self.key:#x}, depth={self.depth}, len={len(self.tokens)}, replicas={list(self.replicas)})"
 
 
 class PrefixMatch(NamedTuple):

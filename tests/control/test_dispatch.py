@@ -90,6 +90,9 @@ def test_gen_plans_minimises_recounted_bytes(seed):
         budget -= dop
     before = h.pool.get_stats()
     plans = h.pool.gen_plans(batches, dops)
+    for key in ("query_bytes", "put_bytes", "num_iterations", "num_requests", "instance_load"):
+        assert h.pool.get_stats()[key] == before[key], f"{key} counts only at commit"
+    h.pool.commit(plans)
     after = h.pool.get_stats()
     query, put = recount_bytes(h.pool, plans)
     assert after["query_bytes"] - before["query_bytes"] == pytest.approx(query)
@@ -110,7 +113,6 @@ def test_gen_plans_minimises_recounted_bytes(seed):
     cost = traffic_cost(q_mat, p_mat, q_row, m.kv_bytes_per_token)
     assert query + put == pytest.approx(brute_force(cost))
     assert query + put == pytest.approx(sum(cost[u, o] for u, o in enumerate(origins)))
-    h.pool.abort(plans)
     h.pool.check_invariants()
 
 

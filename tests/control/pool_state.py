@@ -1,0 +1,62 @@
+"""A pool's whole observable state as plain data, to compare before and after a call that
+must change nothing (a rejected call, an abort before execution)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import tokenlake as tl
+
+
+def pool_state(pool: tl.Pool) -> dict:
+    """Every node (key, parent, tokens, replicas, pins, readers, access count), the replica
+    LRU order, every request, every allocator's free slots, the balancer's load state, the
+    iterations in flight and ``get_stats()``."""
+    tree = pool.tree
+    table = tree.table
+    nodes = sorted(
+        (
+            n.key,
+            n.parent.key,
+            n.tokens.tobytes(),
+            tuple(n.replicas),
+            n.pin_count,
+            int(table.readers[n.idx]),
+            float(table.access[n.idx]) / pool.access.scale,
+        )
+        for n in tree.nodes()
+    )
+    requests = sorted(
+        (
+            repr(rid),
+            s.num_tokens,
+            tuple(n.key for n in s.nodes),
+            s.num_private,
+            s.detached,
+            None if s.open is None else (s.open.location, s.open.tokens.tobytes()),
+        )
+        for rid, s in pool.requests.items()
+    )
+    access = pool.access
+    return {
+        "nodes": nodes,
+        "lru": tree.lru_order(),
+        "requests": requests,
+        "free_slots": [sorted(a.free_slots()) for a in pool.allocators],
+        "live": pool.live_instances,
+        "in_flight": pool.active_epochs,
+        "window": access.window_load.tolist(),
+        "recent_load": access.recent_load.tolist(),
+        "scale": access.scale,
+        "total_access": access.total_access_tokens,
+        "stats": pool.get_stats(),
+    }
+
+
+def assert_same_state(before: dict, after: dict) -> None:
+    for key in before:
+        a, b = before[key], after[key]
+        if isinstance(a, np.ndarray):
+            assert np.array_equal(a, b), key
+        else:
+            assert a == b, f"{key} changed"

@@ -1,0 +1,75 @@
+"""One iteration in flight: everything ``gen_plans`` reserved and what ``commit`` or ``abort``
+must settle.
+
+``gen_plans`` changes only what the data plane needs reserved while the plans execute:
+slots (free ones, or slots of evicted replicas), tree reservations of the segments being
+written, pins of new requests' cached prefixes and of replication sources, and readers on
+every segment the plans read (so no concurrent iteration evicts any copy of them). Every
+soft effect — access counts and their decay, LRU touches, the load window, counters — is
+recorded here and applied only by ``commit``; an aborted iteration leaves no trace of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tokenlake.page_gather import Gathered
+from tokenlake.plan_builder import Traffic
+from tokenlake.plans import Plans
+from tokenlake.prefix_tree import Evicted, Location, Node
+from tokenlake.requests import PlannedChunk
+
+
+@dataclass(eq=False)
+class Iteration:
+    epoch: int
+    batches: list[list[PlannedChunk]] = field(default_factory=list)
+    new_chunks: list[PlannedChunk] = field(default_factory=list)  # requests it admitted
+    victims: list[Evicted] = field(default_factory=list)  # tentative evictions, in order
+    replications: list[tuple[Node, Location, Location]] = field(default_factory=list)
+    replication_pins: list[Node] = field(default_factory=list)  # sources' paths
+    read_idx: list[np.ndarray] = field(default_factory=list)  # table rows it reads
+    decided_replication: int | None = None  # committed iterations when it decided
+    plans: Plans | None = None
+    traffic: Traffic | None = None
+    gathered: Gathered | None = None
+    instances: frozenset[int] = frozenset()  # every instance the plans touch
+
+    @property
+    def chunks(self) -> list[PlannedChunk]:
+        return [pc for batch in self.batches for pc in batch]
+
+    @property
+    def origins(self) -> frozenset[int]:
+        return frozenset(self.plans.origins) if self.plans is not None else frozenset()
+
+    def new_slots(self) -> list[Location]:
+        """Slots it obtained (free ones or victims'): new segments and replica copies."""
+        out = [w.location for pc in self.chunks for w in pc.writes if w.new_slot]
+        return out + [dst for _, _, dst in self.replications]
+
+    def pinned_nodes(self) -> list[Node]:
+        """Nodes pinned for this iteration alone (new requests keep theirs at commit)."""
+        out = list(self.replication_pins)
+        for pc in self.new_chunks:
+            out.extend(pc.state.tree_nodes)
+            if pc.source is not None:
+                out.append(pc.source)
+        return out
+
+    def all_read_idx(self) -> np.ndarray:
+        if not self.read_idx:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate(self.read_idx).astype(np.int64, copy=False)
+
+
+def touched_instances(plans: Plans) -> frozenset[int]:
+    """Every instance ``plans`` use: origins, query holders, put destinations, copy ends."""
+    arrays = [np.asarray(plans.origins, dtype=np.int64)]
+    for qp in plans.query_plans:
+        arrays.append(qp.holder_ids)
+    for tp in plans.transfer_plans:
+        arrays += [tp.dst_ids, tp.copy_src_instance, tp.copy_dst_instance]
+    return frozenset(np.unique(np.concatenate(arrays).astype(np.int64)).tolist())
