@@ -28,6 +28,14 @@ call, gets ``--ref-repeats`` runs after ``--ref-warmup`` (default 0: the cases b
 and its first-call costs are small next to its runtime). Threads: torch uses
 ``torch.get_num_threads()``; the C++ kernel its own pool of ``--threads`` (default: all hardware
 threads). Prints one table, then one JSON line per case.
+
+Boundary cost (``boundary_*`` lines): what the public functions add to the C++ core on a decode
+step -- argument validation and output allocation -- measured as the per-call time of
+``tokenlake.kernels.partial_attention`` / ``merge`` (``public_us``) against ``tokenlake._C``
+called directly with arguments converted beforehand and preallocated outputs (``core_us``), in alternating blocks of
+``--boundary-calls`` warm-cache calls (median over 5 blocks each), for decode batches of 8
+requests over ``--boundary-prefix-lens`` with small heads (``--boundary-heads``), so the core's
+own time stays short next to what the boundary adds.
 """
 
 from __future__ import annotations
@@ -44,7 +52,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenlake.kernels import cpu, partial_attention, reference
+from tokenlake import _C
+from tokenlake.kernels import cpu, merge, partial_attention, reference
 
 PAGE_LEN = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -171,8 +180,63 @@ def run_case(
     }
 
 
-def print_table(rows: list[dict]) -> None:
-    cols = [
+def per_call_us(public: Callable[[], object], core: Callable[[], object], calls: int):
+    """Median per-call microseconds of two callables, timed in alternating blocks."""
+    times: dict[str, list[float]] = {"public": [], "core": []}
+    for _ in range(5):
+        for name, fn in (("public", public), ("core", core)):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times["public"]), statistics.median(times["core"])
+
+
+def boundary_cases(case: Case, dtype: str, pool: torch.Tensor, slots, calls: int, gen) -> list:
+    """Per-call cost of the public partial_attention and merge over the bare C++ core."""
+    args = make_inputs(case, pool, slots, gen).args
+    q = args[0]
+    o_b, lse_b = torch.randn(q.shape, generator=gen), torch.randn(q.shape[:2], generator=gen)
+    # The core's cheapest call: arguments converted beforehand (NumPy views cross the binding
+    # faster than DLPack; NumPy has no bfloat16) and outputs preallocated.
+    bare = lambda t: t if t.dtype == torch.bfloat16 else t.numpy()  # noqa: E731
+    core_args = [bare(t) for t in args]
+    o, lse = torch.empty(q.shape).numpy(), torch.empty(q.shape[:2]).numpy()
+    merge_args = [bare(t) for t in (o_b, lse_b, o_b, lse_b)]
+    scale = case.head_dim**-0.5
+    pairs = {
+        "boundary_partial_attention": (
+            lambda: partial_attention(*args),
+            lambda: _C.partial_attention(*core_args, o, lse, False, scale),
+        ),
+        "boundary_merge": (
+            lambda: merge(o_b, lse_b, o_b, lse_b),
+            lambda: _C.merge(*merge_args, o, lse),
+        ),
+    }
+    rows = []
+    for name, (public, core) in pairs.items():
+        public_us, core_us = per_call_us(public, core, calls)
+        rows.append(
+            {
+                "case": name,
+                "dtype": dtype,
+                "prefix_len": case.prefix_len,
+                "num_reqs": case.num_reqs,
+                "num_pages": int(args[4].numel()),
+                "heads": f"{case.num_q_heads}/{case.num_kv_heads}x{case.head_dim}",
+                "public_us": round(public_us, 2),
+                "core_us": round(core_us, 2),
+                "overhead_us": round(public_us - core_us, 2),
+                "overhead_fraction": round((public_us - core_us) / core_us, 4),
+                "load_avg_1m": round(os.getloadavg()[0], 2),
+            }
+        )
+    return rows
+
+
+def print_table(rows: list[dict], cols: list[tuple[str, int]] | None = None) -> None:
+    cols = cols or [
         ("case", 8), ("dtype", 9), ("prefix_len", 10), ("num_rows", 8), ("heads", 10),
         ("cpp_ms", 9), ("torch_ref_ms", 12), ("sdpa_ms", 9), ("speedup_vs_sdpa", 15),
         ("cpp_gbps", 8), ("memcpy_gbps", 11), ("fraction_of_memcpy_bw", 21),
@@ -185,7 +249,7 @@ def print_table(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="8K prefix only, 3 repeats")
-    parser.add_argument("--prefix-lens", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--prefix-lens", type=int, nargs="*", default=[8192, 32768])
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     parser.add_argument("--cases", nargs="+", choices=["decode", "prefill"],
                         default=["decode", "prefill"])  # fmt: skip
@@ -199,6 +263,11 @@ def main(argv: list[str] | None = None) -> None:
                         metavar=("H_Q", "H_KV", "D"))  # fmt: skip
     parser.add_argument("--prefill-heads", type=int, nargs=3, default=[8, 2, 128],
                         metavar=("H_Q", "H_KV", "D"))  # fmt: skip
+    parser.add_argument("--boundary-prefix-lens", type=int, nargs="*", default=[16, 4096],
+                        help="decode prefixes for the boundary-cost lines (none: skip)")  # fmt: skip
+    parser.add_argument("--boundary-heads", type=int, nargs=3, default=[8, 2, 64],
+                        metavar=("H_Q", "H_KV", "D"))  # fmt: skip
+    parser.add_argument("--boundary-calls", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
@@ -228,8 +297,20 @@ def main(argv: list[str] | None = None) -> None:
                 print(json.dumps(results[-1]), file=sys.stderr)
                 del inputs
             del pool
+    boundary = []
+    for prefix_len in args.boundary_prefix_lens:
+        case = Case("decode", 8, 1, prefix_len, *args.boundary_heads)
+        pool, slots = build_pool(case, gen)
+        for dtype in args.dtypes:
+            boundary += boundary_cases(
+                case, dtype, pool.to(DTYPES[dtype]), slots, args.boundary_calls, gen
+            )
     print_table(results)
-    for row in results:
+    if boundary:
+        cols = [("case", 26), ("dtype", 9), ("prefix_len", 10), ("num_pages", 9), ("heads", 8),
+                ("public_us", 9), ("core_us", 8), ("overhead_us", 11)]  # fmt: skip
+        print_table(boundary, cols)
+    for row in results + boundary:
         print(json.dumps(row))
 
 

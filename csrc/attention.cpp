@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <initializer_list>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention_tile.h"
@@ -65,20 +67,51 @@ void check(const char* name, const TensorView& t, std::initializer_list<int64_t>
   }
 }
 
-// Non-decreasing offsets within [0, limit].
-void check_indptr(const char* name, const int32_t* indptr, int64_t size, int64_t limit) {
-  for (int64_t i = 0; i < size; ++i) {
-    if (indptr[i] < 0 || indptr[i] > limit || (i > 0 && indptr[i] < indptr[i - 1])) {
-      fail(std::string(name) + ": expected non-decreasing offsets in [0, " +
-           std::to_string(limit) + "], got " + std::to_string(indptr[i]) + " at index " +
-           std::to_string(i));
+int64_t element_size(DType dtype) { return dtype == DType::kBFloat16 ? 2 : 4; }
+
+// Whether the bytes of two checked views intersect (an empty view intersects nothing).
+bool overlaps(const TensorView& a, const TensorView& b) {
+  auto bounds = [](const TensorView& t) {
+    int64_t n = element_size(t.dtype);
+    for (int i = 0; i < t.ndim; ++i) n *= t.shape[i];
+    const auto* begin = static_cast<const char*>(t.data);
+    return std::make_pair(begin, begin + n);
+  };
+  const auto [a0, a1] = bounds(a);
+  const auto [b0, b1] = bounds(b);
+  return a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1;
+}
+
+using Named = std::pair<const char*, const TensorView*>;
+
+// An output must not share memory with another argument (other threads read what it writes),
+// except an exact alias listed in may_alias (same data; the caller checked the same shape).
+void check_disjoint(const char* name, const TensorView& out, std::initializer_list<Named> others,
+                    std::initializer_list<const TensorView*> may_alias = {}) {
+  for (const auto& [other_name, other] : others) {
+    const bool alias = other->data == out.data &&
+                       std::find(may_alias.begin(), may_alias.end(), other) != may_alias.end();
+    if (!alias && overlaps(out, *other)) {
+      fail(std::string(name) + ": expected memory of its own, got memory shared with " +
+           other_name);
     }
   }
 }
 
+std::string number(double value) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.9g", value);
+  return buf;
+}
+
+std::string at(int64_t value, int64_t index) {
+  return std::to_string(value) + " at index " + std::to_string(index);
+}
+
 PagedProblem validate(const TensorView& q, const TensorView& q_indptr, const TensorView& pool,
                       const TensorView& kv_indptr, const TensorView& kv_indices,
-                      const TensorView& last_len, const TensorView& o, const TensorView& lse) {
+                      const TensorView& last_len, const TensorView& o, const TensorView& lse,
+                      double sm_scale) {
   check("pool_layer", pool, {-1, 2, -1, -1, -1}, {DType::kFloat32, DType::kBFloat16});
   const int64_t num_slots = pool.shape[0], C = pool.shape[2], Hkv = pool.shape[3];
   const int64_t D = pool.shape[4];
@@ -88,18 +121,27 @@ PagedProblem validate(const TensorView& q, const TensorView& q_indptr, const Ten
   }
   check("q", q, {-1, -1, D}, {pool.dtype});
   const int64_t num_rows = q.shape[0], Hq = q.shape[1];
-  if (Hq % Hkv != 0) {
-    fail("q: expected H_q to be a multiple of H_kv=" + std::to_string(Hkv) + ", got H_q=" +
-         std::to_string(Hq));
+  if (Hq < 1 || Hq % Hkv != 0) {
+    fail("q: expected H_q to be a positive multiple of H_kv=" + std::to_string(Hkv) +
+         ", got H_q=" + std::to_string(Hq));
   }
-  check("q_indptr", q_indptr, {-1}, {DType::kInt32});
-  const int64_t batch = q_indptr.shape[0] - 1;
-  if (batch < 0) fail("q_indptr: expected shape [batch_size + 1], got [0]");
-  check("kv_indptr", kv_indptr, {batch + 1}, {DType::kInt32});
-  check("kv_indices", kv_indices, {-1}, {DType::kInt32});
-  check("last_len", last_len, {batch}, {DType::kInt32});
+  check_paged_indices(q_indptr, kv_indptr, kv_indices, last_len, num_rows, num_slots, C);
   check("o", o, {num_rows, Hq, D}, {DType::kFloat32});
   check("lse", lse, {num_rows, Hq}, {DType::kFloat32});
+  for (const Named& out : {Named{"o", &o}, Named{"lse", &lse}}) {
+    check_disjoint(out.first, *out.second,
+                   {{"q", &q}, {"q_indptr", &q_indptr}, {"pool_layer", &pool},
+                    {"kv_indptr", &kv_indptr}, {"kv_indices", &kv_indices},
+                    {"last_len", &last_len}});
+  }
+  check_disjoint("lse", lse, {{"o", &o}});
+  // The kernel scales in float32, so the scale must be a normal float32.
+  constexpr float kMin = std::numeric_limits<float>::min();
+  constexpr float kMax = std::numeric_limits<float>::max();
+  if (!(sm_scale >= kMin && sm_scale <= kMax)) {
+    fail("sm_scale: expected a finite number in [" + number(kMin) + ", " + number(kMax) +
+         "], got " + number(sm_scale));
+  }
 
   PagedProblem p;
   p.q = q.data;
@@ -109,25 +151,22 @@ PagedProblem validate(const TensorView& q, const TensorView& q_indptr, const Ten
   p.kv_indices = static_cast<const int32_t*>(kv_indices.data);
   p.last_len = static_cast<const int32_t*>(last_len.data);
   p.bf16 = pool.dtype == DType::kBFloat16;
+  p.sm_scale = static_cast<float>(sm_scale);
   p.num_q_heads = Hq;
   p.num_kv_heads = Hkv;
   p.head_dim = D;
   p.page_len = C;
-  check_indptr("q_indptr", p.q_indptr, batch + 1, num_rows);
-  check_indptr("kv_indptr", p.kv_indptr, batch + 1, kv_indices.shape[0]);
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int32_t i = p.kv_indptr[b]; i < p.kv_indptr[b + 1]; ++i) {
-      if (p.kv_indices[i] < 0 || p.kv_indices[i] >= num_slots) {
-        fail("kv_indices: expected slot ids in [0, " + std::to_string(num_slots) + "), got " +
-             std::to_string(p.kv_indices[i]) + " at index " + std::to_string(i));
-      }
-    }
-    if (p.num_pages(b) > 0 && (p.last_len[b] < 1 || p.last_len[b] > C)) {
-      fail("last_len: expected values in [1, " + std::to_string(C) + "], got " +
-           std::to_string(p.last_len[b]) + " for request " + std::to_string(b));
+  return p;
+}
+
+// Natural-log LSE values are finite or -inf (an empty state).
+void check_lse(const char* name, const float* lse, int64_t num_states, int64_t H) {
+  for (int64_t j = 0; j < num_states; ++j) {
+    if (std::isnan(lse[j]) || lse[j] == std::numeric_limits<float>::infinity()) {
+      fail(std::string(name) + ": expected values in [-inf, inf), got " + number(lse[j]) +
+           " at [" + std::to_string(j / H) + ", " + std::to_string(j % H) + "]");
     }
   }
-  return p;
 }
 
 void fill_empty(float* o, float* lse, int64_t num, int64_t D) {
@@ -176,24 +215,64 @@ struct Split {
 
 }  // namespace
 
+void check_indptr(const char* name, const TensorView& indptr, int64_t total,
+                  const char* total_name) {
+  check(name, indptr, {-1}, {DType::kInt32});
+  const int64_t size = indptr.shape[0];
+  if (size < 1) fail(std::string(name) + ": expected shape [batch_size + 1], got [0]");
+  const auto* v = static_cast<const int32_t*>(indptr.data);
+  if (v[0] != 0) fail(std::string(name) + ": expected offsets starting at 0, got " + at(v[0], 0));
+  for (int64_t i = 1; i < size; ++i) {
+    if (v[i] < v[i - 1]) {
+      fail(std::string(name) + ": expected non-decreasing offsets, got " + at(v[i], i) +
+           " after " + std::to_string(v[i - 1]));
+    }
+  }
+  if (v[size - 1] != total) {
+    fail(std::string(name) + ": expected offsets ending at " + std::to_string(total) + " (" +
+         total_name + "), got " + at(v[size - 1], size - 1));
+  }
+}
+
+void check_paged_indices(const TensorView& q_indptr, const TensorView& kv_indptr,
+                         const TensorView& kv_indices, const TensorView& last_len,
+                         int64_t num_rows, int64_t num_slots, int64_t page_len) {
+  check_indptr("q_indptr", q_indptr, num_rows, "the rows of q");
+  const int64_t batch = q_indptr.shape[0] - 1;
+  check("kv_indptr", kv_indptr, {batch + 1}, {DType::kInt32});
+  check("kv_indices", kv_indices, {-1}, {DType::kInt32});
+  check("last_len", last_len, {batch}, {DType::kInt32});
+  check_indptr("kv_indptr", kv_indptr, kv_indices.shape[0], "the length of kv_indices");
+  const auto* indices = static_cast<const int32_t*>(kv_indices.data);
+  for (int64_t i = 0; i < kv_indices.shape[0]; ++i) {
+    if (indices[i] < 0 || indices[i] >= num_slots) {
+      fail("kv_indices: expected slot ids in [0, " + std::to_string(num_slots) +
+           ") (the slots of pool_layer), got " + at(indices[i], i));
+    }
+  }
+  const auto* indptr = static_cast<const int32_t*>(kv_indptr.data);
+  const auto* lens = static_cast<const int32_t*>(last_len.data);
+  for (int64_t b = 0; b < batch; ++b) {
+    if (indptr[b + 1] > indptr[b] && (lens[b] < 1 || lens[b] > page_len)) {
+      fail("last_len: expected values in [1, " + std::to_string(page_len) +
+           "] (the page size) where a request has pages, got " + at(lens[b], b));
+    }
+  }
+}
+
 void partial_attention(const TensorView& q, const TensorView& q_indptr,
                        const TensorView& pool_layer, const TensorView& kv_indptr,
                        const TensorView& kv_indices, const TensorView& last_len,
                        const TensorView& o, const TensorView& lse, bool causal, double sm_scale) {
-  PagedProblem p = validate(q, q_indptr, pool_layer, kv_indptr, kv_indices, last_len, o, lse);
+  PagedProblem p =
+      validate(q, q_indptr, pool_layer, kv_indptr, kv_indices, last_len, o, lse, sm_scale);
   p.causal = causal;
-  p.sm_scale = static_cast<float>(sm_scale);
-  const int64_t batch = q_indptr.shape[0] - 1, num_rows = q.shape[0];
+  const int64_t batch = q_indptr.shape[0] - 1;
   const int64_t Hq = p.num_q_heads, Hkv = p.num_kv_heads, D = p.head_dim;
   const int64_t group = Hq / Hkv;
   auto* out_o = static_cast<float*>(o.data);
   auto* out_lse = static_cast<float*>(lse.data);
   const std::shared_ptr<ThreadPool> pool = default_pool();
-
-  // Rows no request owns, and requests without keys, see nothing.
-  fill_empty(out_o, out_lse, p.q_indptr[0] * Hq, D);
-  const int64_t tail = p.q_indptr[batch];
-  fill_empty(out_o + tail * Hq * D, out_lse + tail * Hq, (num_rows - tail) * Hq, D);
 
   // Decode-sized requests take all KV heads in one item so pages stream sequentially; larger
   // ones get one item per (row tile, KV head).
@@ -290,6 +369,11 @@ void merge(const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b
   check("lse_b", lse_b, {n, H}, {DType::kFloat32});
   check("o", o, {n, H, D}, {DType::kFloat32});
   check("lse", lse, {n, H}, {DType::kFloat32});
+  const std::initializer_list<Named> inputs = {
+      {"o_a", &o_a}, {"lse_a", &lse_a}, {"o_b", &o_b}, {"lse_b", &lse_b}};
+  check_disjoint("o", o, inputs, {&o_a, &o_b});
+  check_disjoint("lse", lse, inputs, {&lse_a, &lse_b});
+  check_disjoint("lse", lse, {{"o", &o}});
   const auto* oa = static_cast<const float*>(o_a.data);
   const auto* ob = static_cast<const float*>(o_b.data);
   const auto* la = static_cast<const float*>(lse_a.data);
@@ -297,6 +381,8 @@ void merge(const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b
   auto* out_o = static_cast<float*>(o.data);
   auto* out_lse = static_cast<float*>(lse.data);
   const int64_t states = n * H;
+  check_lse("lse_a", la, states, H);
+  check_lse("lse_b", lb, states, H);
   // Chunks of ~64K floats: big enough to amortise scheduling, small enough to balance.
   const int64_t per_chunk = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(D, 1));
   const int64_t num_chunks = (states + per_chunk - 1) / per_chunk;

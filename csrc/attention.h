@@ -30,15 +30,32 @@ struct TensorView {
 //   lse        [num_rows, H_q]                 float32 output, natural log; -inf (o = 0) for a
 //                                              row that sees no keys
 // causal masks bottom-right aligned (row i of n sees keys j <= kv_len - n + i). Accumulates in
-// fp32 and runs on default_pool(). Throws std::invalid_argument naming the bad argument.
+// fp32 and runs on default_pool(). Everything is checked before anything is written (shapes,
+// dtypes, check_paged_indices, sm_scale a float32 in [FLT_MIN, FLT_MAX], o and lse overlapping
+// no other argument); a failed check throws std::invalid_argument naming the argument, its value
+// and what was allowed.
 void partial_attention(const TensorView& q, const TensorView& q_indptr,
                        const TensorView& pool_layer, const TensorView& kv_indptr,
                        const TensorView& kv_indices, const TensorView& last_len,
                        const TensorView& o, const TensorView& lse, bool causal, double sm_scale);
 
+// Throws std::invalid_argument unless indptr, int32 [n >= 1], starts at 0, never decreases and
+// ends at total; name is the argument's, total_name says what total counts ("the rows of q").
+void check_indptr(const char* name, const TensorView& indptr, int64_t total,
+                  const char* total_name);
+
+// The index arrays of partial_attention against the geometry they address: q_indptr covers the
+// num_rows rows of q, kv_indptr covers all of kv_indices, every slot id is in [0, num_slots) and
+// last_len is in [1, page_len] for each request with pages. One pass; throws like check_indptr.
+void check_paged_indices(const TensorView& q_indptr, const TensorView& kv_indptr,
+                         const TensorView& kv_indices, const TensorView& last_len,
+                         int64_t num_rows, int64_t num_slots, int64_t page_len);
+
 // Merges two partial states over disjoint key sets into o, lse (which may alias o_a, lse_a or
 // o_b, lse_b): o_* [n, H, D] float32, lse_* [n, H] float32 natural log. A side with lse = -inf
 // contributes nothing (the other side is copied exactly); two such sides give o = 0, lse = -inf.
+// An lse of NaN or +inf is rejected (std::invalid_argument) before anything is written, as is
+// an o or lse that overlaps an input other than by aliasing it exactly.
 void merge(const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b,
            const TensorView& lse_b, const TensorView& o, const TensorView& lse);
 

@@ -1,8 +1,10 @@
 // nanobind glue only: unpack arrays into TensorView and forward to the C++ core.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
 
 #include <stdexcept>
+#include <string>
 
 #include "attention.h"
 #include "replica_choice.h"
@@ -57,6 +59,22 @@ NB_MODULE(_C, m) {
       },
       "o_a"_a.noconvert(), "lse_a"_a.noconvert(), "o_b"_a.noconvert(), "lse_b"_a.noconvert(),
       "o"_a.noconvert(), "lse"_a.noconvert(), nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "check_indptr",
+      [](const std::string& name, Array indptr, int64_t total, const std::string& total_name) {
+        tokenlake::check_indptr(name.c_str(), view(indptr), total, total_name.c_str());
+      },
+      "name"_a, "indptr"_a.noconvert(), "total"_a, "total_name"_a);
+  m.def(
+      "check_paged_indices",
+      [](Array q_indptr, Array kv_indptr, Array kv_indices, Array last_len, int64_t num_rows,
+         int64_t num_slots, int64_t page_len) {
+        tokenlake::check_paged_indices(view(q_indptr), view(kv_indptr), view(kv_indices),
+                                       view(last_len), num_rows, num_slots, page_len);
+      },
+      "q_indptr"_a.noconvert(), "kv_indptr"_a.noconvert(), "kv_indices"_a.noconvert(),
+      "last_len"_a.noconvert(), "num_rows"_a, "num_slots"_a, "page_len"_a,
+      nb::call_guard<nb::gil_scoped_release>());
   m.def(
       "choose_replicas",
       [](nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> rep_inst,

@@ -154,6 +154,8 @@ def check_tensor(
 
     if not isinstance(tensor, torch.Tensor):
         raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise InvalidArgumentError(f"{name}: expected a dense tensor, got layout {tensor.layout}")
     if shape is not None:
         ok = tensor.dim() == len(shape) and all(
             want is None or got == want for got, want in zip(tensor.shape, shape, strict=True)

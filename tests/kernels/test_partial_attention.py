@@ -96,31 +96,6 @@ def test_long_prefix_split_across_threads(num_threads, dtype):
         cpu.set_num_threads(before)
 
 
-def test_empty_prefix_and_rows_that_see_nothing():
-    # Request 0 has no pages; request 1's first causal rows precede all of its keys.
-    args = make_case([3, 6, 0, 2], [0, 1, 2, 0], 16, 4, 2, 64, torch.float32)
-    q, q_indptr, pool, kv_indptr, slots, last_len = args
-    last_len[1] = 2  # 2 keys for 6 rows: rows 0..3 see nothing when causal
-    for causal in (False, True):
-        o, lse = partial_attention(*args, causal=causal, backend="cpu")
-        assert not o.isnan().any() and not lse.isnan().any()
-        assert torch.isneginf(lse[:3]).all() and torch.all(o[:3] == 0)
-        assert torch.isneginf(lse[-2:]).all() and torch.all(o[-2:] == 0)
-        assert torch.isneginf(lse[3:7]).all() == causal
-        assert_matches(args, torch.float32, causal=causal)
-
-
-def test_no_rows_and_no_requests():
-    args = make_case([0, 0], [2, 1], 16, 4, 2, 64, torch.float32)
-    o, lse = partial_attention(*args, backend="cpu")
-    assert o.shape == (0, 4, 64) and lse.shape == (0, 4)
-    q, _, pool, *_ = args
-    none = torch.zeros(1, dtype=torch.int32)
-    empty = torch.zeros(0, dtype=torch.int32)
-    o, lse = partial_attention(q, none, pool, none, empty, empty, backend="cpu")
-    assert o.shape == (0, 4, 64)
-
-
 def test_reversed_slot_order_and_sm_scale():
     args = make_case([5, 1], [4, 3], 16, 8, 4, 64, torch.float32, seed=3)
     q, q_indptr, pool, kv_indptr, slots, last_len = args
@@ -183,23 +158,20 @@ def test_forked_child_gets_a_working_pool():
     assert queue.get(timeout=5) == expected
 
 
-def _bad(name: str, **overrides) -> None:
-    args = dict(
-        zip(
-            ("q", "q_indptr", "pool_layer", "kv_indptr", "kv_indices", "last_len"),
-            make_case([2, 1], [2, 1], 16, 4, 2, 64, torch.float32),
-            strict=True,
-        )
-    )
-    args.update(overrides)
-    with pytest.raises(InvalidArgumentError, match=name):
-        partial_attention(**args, backend="cpu")
-
-
-def test_bad_inputs_name_the_argument():
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_bad_inputs_name_the_argument(backend):
     q, q_indptr, pool, kv_indptr, slots, last_len = make_case(
         [2, 1], [2, 1], 16, 4, 2, 64, torch.float32
     )
+
+    def _bad(name: str, **overrides) -> None:
+        args = dict(
+            q=q, q_indptr=q_indptr, pool_layer=pool, kv_indptr=kv_indptr, kv_indices=slots,
+            last_len=last_len,
+        )  # fmt: skip
+        with pytest.raises(InvalidArgumentError, match=f"^{name}: "):
+            partial_attention(**{**args, **overrides}, backend=backend)
+
     _bad("q", q=q.double())
     _bad("q", q=q[..., :32])
     _bad("q", q=q[:, :3])  # H_q not a multiple of H_kv
@@ -210,7 +182,7 @@ def test_bad_inputs_name_the_argument():
     _bad("kv_indptr", kv_indptr=kv_indptr[:-1])
     _bad("kv_indices", kv_indices=slots.long())
     _bad("last_len", last_len=last_len.long())
-    # Checked by the C++ core, which names the argument too.
+    # The index arrays' values, checked in one C++ pass.
     _bad("kv_indices", kv_indices=torch.tensor([0, 1, pool.shape[0]], dtype=torch.int32))
     _bad("kv_indices", kv_indices=torch.tensor([0, -1, 2], dtype=torch.int32))
     _bad("last_len", last_len=torch.tensor([0, 1], dtype=torch.int32))
@@ -218,6 +190,15 @@ def test_bad_inputs_name_the_argument():
     _bad("q_indptr", q_indptr=torch.tensor([0, 3, 2], dtype=torch.int32))
     _bad("q_indptr", q_indptr=torch.tensor([0, 2, 4], dtype=torch.int32))
     _bad("kv_indptr", kv_indptr=torch.tensor([0, 2, 4], dtype=torch.int32))
+    # Issue 16: rows that q_indptr does not cover, indices kv_indptr does not cover.
+    _bad("q_indptr", q_indptr=torch.tensor([0, 2, 2], dtype=torch.int32))
+    _bad("q_indptr", q_indptr=torch.tensor([1, 2, 3], dtype=torch.int32))
+    _bad("kv_indptr", kv_indices=torch.cat([slots, slots[:1]]))
+    # Issue 16: a NaN or infinite sm_scale gave NaN outputs; bools pass for no number.
+    for scale in (math.nan, math.inf, -math.inf, 0.0, -0.1, True, torch.tensor(0.1), "0.1"):
+        _bad("sm_scale", sm_scale=scale)
+    for causal in (1, None, torch.tensor(True)):
+        _bad("causal", causal=causal)
 
 
 def test_set_num_threads_rejects_bad_values():

@@ -2,6 +2,8 @@
 
 LSE is the natural log of the softmax normaliser, per query row and head. A request with no
 keys (empty prefix, or a causal row that sees nothing) has ``o = 0`` and ``lse = -inf``.
+The kernels take checked inputs (:mod:`tokenlake.kernels.inputs`); :func:`attend` checks its
+own.
 """
 
 from __future__ import annotations
@@ -9,6 +11,15 @@ from __future__ import annotations
 import math
 
 import torch
+
+from tokenlake.kernels.inputs import (
+    SCALE_RANGE,
+    MergeInputs,
+    PagedAttentionInputs,
+    SelfAttentionInputs,
+    check_dense,
+)
+from tokenlake.validate import check_bool, check_float
 
 
 def _gather_kv(
@@ -30,11 +41,22 @@ def attend(
     """Dense attention of one request in fp32.
 
     Args:
-        q: ``[n, H_q, D]``; k, v: ``[kv_len, H_kv, D]`` with ``H_q % H_kv == 0``.
+        q: ``[n, H_q, D]``; k, v: ``[kv_len, H_kv, D]`` with ``H_q % H_kv == 0``; float32 or
+            bfloat16, one dtype and device.
         causal: bottom-right aligned mask (row ``i`` sees keys ``j <= kv_len - n + i``).
+        sm_scale: finite softmax scale.
     Returns:
         ``o`` ``[n, H_q, D]`` float32 and ``lse`` ``[n, H_q]`` float32 (natural log).
     """
+    check_dense(q, k, v)
+    causal = check_bool("causal", causal)
+    sm_scale = check_float("sm_scale", sm_scale, low=SCALE_RANGE[0], high=SCALE_RANGE[1])
+    return _attend(q, k, v, causal, sm_scale)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     n, num_q_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[0], k.shape[1]
     if kv_len == 0:
@@ -59,45 +81,33 @@ def attend(
     return o.transpose(0, 1).contiguous(), lse.transpose(0, 1).contiguous()
 
 
-def partial_attention(
-    q: torch.Tensor,
-    q_indptr: torch.Tensor,
-    pool_layer: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    last_len: torch.Tensor,
-    causal: bool = False,
-    sm_scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def partial_attention(args: PagedAttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference paged attention; see :func:`tokenlake.kernels.partial_attention` for shapes."""
-    head_dim = q.shape[-1]
-    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    q = args.q
     o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
-    qi = q_indptr.tolist()
-    ki = kv_indptr.tolist()
-    lens = last_len.tolist()
+    qi = args.q_indptr.tolist()
+    ki = args.kv_indptr.tolist()
+    lens = args.last_len.tolist()
     for b in range(len(qi) - 1):
         if qi[b] == qi[b + 1] or ki[b] == ki[b + 1]:
             continue
-        k, v = _gather_kv(pool_layer, kv_indices[ki[b] : ki[b + 1]], lens[b])
-        o[qi[b] : qi[b + 1]], lse[qi[b] : qi[b + 1]] = attend(
-            q[qi[b] : qi[b + 1]], k, v, causal, scale
+        k, v = _gather_kv(args.pool_layer, args.kv_indices[ki[b] : ki[b + 1]], lens[b])
+        o[qi[b] : qi[b + 1]], lse[qi[b] : qi[b + 1]] = _attend(
+            q[qi[b] : qi[b + 1]], k, v, args.causal, args.sm_scale
         )
     return o, lse
 
 
-def merge(
-    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two partial attention states over disjoint key sets.
+def merge(args: MergeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attention states over disjoint key sets (shapes in
+    :class:`~tokenlake.kernels.inputs.MergeInputs`).
 
-    Args:
-        o_a, o_b: ``[n, H, D]`` float32; lse_a, lse_b: ``[n, H]`` float32 (natural log).
     Returns:
         ``(o, lse)``; where both sides are empty (``lse = -inf``) the result is ``o = 0``,
         ``lse = -inf`` (never NaN).
     """
+    o_a, lse_a, o_b, lse_b = args.o_a, args.lse_a, args.o_b, args.lse_b
     m = torch.maximum(lse_a, lse_b)
     empty = torch.isneginf(m)
     m_safe = torch.where(empty, torch.zeros_like(m), m)
@@ -110,31 +120,17 @@ def merge(
     return o, lse
 
 
-def self_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    indptr: torch.Tensor,
-    sm_scale: float | None = None,
-    kv_indptr: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of each request's new tokens over themselves (the compute engine's part).
-
-    Args:
-        q: ``[T_q, H_q, D]``; k, v: ``[T_kv, H_kv, D]``; indptr: int ``[B + 1]`` q row offsets.
-        kv_indptr: int ``[B + 1]`` key offsets (default ``indptr``); a request's q rows are its
-            *last* rows (bottom-right causal alignment), as for one piece of a split chunk.
-    Returns:
-        ``o`` ``[T_q, H_q, D]`` float32 and ``lse`` ``[T_q, H_q]`` float32.
-    """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+def self_attention(args: SelfAttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of each request's new tokens over themselves (the compute engine's
+    part); see :func:`tokenlake.kernels.self_attention` for shapes."""
+    q, k, v = args.q, args.k, args.v
     o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
-    q_bounds = indptr.tolist()
-    kv_bounds = q_bounds if kv_indptr is None else kv_indptr.tolist()
+    q_bounds = args.indptr.tolist()
+    kv_bounds = args.kv_indptr.tolist()
     for b in range(len(q_bounds) - 1):
         s, e = q_bounds[b], q_bounds[b + 1]
         ks, ke = kv_bounds[b], kv_bounds[b + 1]
         if s < e:
-            o[s:e], lse[s:e] = attend(q[s:e], k[ks:ke], v[ks:ke], True, scale)
+            o[s:e], lse[s:e] = _attend(q[s:e], k[ks:ke], v[ks:ke], True, args.sm_scale)
     return o, lse
