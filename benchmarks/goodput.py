@@ -1,275 +1,283 @@
 """The goodput harness (DESIGN §5): replay a workload through simulated clusters, sweep the
 request rate, and report P90 goodput, hit rate and per-instance load CV per system.
 
-    python -m benchmarks.goodput --workload conversation --goodput            # the table row
-    python -m benchmarks.goodput --workload loogle --rates 0.1,0.2,0.4        # latency vs rate
-    python -m benchmarks.goodput --workload loogle --cache-fractions 0.25,0.5,1 --rate 0.2
+    python -m benchmarks.goodput --workload conversation --goodput          # a table row
+    python -m benchmarks.goodput --trace my_trace.jsonl.gz --goodput        # your own trace
+    python -m benchmarks.goodput --trace t.jsonl.xz --time-scale 0.5        # one replay, 2x speed
+    python -m benchmarks.goodput --workload loogle --rates 0.5,1,2          # latency vs rate
 
-TokenLake runs through the real ``tokenlake.Pool`` and ``tokenlake.scheduler``; the baselines
-(SGLang-Router, Mooncake xPyD) run in the same event loop and step timer. Request counts are
-scaled down from the paper's runs so a sweep fits 2 CPU cores; the output says how many.
-Prints one JSON line per simulation and a table; ``--out DIR`` also writes ``runs.jsonl``,
-``summary.json`` and, with matplotlib installed, PNG plots.
+Workloads are named presets (real traces and generators) or any Mooncake-format trace
+(``--trace``; see ``benchmarks/traces.py`` for the schema). TokenLake runs through the real
+``tokenlake.Pool`` and ``tokenlake.scheduler``; the baselines (SGLang-Router, Mooncake xPyD,
+see ``benchmarks/sim/``) run in the same event loop and step timer. With ``--goodput`` every
+system is bisected at each ``--prefill-tokens`` value on seed 0 and reported at its best one,
+over ``--seeds`` seeds (median and min-max). Every run prints one JSON line (finished, rejected
+and stalled requests included) and a warning if any request stalled; ``--out DIR`` also writes
+``runs.jsonl``, ``summary.json`` and PNG plots (with matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
-import numpy as np
-
-from benchmarks.progress import Progress
-from benchmarks.sim.metrics import bisect_goodput
+from benchmarks.goodput_report import GoodputReport
+from benchmarks.sim.confidence import system_goodput
 from benchmarks.sim.runner import SYSTEMS, RunConfig, RunResult, simulate
 from benchmarks.sim.step_timer import ClusterSpec, make_timer
 from benchmarks.traces import CONVERSATION_TRACE, SYNTHETIC_TRACE, TRACES_DIR
 from benchmarks.workloads import GENERATORS, GeneratorConfig, TraceConfig, Workload, trace_workload
 
-TRACES = {
-    # name: (path, default first request, jitter bucket in s)
-    "conversation": (CONVERSATION_TRACE, 3000, 3.0),
-    "synthetic": (SYNTHETIC_TRACE, 0, 0.0),
-    "ragpulse": (TRACES_DIR / "ragpulse" / "ragpulse_blocks512.jsonl.gz", 0, 1.0),
+# name: (path, first request, jitter bucket in s, Poisson gaps)
+TRACE_PRESETS = {
+    "conversation": (CONVERSATION_TRACE, 3000, 3.0, False),
+    "synthetic": (SYNTHETIC_TRACE, 0, 0.0, True),
+    "ragpulse": (TRACES_DIR / "ragpulse" / "ragpulse_blocks512.jsonl.gz", 0, 1.0, False),
 }
 DEFAULT_REQUESTS = {"scbench": 40, "agentic": 300}
 
 
-def make_workload(args, rate: float) -> Workload:
-    n = args.requests or DEFAULT_REQUESTS.get(args.workload, 200)
-    if args.workload in TRACES:
-        path, offset, jitter = TRACES[args.workload]
-        offset = args.offset if args.offset is not None else offset
-        cfg = TraceConfig(path, n, offset, rate, jitter, seed=args.seed)
-        return trace_workload(cfg)
-    cfg = GeneratorConfig(n, rate, args.system_prompt, seed=args.seed)
-    return GENERATORS[args.workload](cfg)
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
+    return values
 
 
-def infinite_hit_rate(w: Workload) -> float:
-    """Token share of prompts an infinite shared prefix cache would serve (whole blocks)."""
-    seen, hit, total = set(), 0, 0
-    for r in sorted(w.requests, key=lambda r: (r.arrival_s, r.rid)):
-        k = 0
-        while k < len(r.block_ids) and r.block_ids[k] in seen:
-            k += 1
-        hit += min(k * w.block_size, r.input_len - 1)
-        total += r.input_len
-        seen.update(r.block_ids)
-    return hit / total if total else 0.0
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
 
 
-def run_one(args, spec, timer, system: str, rate: float, log) -> RunResult:
-    w = make_workload(args, rate)
-    cfg = RunConfig(
-        system,
-        chunk_len=args.chunk,
-        wall_budget_s=args.wall_budget,
-        window_s=args.window,
-        max_prefill_tokens=args.tl_max_prefill,
-    )
-    res = simulate(w, spec, timer, cfg)
-    line = {"workload": args.workload, "rate": round(rate, 4), **res.summary()}
-    log(line)
-    return res
-
-
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--workload", default="conversation", choices=sorted(TRACES) + sorted(GENERATORS)
-    )
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {SYSTEMS}")
-    p.add_argument(
-        "--requests", type=int, default=0, help="requests per run (0: per-workload default)"
-    )
-    p.add_argument("--offset", type=int, default=None, help="first trace request")
-    p.add_argument("--instances", type=int, default=4)
-    p.add_argument("--tp", type=int, default=2, help="GPUs per instance (the paper: 2)")
-    p.add_argument("--hardware", default="A100-80G")
-    p.add_argument("--model", default="LWM-Text-1M")
-    p.add_argument("--chunk", type=int, default=8192, help="chunked prefill size, every system")
-    p.add_argument(
-        "--tl-max-prefill",
+    w = p.add_argument_group("workload")
+    src = w.add_mutually_exclusive_group()
+    src.add_argument("--workload", choices=sorted(TRACE_PRESETS) + sorted(GENERATORS))
+    src.add_argument("--trace", help="Mooncake-format JSONL trace (plain, .gz or .xz)")
+    w.add_argument(
+        "--max-requests",
+        "--requests",
+        dest="requests",
         type=int,
-        default=2048,
-        help="TokenLake scheduler: prefill tokens per iteration (0: chunk x N)",
+        default=0,
+        help="requests per run (0: all of --trace, or the preset's default)",
     )
-    p.add_argument("--system-prompt", type=int, default=4096, help="generators' shared prompt")
-    p.add_argument("--goodput", action="store_true", help="P90 goodput by bisection on the rate")
-    p.add_argument("--lo", type=float, default=0.25, help="bisection start (req/s)")
-    p.add_argument("--hi", type=float, default=1.0, help="bisection upper start (req/s)")
-    p.add_argument("--rel-tol", type=float, default=0.15)
-    p.add_argument("--rates", default="", help="comma list: SLO/latency sweep")
-    p.add_argument("--rate", type=float, default=0.0, help="rate for --cache-fractions / load")
-    p.add_argument("--cache-fractions", default="", help="comma list of KV capacity fractions")
-    p.add_argument("--window", type=float, default=5.0, help="load timeline window (s)")
-    p.add_argument("--wall-budget", type=float, default=300.0, help="real seconds per run")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="", help="directory for runs.jsonl, summary.json, plots")
-    return p.parse_args(argv)
+    w.add_argument("--offset", type=int, default=None, help="first trace request (file order)")
+    w.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per hash_ids block (default: the trace's field, or inferred)",
+    )
+    w.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help="one replay at the trace's own timing times this (0.5: twice as fast)",
+    )
+    w.add_argument(
+        "--sessions",
+        choices=("open", "closed"),
+        default="open",
+        help="open: every request at its timestamp; closed: a session's next turn "
+        "waits for the previous one (needs a session_id field)",
+    )
+    w.add_argument(
+        "--session-ids",
+        choices=("global", "scoped"),
+        default="global",
+        help="scoped: hash_ids are unique only within a session",
+    )
+    w.add_argument(
+        "--jitter",
+        type=float,
+        default=None,
+        help="trace timestamps are bucketed every S seconds: jitter inside (s)",
+    )
+    w.add_argument("--poisson", action="store_true", help="redraw trace gaps as Poisson")
+    w.add_argument("--system-prompt", type=int, default=4096, help="generators' shared prompt")
+    c = p.add_argument_group("cluster and systems")
+    c.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {SYSTEMS}")
+    c.add_argument("--instances", type=int, default=4)
+    c.add_argument("--tp", type=int, default=2, help="GPUs per instance (the paper: 2)")
+    c.add_argument("--hardware", default="A100-80G")
+    c.add_argument("--model", default="LWM-Text-1M")
+    c.add_argument("--segment-len", type=int, default=512, help="TokenLake's segment length")
+    c.add_argument(
+        "--prefill-tokens",
+        type=_int_list,
+        default=[2048, 4096, 8192],
+        help="the prefill knob swept per system (chunked prefill size; TokenLake's "
+        "chunk and per-iteration prefill budget); one value: all at that setting",
+    )
+    c.add_argument(
+        "--no-mixed-chunk",
+        action="store_true",
+        help="router instances without SGLang's mixed chunked prefill",
+    )
+    r = p.add_argument_group("runs")
+    r.add_argument("--goodput", action="store_true", help="P90 goodput by bisection on the rate")
+    r.add_argument("--lo", type=float, default=0.25, help="bisection start (req/s)")
+    r.add_argument("--hi", type=float, default=1.0, help="bisection upper start (req/s)")
+    r.add_argument("--rel-tol", type=float, default=0.15)
+    r.add_argument("--max-evals", type=int, default=8, help="runs per bisection")
+    r.add_argument("--seeds", type=int, default=3, help="workload/arrival seeds per figure")
+    r.add_argument("--rates", type=_float_list, default=None, help="comma list: rate sweep")
+    r.add_argument("--rate", type=float, default=0.0, help="rate for --cache-fractions")
+    r.add_argument(
+        "--cache-fractions",
+        type=_float_list,
+        default=None,
+        help="comma list of KV capacity fractions (hit rate vs cache size)",
+    )
+    r.add_argument("--window", type=float, default=5.0, help="load timeline window (s)")
+    r.add_argument("--wall-budget", type=float, default=300.0, help="real seconds per run")
+    r.add_argument("--seed", type=int, default=0, help="first seed")
+    r.add_argument("--out", default="", help="directory for runs.jsonl, summary.json, plots")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.workload is None and args.trace is None:
+        args.workload = "conversation"
+    if args.time_scale is not None and args.trace is None and args.workload not in TRACE_PRESETS:
+        p.error("--time-scale: only for traces")
+    if args.time_scale is not None and (args.goodput or args.rates):
+        p.error("--time-scale replays the trace's own timing; drop --goodput/--rates")
+    if args.time_scale is not None and not args.time_scale > 0:
+        p.error(f"--time-scale: expected > 0, got {args.time_scale}")
+    for name in ("requests", "offset", "block_size", "instances", "tp", "segment_len", "seeds"):
+        value = getattr(args, name)
+        low = 0 if name in ("requests", "offset") else 1
+        if value is not None and value < low:
+            p.error(f"--{name.replace('_', '-')}: expected >= {low}, got {value}")
+    args.systems = [s for s in args.systems.split(",") if s]
+    for s in args.systems:
+        if s not in SYSTEMS:
+            p.error(f"--systems: unknown {s!r}; expected some of {', '.join(SYSTEMS)}")
+    bad = [k for k in args.prefill_tokens if k % args.segment_len]
+    if bad:
+        p.error(f"--prefill-tokens: {bad} are not multiples of --segment-len {args.segment_len}")
+    return args
+
+
+def make_workload(args: argparse.Namespace, rate: float | None, seed: int) -> Workload:
+    """The workload of one run: ``rate`` None replays a trace at its own timing."""
+    if args.trace is not None or args.workload in TRACE_PRESETS:
+        path, offset, jitter, poisson = TRACE_PRESETS.get(
+            args.workload, (args.trace, 0, 0.0, False)
+        )
+        cfg = TraceConfig(
+            path,
+            limit=args.requests
+            or (DEFAULT_REQUESTS.get(args.workload, 200) if args.workload else None),
+            offset=args.offset if args.offset is not None else offset,
+            rate=rate,
+            time_scale=args.time_scale or 1.0,
+            jitter_s=args.jitter if args.jitter is not None else jitter,
+            poisson=args.poisson or poisson,
+            block_size=args.block_size,
+            per_session_ids=args.session_ids == "scoped",
+            sessions=args.sessions,
+            seed=seed,
+        )
+        return trace_workload(cfg)
+    n = args.requests or DEFAULT_REQUESTS.get(args.workload, 200)
+    return GENERATORS[args.workload](GeneratorConfig(n, rate or 1.0, args.system_prompt, seed=seed))
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the harness with parsed options (:func:`parse_args`); returns the summary."""
+    spec = ClusterSpec(args.hardware, args.model, args.instances, args.tp)
+    report = GoodputReport(args, spec)
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    probe = make_workload(args, 1.0, seeds[0])
+    if len(seeds) > 1 and not report.seeds_vary(probe, make_workload(args, 1.0, seeds[1])):
+        report.warn(
+            "the seeds give identical workloads (a trace without --jitter or "
+            "--poisson): running one seed"
+        )
+        seeds = seeds[:1]
+    report.header(probe, seeds)
+
+    def run_one(system: str, rate: float | None, seed: int, knob: int, sp=spec) -> RunResult:
+        cfg = RunConfig(
+            system,
+            prefill_tokens=knob,
+            mixed_chunk=not args.no_mixed_chunk,
+            segment_len=args.segment_len,
+            wall_budget_s=args.wall_budget,
+            window_s=args.window,
+            seed=seed,
+        )
+        res = simulate(make_workload(args, rate, seed), sp, make_timer(sp), cfg)
+        report.run(res, rate, seed, knob, sp)
+        return res
+
+    if args.goodput:
+        for s in args.systems:
+            g = system_goodput(
+                lambda rate, seed, knob, s=s: run_one(s, rate, seed, knob).summary()[
+                    "slo_attainment"
+                ],
+                args.prefill_tokens,
+                seeds,
+                args.lo,
+                args.hi,
+                args.rel_tol,
+                args.max_evals,
+            )
+            report.goodput(s, g)
+        ref = report.reference_rate()
+        for s in args.systems:
+            knob = report.knob_of(s)
+            report.at_reference(s, [run_one(s, ref, seed, knob) for seed in seeds])
+        report.goodput_table()
+    if args.time_scale is not None:
+        for s in args.systems:
+            report.replay(s, [run_one(s, None, seed, report.knob_of(s)) for seed in seeds])
+    if args.rates:
+        for s in args.systems:
+            for rate in args.rates:
+                report.sweep_point(s, rate, run_one(s, rate, seeds[0], report.knob_of(s)))
+    if args.cache_fractions:
+        rate = args.rate or args.lo
+        for s in args.systems:
+            for f in args.cache_fractions:
+                sp = ClusterSpec(
+                    spec.hardware,
+                    spec.model,
+                    spec.num_instances,
+                    spec.tp,
+                    cache_tokens=max(1024, int(spec.capacity_tokens * f)),
+                )
+                report.cache_point(s, f, run_one(s, rate, seeds[0], report.knob_of(s), sp))
+    return report.finish()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    systems = [s for s in args.systems.split(",") if s]
-    for s in systems:
-        if s not in SYSTEMS:
-            raise SystemExit(f"--systems: unknown {s!r}; expected {SYSTEMS}")
-    spec = ClusterSpec(args.hardware, args.model, args.instances, args.tp)
-    timer = make_timer(spec)
-    out = Path(args.out) if args.out else None
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
-    runs = open(out / "runs.jsonl", "a") if out else None  # noqa: SIM115
-
-    def log(line: dict) -> None:
-        print(json.dumps(line), flush=True)
-        if runs:
-            runs.write(json.dumps(line) + "\n")
-            runs.flush()
-
-    probe = make_workload(args, 1.0)
-    print(
-        f"goodput harness: {args.workload} ({probe.note}), {probe.num_requests} requests per run "
-        f"(scaled down from the paper's runs); {args.instances} instances x TP{args.tp} "
-        f"{args.hardware}, {args.model}, {spec.capacity_tokens:,} KV tokens per instance; "
-        f"chunked prefill {args.chunk}; infinite-cache prefix hit rate of this workload "
-        f"{infinite_hit_rate(probe):.1%}",
-        flush=True,
-    )
-    summary: dict = {"workload": args.workload, "requests": probe.num_requests, "systems": {}}
-    if args.goodput:
-        summary["systems"] = goodput_table(args, spec, timer, systems, log)
-    if args.rates:
-        rates = [float(x) for x in args.rates.split(",")]
-        summary["sweep"] = sweep(args, spec, timer, systems, rates, log, out)
-    if args.cache_fractions:
-        fracs = [float(x) for x in args.cache_fractions.split(",")]
-        summary["cache"] = cache_sweep(args, spec, systems, fracs, log)
-    if out:
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        from benchmarks.goodput_plots import plot_all
-
-        plot_all(out, summary)
-    return 0
-
-
-def goodput_table(args, spec, timer, systems, log) -> dict:
-    rows, results = {}, {}
-    progress = Progress(len(systems), "systems")
-    for i, s in enumerate(systems):
-        last: dict = {}
-
-        def attainment(rate: float, s=s, last=last) -> float:
-            res = run_one(args, spec, timer, s, rate, log)
-            a = res.summary()["slo_attainment"]
-            if a >= 0.9 and rate >= last.get("rate", 0):
-                last.update(rate=rate, result=res)
-            return a
-
-        g = bisect_goodput(attainment, args.lo, args.hi, 0.9, args.rel_tol)
-        results[s] = last.get("result")
-        rows[s] = {"p90_goodput": round(g.goodput, 4), "points": g.points}
-        progress.update(i + 1, f"{s}: {g.goodput:.3g} req/s", force=True)
-    progress.close()
-    # Hit rate and load CV at one common rate, as the paper's Fig. 10: near TokenLake's goodput.
-    ref = rows.get("tokenlake", {}).get("p90_goodput") or max(
-        [r["p90_goodput"] for r in rows.values()] + [args.lo]
-    )
-    ref = ref or args.lo
-    print(f"hit rate and load CV at {ref:.3g} req/s (TokenLake's P90 goodput)")
-    for s in systems:
-        res = run_one(args, spec, timer, s, ref, log)
-        t, loads = res.load.matrix()
-        rows[s].update(
-            hit_rate=res.summary()["hit_rate"],
-            load_cv=res.summary()["load_cv"],
-            ref_rate=round(ref, 4),
-            load_times=t.tolist(),
-            loads=loads.tolist(),
-        )
-    print(f"\n{'system':16s} {'P90 goodput':>12s} {'hit rate':>9s} {'load CV':>8s}")
-    for s in systems:
-        r = rows[s]
-        print(f"{s:16s} {r['p90_goodput']:>9.3g} r/s {r['hit_rate']:>9.1%} {r['load_cv']:>8.1%}")
-    for s in systems:
-        r = rows[s]
-        log(
-            {
-                "workload": args.workload,
-                "system": s,
-                "p90_goodput": r["p90_goodput"],
-                "hit_rate": r["hit_rate"],
-                "load_cv": r["load_cv"],
-                "ref_rate": r["ref_rate"],
-            }
-        )
-    return rows
-
-
-def sweep(args, spec, timer, systems, rates, log, out) -> dict:
-    table = {}
-    for s in systems:
-        pts = []
-        for rate in rates:
-            res = run_one(args, spec, timer, s, rate, log)
-            done = [r for r in res.records if r.finished]
-            pts.append(
-                {
-                    "rate": rate,
-                    "slo_attainment": res.summary()["slo_attainment"],
-                    "input_token_latency_ms": 1e3
-                    * float(np.mean([r.input_token_latency for r in done]))
-                    if done
-                    else None,
-                    "output_token_latency_ms": 1e3
-                    * float(
-                        np.mean(
-                            [
-                                (r.finish_s - r.first_token_s) / max(r.output_len - 1, 1)
-                                for r in done
-                            ]
-                        )
-                    )
-                    if done
-                    else None,
-                    "hit_rate": res.summary()["hit_rate"],
-                    "load_cv": res.summary()["load_cv"],
-                }
-            )
-        table[s] = pts
-    return table
-
-
-def cache_sweep(args, spec, systems, fracs, log) -> dict:
-    rate = args.rate or args.lo
-    table = {}
-    for s in systems:
-        pts = []
-        for f in fracs:
-            sp = ClusterSpec(
-                spec.hardware,
-                spec.model,
-                spec.num_instances,
-                spec.tp,
-                cache_tokens=max(1024, int(spec.capacity_tokens * f)),
-            )
-            res = run_one(args, sp, make_timer(sp), s, rate, log)
-            pts.append(
-                {
-                    "fraction": f,
-                    "cache_tokens": sp.capacity_tokens,
-                    "hit_rate": res.summary()["hit_rate"],
-                    "load_cv": res.summary()["load_cv"],
-                }
-            )
-        table[s] = pts
-    return table
+    try:
+        summary = run(args)
+    except (ValueError, FileNotFoundError) as e:  # a bad trace or option: say what, no trace
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0 if summary is not None else 1
 
 
 if __name__ == "__main__":

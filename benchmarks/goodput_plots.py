@@ -1,5 +1,6 @@
-"""Plots of the goodput harness, like the paper's Fig. 9-11: latency and SLO attainment vs rate,
-per-instance load over time, hit rate vs cache size. Needs matplotlib; without it, says so."""
+"""Plots of the goodput harness, like the paper's Fig. 9-11: SLO attainment vs rate (every run of
+the goodput bisections), hit rate and load CV per system, latency vs rate, per-instance load
+over time, hit rate vs cache size. Needs matplotlib; without it, says so."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def plot_all(out: Path, summary: dict) -> list[Path]:
         fig.suptitle(f"{name}: latency vs rate")
         paths.append(_save(fig, out / f"{name}_latency.png"))
     systems = summary.get("systems") or {}
+    if systems:
+        paths += _goodput_plots(plt, out, name, systems)
     with_load = {s: r for s, r in systems.items() if r.get("loads")}
     if with_load:
         fig, axes = plt.subplots(
@@ -57,6 +60,39 @@ def plot_all(out: Path, summary: dict) -> list[Path]:
         ax.legend(fontsize=7)
         ax.set_title(f"{name}: hit rate vs cache size")
         paths.append(_save(fig, out / f"{name}_hit_vs_cache.png"))
+    return paths
+
+
+def _goodput_plots(plt, out: Path, name: str, systems: dict) -> list[Path]:
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    for s, r in systems.items():
+        pts = sorted((rate, a) for _, knob, rate, a in r["points"] if knob == r["prefill_tokens"])
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, lw=0.8, label=s)
+    ax.axhline(0.9, color="gray", ls="--", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("SLO attainment")
+    ax.legend(fontsize=7)
+    ax.set_title(f"{name}: SLO attainment vs rate (all seeds, best prefill setting)", fontsize=9)
+    paths = [_save(fig, out / f"{name}_attainment.png")]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+    names = list(systems)
+    med = [systems[s]["p90_goodput"] for s in names]
+    err = [
+        [m - systems[s]["p90_goodput_min"] for s, m in zip(names, med, strict=True)],
+        [systems[s]["p90_goodput_max"] - m for s, m in zip(names, med, strict=True)],
+    ]
+    axes[0].bar(names, med, yerr=err, capsize=3)
+    axes[0].set_ylabel("P90 goodput (req/s), min-max")
+    axes[1].bar(names, [systems[s]["hit_rate"] for s in names])
+    axes[1].set_ylabel("hit rate")
+    axes[2].bar(names, [systems[s]["load_cv"] for s in names])
+    axes[2].set_ylabel("load CV")
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    ref = next(iter(systems.values()))["ref_rate"]
+    fig.suptitle(f"{name}: goodput, and hit rate / load CV at {ref:.3g} req/s")
+    paths.append(_save(fig, out / f"{name}_systems.png"))
     return paths
 
 

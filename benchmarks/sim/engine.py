@@ -1,11 +1,16 @@
 """One SGLang-like instance with a local prefix cache: the baselines' engine.
 
-Scheduling follows SGLang's defaults: FCFS waiting queue; a prefill batch (chunked at
-``chunked_prefill_size`` tokens, at most one request cut per batch) runs whenever there is one
-that fits in memory, otherwise all running requests decode (prefill has priority, no mixed
-batches); a request is admitted when its uncached prompt plus its whole output fits after
-evicting unlocked LRU cache entries. ``role`` makes the instance prefill-only or decode-only
-for PD disaggregation.
+Scheduling follows SGLang's scheduler (``python/sglang/srt/managers/scheduler.py``): FCFS
+waiting queue; a prefill batch (chunked at ``chunked_prefill_size`` tokens, at most one request
+cut per batch) runs whenever there is one that fits in memory, otherwise all running requests
+decode (prefill has priority). With ``mixed_chunk`` (SGLang's ``--enable-mixed-chunk``) the
+running decodes join every prefill batch (``ScheduleBatch.mix_with_running``) and the chunk
+budget shrinks by one token per running request (``PrefillAdder``'s
+``mixed_with_decode_tokens``), so decodes advance every iteration. A request is admitted when
+its uncached prompt plus its whole output fits after evicting unlocked LRU cache entries (SGLang
+admits on an estimated output and retracts on overflow; reserving the output is the
+no-retraction equivalent). A request longer than the whole KV capacity is rejected (SGLang
+aborts it). ``role`` makes the instance prefill-only or decode-only for PD disaggregation.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class EngineConfig:
     chunked_prefill_size: int = 8192
     max_running_requests: int = 1024
     role: str = "both"  # "both", "prefill" or "decode"
+    mixed_chunk: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ("both", "prefill", "decode"):
@@ -35,8 +41,8 @@ class EngineConfig:
 
 
 class Engine:
-    """Callbacks: ``on_prefilled(job, t)`` (prefill-only role: the KV is ready to send) and
-    ``on_finished(job, t)``."""
+    """Callbacks: ``on_prefilled(job, t)`` (prefill-only role: the KV is ready to send),
+    ``on_finished(job, t)`` and ``on_rejected(job, t, reason)``."""
 
     def __init__(
         self,
@@ -48,6 +54,7 @@ class Engine:
         load: LoadTimeline,
         on_finished: Callable[[Job, float], None],
         on_prefilled: Callable[[Job, float], None] | None = None,
+        on_rejected: Callable[[Job, float, str], None] | None = None,
     ) -> None:
         self.index, self.loop, self.timer, self.cache, self.config = (
             index,
@@ -57,17 +64,21 @@ class Engine:
             config,
         )
         self.load, self.on_finished, self.on_prefilled = load, on_finished, on_prefilled
+        self.on_rejected = on_rejected
         self.waiting: deque[Job] = deque()
         self.prefilling: list[Job] = []  # admitted, prompt not done (at most one is cut)
         self.running: list[Job] = []  # decoding
         self.busy = False
         self.busy_time = 0.0
-        self.num_rejected = 0
 
     # ---- entry points --------------------------------------------------------------------
     def submit(self, job: Job) -> None:
         """A new request (roles both / prefill)."""
         job.instance = self.index
+        keys, _ = job.prompt_keys()
+        job.extra["queued_prefix"] = min(
+            self.cache.match(keys, touch=False).num_tokens, job.input_len - 1
+        )
         self.waiting.append(job)
         self._kick()
 
@@ -87,9 +98,18 @@ class Engine:
         self.running.append(job)
         self._kick()
 
-    @property
-    def num_queued_tokens(self) -> int:
-        return sum(j.input_len - j.prefix_len for j in list(self.waiting) + self.prefilling)
+    def queued_prefill(self) -> tuple[list[int], list[int]]:
+        """(new tokens, cached tokens) of every queued prompt: the prefill work ahead of a new
+        request (a waiting request's cached prefix as estimated when it arrived)."""
+        news, prefixes = [], []
+        for job in self.prefilling:
+            news.append(job.input_len - job.prefix_len)
+            prefixes.append(job.prefix_len)
+        for job in self.waiting:
+            hit = job.extra["queued_prefix"]
+            news.append(job.input_len - hit)
+            prefixes.append(hit)
+        return news, prefixes
 
     # ---- scheduling ----------------------------------------------------------------------
     def _kick(self) -> None:
@@ -113,8 +133,8 @@ class Engine:
         job.rec.cached_tokens, job.rec.hit_tokens = m.num_tokens, hit
         return True
 
-    def _prefill_batch(self) -> list[tuple[Job, int]]:
-        budget, batch = self.config.chunked_prefill_size, []
+    def _prefill_batch(self, budget: int) -> list[tuple[Job, int]]:
+        batch, budget = [], max(budget, 0)
         for job in self.prefilling:
             n = min(job.input_len - job.prefix_len, budget)
             batch.append((job, n))
@@ -127,12 +147,14 @@ class Engine:
                 # Longer than this instance's whole KV capacity: SGLang rejects such a request
                 # (it never finishes, so it misses the SLO) instead of blocking the queue.
                 self.waiting.popleft()
-                self.num_rejected += 1
+                if self.on_rejected is not None:
+                    self.on_rejected(job, self.loop.now, "too_large")
                 continue
             if not self._admit(job):
                 break  # FCFS: the head waits for memory
             self.waiting.popleft()
             self.prefilling.append(job)
+            job.prefill_start_s = self.loop.now
             n = min(job.input_len - job.prefix_len, budget)
             batch.append((job, n))
             budget -= n
@@ -140,11 +162,16 @@ class Engine:
 
     def _step(self) -> None:
         now = self.loop.now
-        batch = self._prefill_batch() if self.config.role != "decode" else []
+        mixed = self.config.mixed_chunk and bool(self.running)
+        budget = self.config.chunked_prefill_size - (len(self.running) if mixed else 0)
+        batch = self._prefill_batch(budget) if self.config.role != "decode" else []
         if batch:
-            dt = self.timer.prefill_time([n for _, n in batch], [j.prefix_len for j, _ in batch])
-            self.load.add(now, self.index, sum(n * j.prefix_len for j, n in batch))
-            self.loop.at(now + dt, lambda: self._prefill_done(batch, dt))
+            decoding = list(self.running) if mixed else []
+            news = [n for _, n in batch] + [1] * len(decoding)
+            prefixes = [j.prefix_len for j, _ in batch] + [j.context_len for j in decoding]
+            dt = self.timer.prefill_time(news, prefixes)
+            self.load.add(now, self.index, sum(n * p for n, p in zip(news, prefixes, strict=True)))
+            self.loop.at(now + dt, lambda: self._prefill_done(batch, decoding, dt))
         elif self.running:
             decoding = list(self.running)
             dt = self.timer.decode_time([j.context_len for j in decoding])
@@ -153,9 +180,10 @@ class Engine:
         else:
             self.busy = False
 
-    def _prefill_done(self, batch: list[tuple[Job, int]], dt: float) -> None:
+    def _prefill_done(self, batch: list[tuple[Job, int]], decoding: list[Job], dt: float) -> None:
         now = self.loop.now
         self.busy_time += dt
+        self._advance_decodes(decoding, now)
         for job, n in batch:
             job.prefix_len += n
             if not job.prefill_done:
@@ -185,14 +213,16 @@ class Engine:
             self._kick()  # admission may have been waiting for this memory
 
     def _decode_done(self, decoding: list[Job], dt: float) -> None:
-        now = self.loop.now
         self.busy_time += dt
+        self._advance_decodes(decoding, self.loop.now)
+        self._step()
+
+    def _advance_decodes(self, decoding: list[Job], now: float) -> None:
         for job in decoding:
             job.generated += 1
             job.rec.emit(now)
             if self._maybe_finish(job, now):
                 self.running.remove(job)
-        self._step()
 
     def _maybe_finish(self, job: Job, now: float) -> bool:
         if job.generated < job.req.output_len:

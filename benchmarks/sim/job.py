@@ -18,6 +18,7 @@ class Job:
     reserved: int = 0  # tokens reserved in the holding instance's cache, not in its tree
     path: tuple = ()  # locked cache nodes (local caches)
     instance: int = -1
+    prefill_start_s: float = float("nan")  # when its first prefill chunk was scheduled
     extra: dict = field(default_factory=dict)
 
     @property

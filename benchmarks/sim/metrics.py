@@ -34,6 +34,7 @@ class RequestRecord:
     max_tbt_s: float = 0.0
     cached_tokens: int = 0  # prefix matched in the cache at admission (uncapped)
     hit_tokens: int = 0  # prompt tokens not recomputed
+    rejected: str = ""  # why the system refused it ("too_large", "slo", "session"), or ""
 
     def emit(self, now: float) -> None:
         """One output token at ``now`` (the first one ends the prefill)."""

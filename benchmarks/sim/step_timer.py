@@ -10,6 +10,8 @@ from typing import Protocol
 
 from tokenlake.profiles import HARDWARE, MODELS, HardwareProfile, ModelProfile
 
+GPUS_PER_NODE = 8
+
 
 class StepTimer(Protocol):
     def prefill_time(self, new_lens: Sequence[int], prefix_lens: Sequence[int]) -> float:
@@ -49,6 +51,10 @@ class ClusterSpec:
             raise ValueError("ClusterSpec: num_instances, tp >= 1; 0 < mem_fraction_static <= 1")
         if self.capacity_tokens <= 0:
             raise ValueError("ClusterSpec: the weights do not fit this instance")
+
+    def node_of(self, instance: int) -> int:
+        """The 8-GPU node an instance's GPUs sit on (instances fill nodes in order)."""
+        return instance * self.tp // GPUS_PER_NODE
 
     @property
     def hw(self) -> HardwareProfile:

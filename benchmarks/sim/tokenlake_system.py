@@ -6,14 +6,23 @@ which instance runs each sub-batch (forward), which instances hold its prefix se
 run the prefix-attention queries) and where new KV goes (puts). An instance's time is its
 forwards plus the queries it serves for everyone; q/o and put bytes to other instances go over
 NVLink (same node) or InfiniBand; iterations are synchronous (the scheduler's model), so an
-iteration lasts as long as its busiest instance. Admission control in front of the scheduler
-keeps the KV that running requests may still write within the pool (the scheduler has none).
+iteration lasts as long as its busiest instance.
+
+The scheduler has no memory-aware admission or preemption yet, so the simulator admits
+requests in front of it (FCFS) only while the segments they may still pin fit the pool: each
+request's own segments (prompt past its cached prefix plus output, whole segments) and every
+cached prefix segment some admitted request relies on, counted once however many share it.
+That bound holds whatever the scheduler does, so running requests never overflow the pool; a
+request that could not fit even alone is rejected. If ``gen_plans`` still raises
+``PoolFullError`` the run stalls and says so (``pool_full_stalls``).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,7 +35,22 @@ from tokenlake import Pool, PoolConfig, PoolFullError
 from tokenlake.load_model import LoadModel
 from tokenlake.scheduler import ElasticScheduler, SchedulerConfig
 
-GPUS_PER_NODE = 8
+
+@dataclass(frozen=True)
+class TokenLakeConfig:
+    """Args: mode / num_prefill (the scheduler's ``elastic`` or ``xpyd`` with P prefill
+    instances); segment_len (the pool's); chunk_len / max_prefill_tokens / tbt_slo /
+    input_token_slo (the scheduler's); admit_fraction (share of the pool's slots admitted
+    requests may pin: the rest absorbs replicas being copied and transient duplicates)."""
+
+    mode: str = "elastic"
+    num_prefill: int = 0
+    segment_len: int = 512
+    chunk_len: int = 8192
+    max_prefill_tokens: int = 0
+    tbt_slo: float = math.inf
+    input_token_slo: float = math.inf
+    admit_fraction: float = 0.9
 
 
 class TokenLakeSystem:
@@ -37,48 +61,55 @@ class TokenLakeSystem:
         spec: ClusterSpec,
         on_finished: Callable[[Job, float], None],
         load: LoadTimeline,
-        mode: str = "elastic",
-        num_prefill: int = 0,
-        chunk_len: int = 8192,
-        segment_len: int = 512,
-        tbt_slo: float = float("inf"),
-        input_token_slo: float = float("inf"),
-        admit_fraction: float = 0.9,
-        max_prefill_tokens: int = 0,
+        config: TokenLakeConfig | None = None,
+        on_rejected: Callable[[Job, float, str], None] | None = None,
     ) -> None:
+        config = config or TokenLakeConfig()
         self.loop, self.timer, self.spec, self.load = loop, timer, spec, load
-        self.on_finished_cb = on_finished
-        n = spec.num_instances
-        num_slots = max(1, spec.capacity_tokens // segment_len)
+        self.on_finished_cb, self.on_rejected_cb = on_finished, on_rejected
+        n, seg = spec.num_instances, config.segment_len
+        num_slots = max(1, spec.capacity_tokens // seg)
         self.pool = Pool(
-            PoolConfig(spec.mp.shape, n, num_slots, segment_len, namespace="sim"),
+            PoolConfig(spec.mp.shape, n, num_slots, seg, namespace="sim"),
             load_model=LoadModel(timer.hardware, spec.mp),
         )
-        self.capacity_tokens = n * num_slots * segment_len
         cfg = SchedulerConfig(
             n,
-            segment_len,
-            mode=mode,
-            chunk_len=chunk_len,
-            max_prefill_tokens=max_prefill_tokens,
-            num_prefill_instances=num_prefill,
-            tbt_slo=tbt_slo,
-            input_token_slo=input_token_slo,
+            seg,
+            mode=config.mode,
+            chunk_len=config.chunk_len,
+            max_prefill_tokens=config.max_prefill_tokens,
+            num_prefill_instances=config.num_prefill,
+            tbt_slo=config.tbt_slo,
+            input_token_slo=config.input_token_slo,
         )
         dops = tuple(d for d in (1, 2, 4, 8, 16) if d <= cfg.max_prefill_dop)
         self.sched = ElasticScheduler(cfg, timer.cost.fit(dops=dops), self.pool)
-        self.segment_len = segment_len
+        self.segment_len = seg
         self.jobs: dict[int, Job] = {}
         self.waiting: deque[Job] = deque()  # not yet handed to the scheduler
-        self.committed_tokens = 0  # KV the admitted requests may pin
-        self.pinned: dict[int, int] = {}  # cached prefix blocks counted, with admitted users
-        self.admit_fraction = admit_fraction
+        self.limit_segments = int(n * num_slots * config.admit_fraction)
+        self.committed_segments = 0  # what the admitted requests may pin
+        self.shared_refs: dict[int, int] = {}  # cached segment key -> admitted requests on it
         self.busy = False
         self.num_pool_full = 0
         self.q_row_bytes = 2 * spec.mp.num_layers * spec.mp.shape.q_bytes_per_token_layer
+        self.node = np.array([spec.node_of(i) for i in range(n)])
+
+    def stats(self) -> dict:
+        stats = self.pool.get_stats()
+        return {
+            "pool_hit_rate": round(stats["hit_rate"], 4),
+            "pool_full_stalls": self.num_pool_full,
+        }
 
     # ---- arrivals and admission ----------------------------------------------------------
     def submit(self, job: Job) -> None:
+        own = -(-(job.input_len + job.req.output_len) // self.segment_len)
+        if own > self.limit_segments:  # more than the pool can ever hold
+            if self.on_rejected_cb is not None:
+                self.on_rejected_cb(job, self.loop.now, "too_large")
+            return
         self.waiting.append(job)
         self._kick()
 
@@ -86,35 +117,32 @@ class TokenLakeSystem:
         if not self.waiting:
             return
         tree = self.pool.get_prefix_tree()
-        # Extra replicas of pinned segments are not evictable: leave room for them too.
-        replicas = (tree.num_replicas - tree.num_segments) * self.segment_len
-        limit = self.capacity_tokens * self.admit_fraction - replicas
+        seg = self.segment_len
         while self.waiting:
             job = self.waiting[0]
-            tokens = prompt_tokens(job.req, job.block_size)
-            prompt = tokens[: job.input_len]
-            cached = tree.match(prompt).num_tokens
-            shared = list(job.req.block_ids[: cached // self.segment_len])
-            fresh = sum(1 for b in shared if b not in self.pinned)
-            # KV this request may still pin: prefix segments no admitted request pins yet, its
-            # uncached prompt, its output, and its open (partial) segment.
-            need = (
-                fresh * self.segment_len
-                + job.input_len
-                - len(shared) * self.segment_len
-                + job.req.output_len
-                + self.segment_len
-            )
-            if self.jobs and self.committed_tokens + need > limit:
+            prompt = prompt_tokens(job.req, job.block_size)[: job.input_len]
+            match = tree.match(prompt)
+            shared = [node.key for node in match.nodes]
+            own = -(-(job.input_len + job.req.output_len) // seg) - len(shared)
+            need = own + sum(1 for k in shared if k not in self.shared_refs)
+            if self.committed_segments + need > self.limit_segments:
                 return  # FCFS: wait for running requests to free the pool
             self.waiting.popleft()
-            for b in shared:
-                self.pinned[b] = self.pinned.get(b, 0) + 1
-            job.extra["shared"] = shared
-            job.reserved, job.rec.cached_tokens = need, cached
-            self.committed_tokens += need
+            for k in shared:
+                self.shared_refs[k] = self.shared_refs.get(k, 0) + 1
+            job.extra["shared"], job.reserved = shared, own
+            job.rec.cached_tokens = match.num_tokens
+            self.committed_segments += need
             self.jobs[job.rid] = job
             self.sched.add_request(job.rid, prompt, job.req.output_len)
+
+    def _release(self, job: Job) -> None:
+        self.committed_segments -= job.reserved
+        for k in job.extra["shared"]:
+            self.shared_refs[k] -= 1
+            if not self.shared_refs[k]:
+                del self.shared_refs[k]
+                self.committed_segments -= 1
 
     # ---- iterations ----------------------------------------------------------------------
     def _kick(self) -> None:
@@ -127,8 +155,8 @@ class TokenLakeSystem:
         try:
             it = self.sched.step()
         except PoolFullError:
-            # The running requests alone overflow the pool (admission is an estimate) and the
-            # scheduler cannot preempt: the run stalls and its unfinished requests miss.
+            # The admission bound was wrong or the scheduler cannot proceed; it cannot preempt,
+            # so the run stalls and its unfinished requests count as stalled.
             self.num_pool_full += 1
             self.busy = False
             return
@@ -157,11 +185,7 @@ class TokenLakeSystem:
                 job.rec.emit(now)
         for req in finished:
             job = self.jobs.pop(req.request_id)
-            self.committed_tokens -= job.reserved
-            for b in job.extra["shared"]:
-                self.pinned[b] -= 1
-                if not self.pinned[b]:
-                    del self.pinned[b]
+            self._release(job)
             self.on_finished_cb(job, now)
         self._iterate()
 
@@ -172,7 +196,7 @@ class TokenLakeSystem:
         busy, reads = np.zeros(n), np.zeros(n)
         near, far = np.zeros(n), np.zeros(n)  # bytes sent over NVLink / InfiniBand
         decode_kv = np.zeros(n)  # one-row entries, batched per holder
-        node = np.arange(n) * self.spec.tp // GPUS_PER_NODE
+        node = self.node
         for qp, tp in zip(plans.query_plans, plans.transfer_plans, strict=True):
             o = qp.origin
             rows = np.diff(qp.q_indptr)

@@ -34,8 +34,11 @@ def expected_block_hit(num: int) -> tuple[int, int]:
     return hits, total
 
 
-@pytest.mark.parametrize("system, n", [("tokenlake", 2), ("router", 1)])
-def test_infinite_cache_reproduces_trace_hit_rate(system, n):
+@pytest.mark.parametrize(
+    "system, n, segment_len", [("tokenlake", 2, 512), ("tokenlake", 2, 256), ("router", 1, 512)]
+)
+def test_infinite_cache_reproduces_trace_hit_rate(system, n, segment_len):
+    # TokenLake's segment length is its own configuration, independent of the trace's blocks
     w = trace_workload(TraceConfig(CONVERSATION_TRACE, limit=NUM))
     # One request at a time (100 s apart, one output token) so each sees all earlier ones,
     # as the trace statistic assumes.
@@ -44,7 +47,7 @@ def test_infinite_cache_reproduces_trace_hit_rate(system, n):
     )
     w = dataclasses.replace(w, requests=reqs)
     spec = ClusterSpec(num_instances=n, cache_tokens=4_000_000 // n)
-    res = simulate(w, spec, make_timer(spec), RunConfig(system))
+    res = simulate(w, spec, make_timer(spec), RunConfig(system, segment_len=segment_len))
     assert all(r.finished for r in res.records)
     hits = sum(-(-r.cached_tokens // B) for r in res.records)
     total = sum(len(r.block_ids) for r in w.requests)

@@ -29,9 +29,10 @@ WORKLOAD = Workload(
 )
 
 
-def run(system, n):
+def run(system, n, mixed_chunk=False):
     spec = ClusterSpec(num_instances=n, cache_tokens=100_000)
-    return simulate(WORKLOAD, spec, FakeTimer(), RunConfig(system, window_s=10.0))
+    cfg = RunConfig(system, window_s=10.0, mixed_chunk=mixed_chunk)
+    return simulate(WORKLOAD, spec, FakeTimer(), cfg)
 
 
 def test_router_one_instance_by_hand():
@@ -57,15 +58,29 @@ def test_router_one_instance_by_hand():
     assert loads.tolist() == [[512 * 512 + 1024 + 1024 + 1025]]
 
 
+def test_router_mixed_chunked_prefill_by_hand():
+    res = run("router", 1, mixed_chunk=True)
+    a, b = res.records
+    # A prefills alone: 1.124. B's 512 new tokens then run with A's decode step in one mixed
+    # batch of 513 tokens: 1.124 + 0.613 = 1.737 (A's second token and B's first). Then one
+    # decode of [A, B] at 1.787 finishes both.
+    assert a.first_token_s == pytest.approx(1.124)
+    assert b.first_token_s == pytest.approx(1.737)
+    assert a.finish_s == b.finish_s == pytest.approx(1.787)
+    assert a.max_tbt_s == pytest.approx(0.613)  # vs 0.662 without mixing
+
+
 def test_mooncake_1p1d_by_hand():
     res = run("mooncake-1p3d", 2)  # 1:3 of 2 instances rounds to 1P1D
     a, b = res.records
-    # A: prefill to 1.124, transfer to 1.324 (first token), decode 1.374, 1.424.
-    assert a.first_token_s == pytest.approx(1.324)
-    assert a.finish_s == pytest.approx(1.424)
-    # B: prefill 512 new tokens 1.124 -> 1.736, transfer to 1.936, decode 1.986.
-    assert b.first_token_s == pytest.approx(1.936)
-    assert b.finish_s == pytest.approx(1.986)
+    # A: prefill 0 -> 1.124; its KV streams from the prefill's start (0.2 s on the NICs), so
+    # it has arrived when the prefill ends: first token 1.124, decode 1.174, 1.224.
+    assert a.first_token_s == pytest.approx(1.124)
+    assert a.finish_s == pytest.approx(1.224)
+    # B: prefill 512 new tokens 1.124 -> 1.736 (block 0 cached), KV streamed by then; decode
+    # 1.786.
+    assert b.first_token_s == pytest.approx(1.736)
+    assert b.finish_s == pytest.approx(1.786)
     assert (a.hit_tokens, b.hit_tokens) == (0, 512)
     assert all(r.meets_slo() for r in res.records)
 
@@ -75,3 +90,4 @@ def test_the_run_stops_at_the_horizon():
     res = simulate(WORKLOAD, spec, FakeTimer(), RunConfig("router", horizon_s=1.0))
     assert res.truncated and res.sim_s <= 1.5 + 1e-9  # last arrival 0.5 + horizon 1.0
     assert not any(r.finished for r in res.records)
+    assert (res.stop_reason, res.num_stalled, res.summary()["stalled"]) == ("horizon", 2, 2)

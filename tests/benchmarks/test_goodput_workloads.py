@@ -115,8 +115,8 @@ def test_per_session_ids_get_their_own_namespace(tmp_path):
     ]
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    shared = trace_workload(TraceConfig(path))
-    scoped = trace_workload(TraceConfig(path, per_session_ids=True))
+    shared = trace_workload(TraceConfig(path, block_size=512))
+    scoped = trace_workload(TraceConfig(path, block_size=512, per_session_ids=True))
     assert shared.requests[0].block_ids == shared.requests[1].block_ids
     assert set(scoped.requests[0].block_ids).isdisjoint(scoped.requests[1].block_ids)
     assert [r.session for r in scoped.requests] == [0, 1]
