@@ -21,6 +21,18 @@ $(VENV)/.deps-model: $(VENV)/.deps
 	$(PY) -m pip install -q "transformers>=5,<6" safetensors tokenizers fastapi uvicorn httpx
 	touch $@
 
+# SGLang for tests/sglang (the [sglang] extra's version). Its metadata pins a CUDA torch, so it
+# goes in without dependencies, then what its imports need, with torch held at the CPU build.
+SGLANG_IMPORT_DEPS := orjson psutil pybase64 pillow starlette msgspec triton pydantic tqdm aiohttp \
+	ipython dill sentencepiece requests apache-tvm-ffi compressed-tensors gguf openai \
+	partial-json-parser einops
+
+$(VENV)/.sglang: $(VENV)/.deps-model
+	echo "torch==2.13.0" > $(VENV)/torch-pin.txt
+	$(PY) -m pip install -q --no-deps "sglang==0.5.23"
+	$(PY) -m pip install -q --no-warn-conflicts -c $(VENV)/torch-pin.txt $(SGLANG_IMPORT_DEPS)
+	touch $@
+
 $(STAMP): $(VENV)/.deps $(VENV)/.deps-model pyproject.toml CMakeLists.txt $(CSRC)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
@@ -28,7 +40,7 @@ $(STAMP): $(VENV)/.deps $(VENV)/.deps-model pyproject.toml CMakeLists.txt $(CSRC
 demo: $(STAMP)
 	$(PY) -m benchmarks.demo $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(VENV)/.sglang
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q $(ARGS)

@@ -1,0 +1,217 @@
+"""``TokenLakeAttnBackend``: SGLang's attention backend interface over the pool.
+
+SGLang keeps running the model, its scheduler and its own KV cache; per forward
+(``init_forward_metadata``) every request is mapped to a pool chunk and the iteration is
+planned once; per layer the new K/V are written to SGLang's cache and ``put`` into the pool,
+the query rows attend to their prefix where the pool's segments live, and a local causal
+partial over the new (and backfilled) tokens is merged with it by LSE (natural log).
+Extend, decode and mixed batches (chunked prefill included) all take the same path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from tokenlake import kernels
+from tokenlake.errors import IterationStateError
+
+from .batch_map import BatchMap, RequestTable, SeqInfo, map_batch
+from .config import SGLangPoolConfig, config_from_env
+from .model_check import UnsupportedFeatureError, check_model
+from .pool_runtime import PoolRuntime
+
+_MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED)
+
+
+def merge_prefix_and_local(
+    q: torch.Tensor,
+    kv_rows: torch.Tensor,
+    indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    o_prefix: torch.Tensor,
+    lse_prefix: torch.Tensor,
+    backend: str | None,
+) -> torch.Tensor:
+    """Causal attention of each request's last rows ``q`` over its local K/V rows, merged
+    with the prefix partial. ``q`` ``[T, H_q, D]`` (already scaled for ``1/sqrt(D)``),
+    ``kv_rows`` ``[T_kv, 2, H_kv, D]``; returns ``o`` ``[T, H_q, D]`` float32.
+
+    The single spot of this step in the backend, until the model engine's shared function
+    lands (engines/prefix_attention.py).
+    """
+    o_s, lse_s = kernels.self_attention(
+        q,
+        kv_rows[:, 0].contiguous(),
+        kv_rows[:, 1].contiguous(),
+        indptr,
+        backend=backend,
+        kv_indptr=kv_indptr,
+    )
+    o, _ = kernels.merge(o_prefix, lse_prefix, o_s, lse_s, backend=backend)
+    return o
+
+
+class TokenLakeAttnBackend(AttentionBackend):
+    """Selected by ``--attention-backend tokenlake``; pool settings from ``TOKENLAKE_CONFIG``."""
+
+    def __init__(self, model_runner, config: SGLangPoolConfig | None = None) -> None:
+        super().__init__()
+        layers = [m for m in model_runner.model.modules() if isinstance(m, RadixAttention)]
+        shape = check_model(model_runner, layers)
+        config = config if config is not None else config_from_env()
+        self.device = torch.device(model_runner.device)
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        kv = self.token_to_kv_pool
+        if config.capacity_tokens < kv.size:
+            raise UnsupportedFeatureError(
+                f"tokenlake config: the pool holds {config.capacity_tokens} tokens "
+                f"(num_instances x num_slots x segment_len), less than SGLang's KV cache of "
+                f"{kv.size} tokens; set num_slots >= {config.slots_for(kv.size)}"
+            )
+        namespace = config.namespace or str(model_runner.model_config.model_path)
+        self.runtime = PoolRuntime(config, shape, namespace, self.device)
+        self.requests = RequestTable(self.runtime)
+        self.shape = shape
+        self.start_layer = kv.start_layer
+        # token id of every SGLang KV slot, as written by this backend: the pool keys
+        # segments by token ids, and a forward batch carries only the new tokens' ids
+        self.slot_tokens = torch.full(
+            (kv.k_buffer[0].shape[0],), -1, dtype=torch.int32, device=self.device
+        )
+        self.forward_metadata: BatchMap | None = None
+        self._layers_done: set[int] = set()
+
+    # ---- per forward -------------------------------------------------------------------
+    def init_forward_metadata(self, forward_batch) -> None:
+        self._settle()
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            self.forward_metadata = None
+            return
+        if mode not in _MODES:
+            raise UnsupportedFeatureError(
+                f"--attention-backend tokenlake does not support {mode.name} batches "
+                f"(speculative decoding, PD-disaggregation prebuilt KV, split or diffusion "
+                f"prefill); supported: {', '.join(m.name for m in _MODES)}"
+            )
+        rtt = self.req_to_token_pool
+        self.requests.release(set(rtt.free_slots), rtt.req_generation)
+        self.slot_tokens[forward_batch.out_cache_loc.long()] = forward_batch.input_ids.to(
+            torch.int32
+        )
+        seqs = self._seq_infos(forward_batch)
+        chunks = [self.requests.chunk(s, self._token_ids(s)) for s in seqs]
+        it = self.runtime.begin(chunks)
+        try:
+            self.forward_metadata = map_batch(it, seqs, chunks, rtt.req_to_token)
+        except BaseException:
+            self.runtime.abort()
+            raise
+
+    def _seq_infos(self, fb) -> list[SeqInfo]:
+        rows = fb.req_pool_indices.tolist()
+        seq_lens = (fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens).tolist()
+        decode = fb.forward_mode.is_decode()
+        new_lens = [1] * len(rows) if decode else list(fb.extend_seq_lens_cpu)
+        rids = fb.rids if fb.rids is not None else [None] * len(rows)
+        gens = self.req_to_token_pool.req_generation
+        return [
+            SeqInfo(row, int(gens[row]), rid, int(n), int(new))
+            for row, rid, n, new in zip(rows, rids, seq_lens, new_lens, strict=True)
+        ]
+
+    def _token_ids(self, seq: SeqInfo) -> np.ndarray:
+        slots = self.req_to_token_pool.req_to_token[seq.row, : seq.seq_len].long()
+        ids = self.slot_tokens[slots].cpu().numpy()
+        if (ids < 0).any():
+            raise UnsupportedFeatureError(
+                "--attention-backend tokenlake does not support KV written outside the "
+                f"attention backend (request row {seq.row} has KV slots it never saw: "
+                "hierarchical cache load-back or PD-disaggregation transfer)"
+            )
+        return ids
+
+    def _settle(self) -> None:
+        """Commit the previous forward if every layer ran, else abort it (it failed)."""
+        if self.runtime.inflight is None:
+            return
+        if len(self._layers_done) == self.shape.num_layers:
+            self.runtime.commit()
+        else:
+            self.runtime.abort()
+        self._layers_done.clear()
+
+    # ---- per layer ---------------------------------------------------------------------
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool) -> torch.Tensor:
+        m = self.forward_metadata
+        if m is None or self.runtime.inflight is not m.it:
+            raise IterationStateError(
+                "TokenLakeAttnBackend: forward without init_forward_metadata for this batch"
+            )
+        kv = self.token_to_kv_pool
+        loc = forward_batch.out_cache_loc
+        if save_kv_cache and k is not None and v is not None:
+            kv.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v)
+        if k is None or v is None:  # the model wrote them into SGLang's cache itself
+            k = kv.get_key_buffer(layer.layer_id)[loc.long()]
+            v = kv.get_value_buffer(layer.layer_id)[loc.long()]
+        li = layer.layer_id - self.start_layer
+        it, shape = m.it, self.shape
+        rows = it.kv_buf[li]
+        rows[m.new_plan_rows, 0] = k.reshape(-1, shape.num_kv_heads, shape.head_dim).to(rows.dtype)
+        rows[m.new_plan_rows, 1] = v.reshape(-1, shape.num_kv_heads, shape.head_dim).to(rows.dtype)
+        if m.num_backfill:
+            rows[m.backfill_plan_rows, 0] = kv.get_key_buffer(layer.layer_id)[m.backfill_slots]
+            rows[m.backfill_plan_rows, 1] = kv.get_value_buffer(layer.layer_id)[m.backfill_slots]
+        self.runtime.put(it, li)
+        # the pool's kernels use 1/sqrt(D); fold the layer's own scaling into q
+        q3 = q.reshape(-1, shape.num_q_heads, shape.head_dim)
+        it.q_buf[m.new_plan_rows] = (q3.float() * (layer.scaling * math.sqrt(shape.head_dim))).to(
+            it.q_buf.dtype
+        )
+        o_p, lse_p = self.runtime.query(it, li)
+        o_plan = merge_prefix_and_local(
+            it.q_buf[m.plan_new_rows],
+            rows,
+            m.new_indptr,
+            m.kv_indptr,
+            o_p[m.plan_new_rows].contiguous(),
+            lse_p[m.plan_new_rows].contiguous(),
+            self.runtime.kernel_backend,
+        )
+        out = torch.empty((q3.shape[0], shape.num_q_heads, shape.head_dim), dtype=q.dtype)
+        out = out.to(q.device)
+        out[m.plan_src_rows] = o_plan.to(q.dtype)
+        self._layers_done.add(li)
+        if len(self._layers_done) == shape.num_layers:
+            self.runtime.commit()
+            self._layers_done.clear()
+        return out.reshape(-1, shape.num_q_heads * shape.head_dim)
+
+    # ---- what cannot be captured -------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        raise UnsupportedFeatureError(
+            "--attention-backend tokenlake does not support CUDA-graph capture: every batch "
+            "is planned on the host. Run with --disable-decode-cuda-graph "
+            "--disable-prefill-cuda-graph (the plugin sets both when it parses the command line)"
+        )
+
+    def support_triton(self) -> bool:
+        return False

@@ -1,0 +1,164 @@
+"""SGLang requests → pool requests, and one forward batch's rows → one iteration's plan rows.
+
+SGLang names a running request by its row in ``ReqToTokenPool`` (``req_pool_idx``) and the
+row's generation (bumped at every allocation), so a reused row is a new request. A pool
+request starts where both sides have the KV: at most SGLang's prefix (the tokens it will not
+recompute) and at most what the pool holds. Tokens SGLang cached but the pool does not (the
+pool evicted them, or SGLang matched inside another request's still-open segment) are
+*backfilled*: their K/V are read from SGLang's KV cache and put into the pool with the new
+tokens, and the local causal attention covers them too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenlake.plans import Chunk
+
+from .pool_runtime import BoundIteration, PoolRuntime
+
+
+@dataclass(frozen=True)
+class SeqInfo:
+    """One request of a forward batch, on the host.
+
+    ``new_len`` tokens are computed now at positions ``seq_len - new_len ... seq_len - 1``;
+    SGLang already holds the KV of the ``prefix_len`` before them.
+    """
+
+    row: int
+    generation: int
+    rid: str | None
+    seq_len: int
+    new_len: int
+
+    @property
+    def prefix_len(self) -> int:
+        return self.seq_len - self.new_len
+
+
+@dataclass(eq=False)
+class _Tracked:
+    pool_id: str
+    generation: int
+
+
+class RequestTable:
+    """Which pool request each SGLang row holds; finishes those SGLang released."""
+
+    def __init__(self, runtime: PoolRuntime) -> None:
+        self.runtime = runtime
+        self._rows: dict[int, _Tracked] = {}
+        self._serial = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def pool_id(self, row: int) -> str | None:
+        tracked = self._rows.get(row)
+        return tracked.pool_id if tracked else None
+
+    def release(self, free_rows: set[int], generations: torch.Tensor) -> list[str]:
+        """Finish the pool side of every row SGLang freed or reallocated (a request that
+        finished, was aborted or retracted). Returns the finished pool ids."""
+        done = []
+        for row, tracked in list(self._rows.items()):
+            if row in free_rows or int(generations[row]) != tracked.generation:
+                self.runtime.finish(tracked.pool_id)
+                del self._rows[row]
+                done.append(tracked.pool_id)
+        return done
+
+    def chunk(self, seq: SeqInfo, token_ids: np.ndarray) -> Chunk:
+        """The pool chunk computing ``seq``'s tokens: ``start`` is where the pool's KV ends
+        (≤ SGLang's prefix); ``token_ids`` are the request's first ``seq_len`` tokens."""
+        tracked = self._rows.get(seq.row)
+        if tracked is not None and tracked.generation == seq.generation:
+            stored = self.runtime.stored_len(tracked.pool_id)
+            if stored is not None and stored <= seq.prefix_len:
+                return Chunk(tracked.pool_id, token_ids, stored, seq.seq_len)
+            # SGLang recomputes tokens the pool already has: start the pool side afresh
+            self.runtime.finish(tracked.pool_id)
+        self._serial += 1
+        name = seq.rid if seq.rid is not None else f"row{seq.row}"
+        tracked = _Tracked(f"{name}#{self._serial}", seq.generation)
+        self._rows[seq.row] = tracked
+        start = min(self.runtime.match_len(token_ids[: seq.prefix_len]), seq.prefix_len)
+        return Chunk(tracked.pool_id, token_ids, start, seq.seq_len)
+
+
+@dataclass(frozen=True)
+class BatchMap:
+    """Index tensors of one forward, built once and used by every layer.
+
+    SGLang's token rows (``T`` new tokens, request by request in batch order) map to the
+    plan's rows (request by request in plan order; each request's rows cover positions
+    ``start ... seq_len - 1``: first its backfilled tokens, then its new ones).
+    """
+
+    it: BoundIteration
+    new_plan_rows: torch.Tensor  # int64 [T]: plan row of each SGLang token row
+    plan_new_rows: torch.Tensor  # int64 [T]: plan rows of new tokens, in plan order
+    plan_src_rows: torch.Tensor  # int64 [T]: SGLang token row of each of those
+    new_indptr: torch.Tensor  # int32 [R + 1]: new rows per plan request
+    kv_indptr: torch.Tensor  # int32 [R + 1]: plan rows (backfill + new) per plan request
+    backfill_plan_rows: torch.Tensor  # int64 [G]
+    backfill_slots: torch.Tensor  # int64 [G]: SGLang KV slots of the backfilled tokens
+
+    @property
+    def num_backfill(self) -> int:
+        return int(self.backfill_plan_rows.numel())
+
+
+def map_batch(
+    it: BoundIteration,
+    seqs: Sequence[SeqInfo],
+    chunks: Sequence[Chunk],
+    req_to_token: torch.Tensor,
+) -> BatchMap:
+    """Index the plan of ``it`` (planned from ``chunks``, one per ``seqs`` entry)."""
+    qp = it.query_plan
+    device = it.q_buf.device
+    order = {c.request_id: b for b, c in enumerate(chunks)}
+    token_base = np.concatenate([[0], np.cumsum([s.new_len for s in seqs])])
+    new_plan_rows = np.empty(int(token_base[-1]), dtype=np.int64)
+    plan_new, plan_src, new_counts, fill_rows, fill_slots = [], [], [], [], []
+    for r, pool_id in enumerate(qp.request_ids):
+        b = order[pool_id]
+        seq, chunk = seqs[b], chunks[b]
+        lo, hi = int(qp.q_indptr[r]), int(qp.q_indptr[r + 1])
+        if hi - lo != seq.seq_len - chunk.start or int(qp.positions[r]) != chunk.start:
+            raise AssertionError(
+                f"plan rows of {pool_id!r}: expected positions {chunk.start}..{seq.seq_len - 1}, "
+                f"got {int(qp.positions[r])} and {hi - lo} rows"
+            )
+        num_fill = seq.prefix_len - chunk.start
+        rows = np.arange(lo + num_fill, hi, dtype=np.int64)
+        src = np.arange(token_base[b], token_base[b + 1], dtype=np.int64)
+        new_plan_rows[src] = rows
+        plan_new.append(rows)
+        plan_src.append(src)
+        new_counts.append(seq.new_len)
+        if num_fill:
+            fill_rows.append(np.arange(lo, lo + num_fill, dtype=np.int64))
+            fill_slots.append(req_to_token[seq.row, chunk.start : seq.prefix_len].cpu().numpy())
+
+    def long(parts: list[np.ndarray]) -> torch.Tensor:
+        arr = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return torch.from_numpy(arr.astype(np.int64)).to(device)
+
+    i32 = dict(dtype=torch.int32, device=device)
+    return BatchMap(
+        it=it,
+        new_plan_rows=torch.from_numpy(new_plan_rows).to(device),
+        plan_new_rows=long(plan_new),
+        plan_src_rows=long(plan_src),
+        new_indptr=torch.tensor(np.concatenate([[0], np.cumsum(new_counts)]), **i32),
+        kv_indptr=torch.tensor(qp.q_indptr, **i32),
+        backfill_plan_rows=long(fill_rows),
+        backfill_slots=long(fill_slots),
+    )

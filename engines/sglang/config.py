@@ -1,0 +1,97 @@
+"""Pool settings of the SGLang backend: one JSON file, named by ``--tokenlake-config FILE`` or
+the ``TOKENLAKE_CONFIG`` environment variable (the launcher exports the flag's value there, so
+SGLang's scheduler subprocesses read the same file).
+
+The file holds only what SGLang does not already know; the model's attention shape comes
+from SGLang's KV pool. Example::
+
+    {"num_instances": 4, "num_slots": 2048, "segment_len": 64}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from tokenlake.errors import InvalidArgumentError
+
+ENV_VAR = "TOKENLAKE_CONFIG"
+KERNEL_BACKENDS = ("torch", "cpu", "flashinfer")
+
+
+@dataclass(frozen=True)
+class SGLangPoolConfig:
+    """Pool settings of one SGLang server.
+
+    Args:
+        num_instances: pool instances (their data planes live in this SGLang process).
+        num_slots: slots per instance; one slot holds ``segment_len`` tokens of every layer.
+        segment_len: tokens per segment (``C``).
+        namespace: hash namespace; ``None`` uses SGLang's model path, so different models
+            never share segments.
+        kernel_backend: ``"torch"``, ``"cpu"``, ``"flashinfer"`` or ``None`` (by device).
+    """
+
+    num_instances: int = 1
+    num_slots: int = 4096
+    segment_len: int = 64
+    namespace: str | None = None
+    kernel_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_instances", "num_slots", "segment_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidArgumentError(
+                    f"tokenlake config {name}: expected a positive int, got {value!r}"
+                )
+        if self.namespace is not None and (
+            not isinstance(self.namespace, str) or not self.namespace
+        ):
+            raise InvalidArgumentError(
+                f"tokenlake config namespace: expected a non-empty str or null, got {self.namespace!r}"
+            )
+        if self.kernel_backend is not None and self.kernel_backend not in KERNEL_BACKENDS:
+            raise InvalidArgumentError(
+                f"tokenlake config kernel_backend: expected one of {KERNEL_BACKENDS} or null, "
+                f"got {self.kernel_backend!r}"
+            )
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_instances * self.num_slots * self.segment_len
+
+    def slots_for(self, num_tokens: int) -> int:
+        """Slots per instance that hold ``num_tokens`` spread evenly."""
+        return math.ceil(num_tokens / (self.segment_len * self.num_instances))
+
+
+def load_config(path: str | os.PathLike) -> SGLangPoolConfig:
+    """Read a JSON object of :class:`SGLangPoolConfig` fields; unknown keys are errors."""
+    p = Path(path)
+    try:
+        raw = json.loads(p.read_text())
+    except OSError as e:
+        raise InvalidArgumentError(f"tokenlake config {str(p)!r}: cannot read it ({e})") from None
+    except json.JSONDecodeError as e:
+        raise InvalidArgumentError(f"tokenlake config {str(p)!r}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise InvalidArgumentError(
+            f"tokenlake config {str(p)!r}: expected a JSON object, got {type(raw).__name__}"
+        )
+    allowed = sorted(f.name for f in fields(SGLangPoolConfig))
+    unknown = sorted(set(raw) - set(allowed))
+    if unknown:
+        raise InvalidArgumentError(
+            f"tokenlake config {str(p)!r}: unknown keys {unknown}; allowed: {allowed}"
+        )
+    return SGLangPoolConfig(**raw)
+
+
+def config_from_env(environ: dict[str, str] | None = None) -> SGLangPoolConfig:
+    """The config named by ``TOKENLAKE_CONFIG``, or the defaults when it is unset."""
+    path = (os.environ if environ is None else environ).get(ENV_VAR)
+    return load_config(path) if path else SGLangPoolConfig()

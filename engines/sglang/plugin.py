@@ -1,0 +1,80 @@
+"""SGLang plugin entry point (group ``sglang.srt.plugins``, name ``tokenlake``).
+
+SGLang's ``load_plugins()`` runs :func:`register` early in every SGLang process (the launcher
+before it parses the command line, and each scheduler subprocess). It
+
+* registers the attention backend ``tokenlake`` (a factory; the backend module is imported
+  only when the backend is built) and adds it to ``--attention-backend``'s choices;
+* adds ``--tokenlake-config FILE`` to SGLang's command line and exports it as
+  ``TOKENLAKE_CONFIG`` for the subprocesses;
+* turns SGLang's CUDA graphs off when ``tokenlake`` is the attention backend (every batch is
+  planned on the host, which a captured graph cannot replay).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from .config import ENV_VAR, load_config
+
+BACKEND_NAME = "tokenlake"
+_SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+_BACKEND_FLAGS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+
+logger = logging.getLogger(__name__)
+
+
+def create_backend(model_runner):
+    """The registered factory: ``fn(model_runner) -> AttentionBackend``."""
+    from .backend import TokenLakeAttnBackend
+
+    return TokenLakeAttnBackend(model_runner)
+
+
+def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs) -> None:
+    """AFTER hook of ``ServerArgs.add_cli_args``."""
+    parser.add_argument(
+        "--tokenlake-config",
+        type=str,
+        default=None,
+        metavar="FILE",
+        help="JSON file of TokenLake pool settings for --attention-backend tokenlake "
+        f"(exported to SGLang's subprocesses as {ENV_VAR}).",
+    )
+
+
+def apply_cli_args(server_args, cls, args: argparse.Namespace, *rest, **kwargs):
+    """AFTER hook of ``ServerArgs.from_cli_args``: export the config path, disable graphs."""
+    path = getattr(args, "tokenlake_config", None)
+    if path:
+        load_config(path)  # a bad file fails at launch, not in a subprocess
+        os.environ[ENV_VAR] = os.path.abspath(path)
+    if any(getattr(server_args, f, None) == BACKEND_NAME for f in _BACKEND_FLAGS):
+        if not (server_args.disable_decode_cuda_graph and server_args.disable_prefill_cuda_graph):
+            logger.info("tokenlake attention backend: CUDA graphs disabled (host-side planning)")
+        server_args.disable_decode_cuda_graph = True
+        server_args.disable_prefill_cuda_graph = True
+    return server_args
+
+
+def register() -> None:
+    """Entry point of the ``tokenlake`` SGLang plugin (idempotent)."""
+    from sglang.srt.arg_groups.choices import (
+        ATTENTION_BACKEND_CHOICES,
+        add_attention_backend_choices,
+    )
+    from sglang.srt.layers.attention.attention_registry import (
+        ATTENTION_BACKENDS,
+        register_attention_backend,
+    )
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if ATTENTION_BACKENDS.get(BACKEND_NAME) is create_backend:
+        return
+    register_attention_backend(BACKEND_NAME)(create_backend)
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND_NAME])
+    HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", add_cli_args, HookType.AFTER)
+    HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", apply_cli_args, HookType.AFTER)

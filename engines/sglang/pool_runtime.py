@@ -1,0 +1,112 @@
+"""The pool and its data plane as the SGLang backend uses them: the one module of the backend
+that touches the control plane's iteration API and the data plane's engine calls.
+
+One SGLang forward is one pool iteration: ``begin`` plans it (one batch, DoP 1) and binds
+the buffers, every layer ``put``s then ``query``s, ``commit`` seals it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenlake.config import ModelShape, PoolConfig
+from tokenlake.engines.local_cluster import LocalCluster
+from tokenlake.errors import IterationStateError
+from tokenlake.plans import Chunk, Plans, QueryPlan
+from tokenlake.pool import Pool
+
+from .config import SGLangPoolConfig
+
+
+@dataclass(eq=False)
+class BoundIteration:
+    """One planned iteration with its bound buffers.
+
+    ``q_buf`` ``[num_rows, H_q, D]`` and ``kv_buf`` ``[num_layers, num_rows, 2, H_kv, D]``
+    hold the plan's rows request by request (``query_plan.q_indptr``), in pool dtype.
+    """
+
+    plans: Plans
+    query_plan: QueryPlan
+    q_buf: torch.Tensor
+    kv_buf: torch.Tensor
+    engine: object
+
+
+class PoolRuntime:
+    """A :class:`tokenlake.Pool` of ``config.num_instances`` instances with an in-process
+    data plane on ``device``."""
+
+    def __init__(
+        self,
+        config: SGLangPoolConfig,
+        shape: ModelShape,
+        namespace: str,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        pool_config = PoolConfig(
+            shape, config.num_instances, config.num_slots, config.segment_len, namespace
+        )
+        self.config = config
+        self.pool = Pool(pool_config)
+        self.cluster = LocalCluster(self.pool, device=device, backend=config.kernel_backend)
+        self.kernel_backend = config.kernel_backend
+        self._inflight: BoundIteration | None = None
+
+    # ---- requests --------------------------------------------------------------------
+    def match_len(self, token_ids: np.ndarray) -> int:
+        """Tokens of ``token_ids`` whose KV the pool holds (sealed segments, partial tails)."""
+        return self.pool.get_prefix_tree().match(token_ids).num_tokens
+
+    def stored_len(self, pool_id: str) -> int | None:
+        """Tokens stored for a running pool request, ``None`` if it is not running."""
+        if pool_id not in self.pool.requests:
+            return None
+        return self.pool.num_stored_tokens(pool_id)
+
+    def finish(self, pool_id: str) -> None:
+        """Release a request's pins; its partial tail stays for a later turn."""
+        if pool_id in self.pool.requests:
+            self.pool.finish(pool_id)
+
+    # ---- one iteration ---------------------------------------------------------------
+    @property
+    def inflight(self) -> BoundIteration | None:
+        return self._inflight
+
+    def begin(self, chunks: list[Chunk]) -> BoundIteration:
+        """Plan one forward's chunks as one batch and bind its buffers."""
+        if self._inflight is not None:
+            raise IterationStateError("an SGLang forward is still in flight; commit or abort it")
+        plans = self.pool.gen_plans([chunks], dops=[1])
+        try:
+            (qp,), (tp,) = plans.query_plans, plans.transfer_plans
+            engine = self.cluster.engine(qp.origin)
+            q_buf = engine.init_query(qp)
+            kv_buf = engine.init_transfer(tp)
+        except BaseException:
+            self.pool.abort(plans)
+            raise
+        self._inflight = BoundIteration(plans, qp, q_buf, kv_buf, engine)
+        return self._inflight
+
+    def put(self, it: BoundIteration, layer: int) -> None:
+        it.engine.put(it.kv_buf, layer)
+
+    def query(self, it: BoundIteration, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefix attention of ``it.q_buf``: ``o`` ``[rows, H_q, D]``, ``lse`` ``[rows, H_q]``
+        float32, natural log."""
+        return it.engine.query(it.q_buf, layer)
+
+    def commit(self) -> None:
+        if self._inflight is not None:
+            it, self._inflight = self._inflight, None
+            self.pool.commit(it.plans)
+
+    def abort(self) -> None:
+        if self._inflight is not None:
+            it, self._inflight = self._inflight, None
+            self.pool.abort(it.plans)

@@ -1,0 +1,184 @@
+"""Real SGLang objects on CPU for the backend tests, and a tiny stand-in for SGLang's
+scheduler that drives both backends with identical batches.
+
+Real: ``ReqToTokenPool``, ``MHATokenToKVPool``, ``RadixAttention``, ``ForwardBatch``,
+``ForwardMode``, ``SpeculativeAlgorithm`` and the reference ``TorchNativeAttnBackend``.
+Faked: the ``ModelRunner`` (building one needs a checkpoint, a distributed group and a GPU);
+its attributes the backend reads are checked against SGLang's source in test_sglang_api.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+from tokenlake.engines.sglang.backend import TokenLakeAttnBackend
+from tokenlake.engines.sglang.config import SGLangPoolConfig
+
+TOLERANCE = 1e-5
+
+
+def make_runner(
+    num_q_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    num_layers: int = 2,
+    kv_size: int = 2048,
+    max_reqs: int = 16,
+    max_context_len: int = 512,
+    scaling: float | None = None,
+    **layer_kwargs,
+) -> SimpleNamespace:
+    """A stand-in ``ModelRunner`` holding real SGLang pools and attention layers."""
+    scaling = head_dim**-0.5 if scaling is None else scaling
+    layers = torch.nn.ModuleList(
+        RadixAttention(num_q_heads, head_dim, scaling, num_kv_heads, i, **layer_kwargs)
+        for i in range(num_layers)
+    )
+    return SimpleNamespace(
+        device="cpu",
+        model=layers,
+        model_config=SimpleNamespace(is_encoder_decoder=False, model_path="tiny-test-model"),
+        req_to_token_pool=ReqToTokenPool(max_reqs, max_context_len, "cpu", False),
+        token_to_kv_pool=MHATokenToKVPool(
+            kv_size, 1, torch.float32, num_kv_heads, head_dim, num_layers, "cpu", False
+        ),
+        use_mla_backend=False,
+        spec_algorithm=SpeculativeAlgorithm.NONE,
+        is_hybrid_swa=False,
+        sliding_window_size=None,
+    )
+
+
+@dataclass
+class Req:
+    """A request as the stand-in scheduler sees it."""
+
+    rid: str
+    tokens: list[int]
+    row: int
+    num_cached: int = 0  # tokens whose KV is in SGLang's cache (req_to_token filled)
+    slots: list[int] = field(default_factory=list)
+
+
+class World:
+    """Drives ``TokenLakeAttnBackend`` and SGLang's ``torch_native`` backend over the same
+    real pools with the same batches, layer by layer, and records the largest difference."""
+
+    def __init__(self, config: SGLangPoolConfig, seed: int = 0, **runner_kwargs) -> None:
+        self.runner = make_runner(**runner_kwargs)
+        self.tokenlake = TokenLakeAttnBackend(self.runner, config)
+        self.reference = TorchNativeAttnBackend(self.runner)
+        self.layers = list(self.runner.model)
+        self.rtt = self.runner.req_to_token_pool
+        self.free_kv = list(range(self.runner.token_to_kv_pool.size, 0, -1))  # slot 0 is padding
+        self.reqs: dict[str, Req] = {}
+        self.seed = seed
+        self.max_err = 0.0
+        gen = torch.Generator().manual_seed(seed)
+        layer = self.layers[0]
+        h_kv, d = layer.tp_k_head_num, layer.head_dim
+        # K, V depend only on (token, position, layer), as in a real model's prefix
+        self._kv_table = torch.randn((len(self.layers), 997, 2, h_kv, d), generator=gen)
+        self._gen = gen
+
+    @property
+    def pool(self):
+        return self.tokenlake.runtime.pool
+
+    # ---- the scheduler's side ------------------------------------------------------------
+    def add(self, rid: str, tokens: list[int], share_from: str | None = None, share: int = 0):
+        """A new request; ``share`` tokens of ``share_from``'s cached KV are reused as SGLang's
+        radix cache would (same slots, no recompute)."""
+        (row,) = self.rtt.alloc_rows(1)
+        req = Req(rid, list(tokens), row)
+        if share_from is not None and share:
+            src = self.reqs[share_from]
+            assert src.tokens[:share] == req.tokens[:share] and share <= src.num_cached
+            req.slots = src.slots[:share]
+            req.num_cached = share
+            self.rtt.req_to_token[row, :share] = torch.tensor(req.slots, dtype=torch.int32)
+        self.reqs[rid] = req
+        return req
+
+    def release(self, rid: str) -> None:
+        """SGLang finished, aborted or retracted the request: its row goes back."""
+        req = self.reqs.pop(rid)
+        self.rtt.free_rows([req.row])
+
+    def step(self, work: dict[str, int], mode: ForwardMode | None = None) -> float:
+        """One forward: request ``rid`` computes its next ``work[rid]`` tokens. Returns the max
+        abs difference of the two backends' outputs over every layer."""
+        reqs = [self.reqs[rid] for rid in work]
+        new_lens = [work[r.rid] for r in reqs]
+        if mode is None:
+            decode = all(n == 1 and r.num_cached > 0 for r, n in zip(reqs, new_lens, strict=True))
+            mode = ForwardMode.DECODE if decode else ForwardMode.EXTEND
+        locs, ids, pos = [], [], []
+        for req, n in zip(reqs, new_lens, strict=True):
+            start = req.num_cached
+            while len(req.tokens) < start + n:  # decoding: the "sampled" next token
+                req.tokens.append((len(req.tokens) * 131 + 17) % 5000)
+            new_slots = [self.free_kv.pop() for _ in range(n)]
+            req.slots += new_slots
+            self.rtt.req_to_token[req.row, start : start + n] = torch.tensor(
+                new_slots, dtype=torch.int32
+            )
+            locs += new_slots
+            ids += req.tokens[start : start + n]
+            pos += list(range(start, start + n))
+        seq_lens = torch.tensor([r.num_cached + n for r, n in zip(reqs, new_lens, strict=True)])
+        prefix = [r.num_cached for r in reqs]
+        fb = ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(reqs),
+            input_ids=torch.tensor(ids),
+            req_pool_indices=torch.tensor([r.row for r in reqs]),
+            seq_lens=seq_lens,
+            out_cache_loc=torch.tensor(locs, dtype=torch.int64),
+            seq_lens_sum=int(seq_lens.sum()),
+            seq_lens_cpu=seq_lens.clone(),
+            positions=torch.tensor(pos),
+            rids=[r.rid for r in reqs],
+        )
+        if mode != ForwardMode.DECODE:
+            fb.extend_prefix_lens = torch.tensor(prefix)
+            fb.extend_seq_lens = torch.tensor(new_lens)
+            fb.extend_prefix_lens_cpu = prefix
+            fb.extend_seq_lens_cpu = new_lens
+            fb.extend_num_tokens = sum(new_lens)
+        self.tokenlake.init_forward_metadata(fb)
+        self.reference.init_forward_metadata(fb)
+        err = 0.0
+        token_ids, positions = torch.tensor(ids), torch.tensor(pos)
+        for layer in self.layers:
+            q, k, v = self._qkv(layer, token_ids, positions)
+            out = self.tokenlake.forward(q, k, v, layer, fb)
+            ref = self.reference.forward(q, k, v, layer, fb)
+            assert out.shape == ref.shape == (len(ids), layer.tp_q_head_num * layer.head_dim)
+            err = max(err, float((out - ref).abs().max()))
+        for req, n in zip(reqs, new_lens, strict=True):
+            req.num_cached += n
+        self.pool.check_invariants()
+        self.max_err = max(self.max_err, err)
+        return err
+
+    def _qkv(self, layer, token_ids, positions):
+        index = (token_ids * 31 + positions * 7) % self._kv_table.shape[1]
+        kv = self._kv_table[layer.layer_id, index]
+        q = torch.randn(
+            (len(token_ids), layer.tp_q_head_num * layer.head_dim), generator=self._gen
+        ) / math.sqrt(2)
+        return q, kv[:, 0].contiguous(), kv[:, 1].contiguous()
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 5000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
