@@ -19,7 +19,7 @@ from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from tokenlake import kernels
+from tokenlake.engines.prefix_attention import attend_with_prefix
 from tokenlake.errors import IterationStateError
 
 from .batch_map import BatchMap, RequestTable, SeqInfo, map_batch
@@ -28,34 +28,6 @@ from .model_check import UnsupportedFeatureError, check_model
 from .pool_runtime import PoolRuntime
 
 _MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED)
-
-
-def merge_prefix_and_local(
-    q: torch.Tensor,
-    kv_rows: torch.Tensor,
-    indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    o_prefix: torch.Tensor,
-    lse_prefix: torch.Tensor,
-    backend: str | None,
-) -> torch.Tensor:
-    """Causal attention of each request's last rows ``q`` over its local K/V rows, merged
-    with the prefix partial. ``q`` ``[T, H_q, D]`` (already scaled for ``1/sqrt(D)``),
-    ``kv_rows`` ``[T_kv, 2, H_kv, D]``; returns ``o`` ``[T, H_q, D]`` float32.
-
-    The single spot of this step in the backend, until the model engine's shared function
-    lands (engines/prefix_attention.py).
-    """
-    o_s, lse_s = kernels.self_attention(
-        q,
-        kv_rows[:, 0].contiguous(),
-        kv_rows[:, 1].contiguous(),
-        indptr,
-        backend=backend,
-        kv_indptr=kv_indptr,
-    )
-    o, _ = kernels.merge(o_prefix, lse_prefix, o_s, lse_s, backend=backend)
-    return o
 
 
 class TokenLakeAttnBackend(AttentionBackend):
@@ -187,17 +159,17 @@ class TokenLakeAttnBackend(AttentionBackend):
             it.q_buf.dtype
         )
         o_p, lse_p = self.runtime.query(it, li)
-        o_plan = merge_prefix_and_local(
+        o_plan, _ = attend_with_prefix(
             it.q_buf[m.plan_new_rows],
-            rows,
+            rows[:, 0].contiguous(),
+            rows[:, 1].contiguous(),
             m.new_indptr,
-            m.kv_indptr,
-            o_p[m.plan_new_rows].contiguous(),
-            lse_p[m.plan_new_rows].contiguous(),
-            self.runtime.kernel_backend,
+            o_p[m.plan_new_rows],
+            lse_p[m.plan_new_rows],
+            kv_indptr=m.kv_indptr if m.num_backfill else None,
+            backend=self.runtime.kernel_backend,
         )
-        out = torch.empty((q3.shape[0], shape.num_q_heads, shape.head_dim), dtype=q.dtype)
-        out = out.to(q.device)
+        out = q3.new_empty((q3.shape[0], shape.num_q_heads, shape.head_dim))
         out[m.plan_src_rows] = o_plan.to(q.dtype)
         self._layers_done.add(li)
         if len(self._layers_done) == shape.num_layers:
