@@ -52,7 +52,7 @@ class PoolRuntime:
         )
         self.config = config
         self.pool = Pool(pool_config)
-        self.cluster = LocalCluster(self.pool, device=device, backend=config.kernel_backend)
+        self.cluster = LocalCluster(pool_config, device=device, backend=config.kernel_backend)
         self.kernel_backend = config.kernel_backend
         self._inflight: BoundIteration | None = None
 
@@ -88,7 +88,8 @@ class PoolRuntime:
             q_buf = engine.init_query(qp)
             kv_buf = engine.init_transfer(tp)
         except BaseException:
-            self.pool.abort(plans)
+            self.pool.abort(plans)  # copies of init_transfer may have run
+            self.cluster.retire(plans.epoch)
             raise
         self._inflight = BoundIteration(plans, qp, q_buf, kv_buf, engine)
         return self._inflight
@@ -102,11 +103,16 @@ class PoolRuntime:
         return it.engine.query(it.q_buf, layer)
 
     def commit(self) -> None:
+        """Seal the iteration once every put landed."""
         if self._inflight is not None:
             it, self._inflight = self._inflight, None
+            it.engine.synchronize()
             self.pool.commit(it.plans)
+            self.cluster.retire(it.plans.epoch)
 
     def abort(self) -> None:
+        """Undo the iteration (a forward that failed part-way: its puts may have run)."""
         if self._inflight is not None:
             it, self._inflight = self._inflight, None
-            self.pool.abort(it.plans)
+            self.pool.abort(it.plans, executed=True)
+            self.cluster.retire(it.plans.epoch)
