@@ -5,6 +5,7 @@ request rate, and report P90 goodput, hit rate and per-instance load CV per syst
     python -m benchmarks.goodput --trace my_trace.jsonl.gz --goodput        # your own trace
     python -m benchmarks.goodput --trace t.jsonl.xz --time-scale 0.5        # one replay, 2x speed
     python -m benchmarks.goodput --workload loogle --rates 0.5,1,2          # latency vs rate
+    python -m benchmarks.goodput --real [--quick]   # the real CPU mini-cluster (benchmarks/real_cluster.py)
 
 Workloads are named presets (real traces and generators) or any Mooncake-format trace
 (``--trace``; see ``benchmarks/traces.py`` for the schema). TokenLake runs through the real
@@ -271,6 +272,11 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--real"]:  # real model forwards instead of the simulator (its own options)
+        from benchmarks.real_cluster import main as real_main
+
+        return real_main(argv[1:])
     args = parse_args(argv)
     try:
         summary = run(args)
