@@ -120,7 +120,11 @@ class TokenLakeSystem:
         seg = self.segment_len
         while self.waiting:
             job = self.waiting[0]
-            prompt = prompt_tokens(job.req, job.block_size)[: job.input_len]
+            prompt = job.extra.get("prompt")
+            if prompt is None:
+                prompt = job.extra["prompt"] = prompt_tokens(job.req, job.block_size)[
+                    : job.input_len
+                ]
             match = tree.match(prompt)
             shared = [node.key for node in match.nodes]
             own = -(-(job.input_len + job.req.output_len) // seg) - len(shared)
@@ -192,11 +196,8 @@ class TokenLakeSystem:
     def iteration_time(self, plans, has_prefill: bool) -> tuple[float, np.ndarray]:
         """Seconds of one synchronous iteration, and KV tokens read per instance."""
         n, seg, timer = self.spec.num_instances, self.segment_len, self.timer
-        kv_bytes = self.spec.kv_bytes_per_token
-        busy, reads = np.zeros(n), np.zeros(n)
-        near, far = np.zeros(n), np.zeros(n)  # bytes sent over NVLink / InfiniBand
-        decode_kv = np.zeros(n)  # one-row entries, batched per holder
-        node = self.node
+        busy = np.zeros(n)
+        entries, puts = [], []  # per sub-batch: (rows, tokens, holders, origin) / (dst, tokens, o)
         for qp, tp in zip(plans.query_plans, plans.transfer_plans, strict=True):
             o = qp.origin
             rows = np.diff(qp.q_indptr)
@@ -205,27 +206,37 @@ class TokenLakeSystem:
                 list(zip(first.tolist(), (first + rows).tolist(), strict=True))
             )
             if len(qp.entry_req):
-                e_rows = rows[qp.entry_req]
-                e_tok = (np.diff(qp.kv_indptr) - 1) * seg + qp.last_len
-                e_holder = np.repeat(qp.holder_ids, np.diff(qp.holder_indptr))
-                np.add.at(reads, e_holder, e_rows * e_tok)
-                one = e_rows == 1
-                np.add.at(decode_kv, e_holder[one], e_tok[one])
-                for h, r, t in zip(e_holder[~one], e_rows[~one], e_tok[~one], strict=True):
-                    busy[h] += timer.query_time(int(r), int(t))
-                remote = e_holder != o
-                same = node[e_holder] == node[o]
-                near[o] += e_rows[remote & same].sum() * self.q_row_bytes
-                far[o] += e_rows[remote & ~same].sum() * self.q_row_bytes
-            for d, dst in enumerate(tp.dst_ids):
-                if dst != o:
-                    lo, hi = tp.dst_indptr[d], tp.dst_indptr[d + 1]
-                    put = int(tp.run_len[lo:hi].sum()) * kv_bytes
-                    (near if node[dst] == node[o] else far)[o] += put
-        for h in np.flatnonzero(decode_kv):
-            busy[h] += timer.query_time(1, int(decode_kv[h]))
+                holders = np.repeat(qp.holder_ids, np.diff(qp.holder_indptr))
+                tokens = (np.diff(qp.kv_indptr) - 1) * seg + qp.last_len
+                entries.append((rows[qp.entry_req], tokens, holders, np.full(len(holders), o)))
+            if len(tp.dst_ids):
+                cum = np.concatenate([[0], np.cumsum(tp.run_len)])
+                sent = cum[tp.dst_indptr[1:]] - cum[tp.dst_indptr[:-1]]
+                puts.append((np.asarray(tp.dst_ids), sent, np.full(len(sent), o)))
+        near, far = np.zeros(n), np.zeros(n)  # bytes each origin sends over NVLink / InfiniBand
+        reads = np.zeros(n)
+        if entries:
+            rows, tokens, holders, origins = (np.concatenate(x) for x in zip(*entries, strict=True))
+            reads = np.bincount(holders, weights=rows * tokens, minlength=n)
+            one = rows == 1  # decode rows: one batched query per holder
+            decode_kv = np.bincount(holders[one], weights=tokens[one], minlength=n)
+            for h in np.flatnonzero(decode_kv):
+                busy[h] += timer.query_time(1, int(decode_kv[h]))
+            for h, r, t in zip(holders[~one], rows[~one], tokens[~one], strict=True):
+                busy[h] += timer.query_time(int(r), int(t))
+            self._add_traffic(near, far, origins, holders, rows * self.q_row_bytes)
+        if puts:
+            dsts, sent, origins = (np.concatenate(x) for x in zip(*puts, strict=True))
+            self._add_traffic(near, far, origins, dsts, sent * self.spec.kv_bytes_per_token)
         hw = timer.hardware
         net = near / hw.intra_node_bandwidth + far / hw.inter_node_bandwidth
         cfg = timer.config
         overhead = cfg.prefill_overhead_s if has_prefill else cfg.decode_overhead_s
         return overhead + float(np.max(np.maximum(busy, net))), reads
+
+    def _add_traffic(self, near, far, src, dst, num_bytes) -> None:
+        """Add ``num_bytes[i]`` sent by ``src[i]`` to ``dst[i]`` (nothing when they are equal)."""
+        n, remote = len(near), src != dst
+        same = self.node[src] == self.node[dst]
+        near += np.bincount(src[remote & same], weights=num_bytes[remote & same], minlength=n)
+        far += np.bincount(src[remote & ~same], weights=num_bytes[remote & ~same], minlength=n)
