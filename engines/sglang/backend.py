@@ -177,6 +177,21 @@ class TokenLakeAttnBackend(AttentionBackend):
             self._layers_done.clear()
         return out.reshape(-1, shape.num_q_heads * shape.head_dim)
 
+    # ---- load-back into SGLang's cache (engines/sglang/radix_cache.py) -------------------
+    def load_prefix(self, token_ids: np.ndarray, lo: int, hi: int, slots: torch.Tensor) -> None:
+        """Copy the pool's K/V of tokens ``lo:hi`` of ``token_ids`` into SGLang's KV cache at
+        ``slots`` (``hi - lo`` slot ids), so SGLang can reuse a prefix only the pool held."""
+        kv = self.runtime.read_kv(token_ids, lo, hi)
+        cache = self.token_to_kv_pool
+        slots = slots.to(self.device).long()
+        for li in range(self.shape.num_layers):
+            layer_id = li + self.start_layer
+            k_buf, v_buf = cache.get_key_buffer(layer_id), cache.get_value_buffer(layer_id)
+            k_buf[slots] = kv[li, :, 0].to(k_buf.dtype)
+            v_buf[slots] = kv[li, :, 1].to(v_buf.dtype)
+        ids = torch.from_numpy(np.ascontiguousarray(token_ids[lo:hi], dtype=np.int32))
+        self.slot_tokens[slots] = ids.to(self.device)
+
     # ---- what cannot be captured -------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         raise UnsupportedFeatureError(

@@ -7,8 +7,11 @@ before it parses the command line, and each scheduler subprocess). It
   only when the backend is built) and adds it to ``--attention-backend``'s choices;
 * adds ``--tokenlake-config FILE`` to SGLang's command line and exports it as
   ``TOKENLAKE_CONFIG`` for the subprocesses;
-* turns SGLang's CUDA graphs off when ``tokenlake`` is the attention backend (every batch is
-  planned on the host, which a captured graph cannot replay).
+* registers the radix cache ``tokenlake`` (:mod:`.radix_cache`: SGLang's prefix matcher
+  consulting the pool);
+* when ``tokenlake`` is the attention backend, turns SGLang's CUDA graphs off (every batch is
+  planned on the host, which a captured graph cannot replay) and selects that radix cache
+  unless ``--radix-cache-backend`` or ``--disable-radix-cache`` says otherwise.
 """
 
 from __future__ import annotations
@@ -33,6 +36,13 @@ def create_backend(model_runner):
     return TokenLakeAttnBackend(model_runner)
 
 
+def create_radix_cache(ctx):
+    """The registered radix-cache factory: ``fn(TreeCacheBuildContext) -> BasePrefixCache``."""
+    from .radix_cache import create_radix_cache as create
+
+    return create(ctx)
+
+
 def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs) -> None:
     """AFTER hook of ``ServerArgs.add_cli_args``."""
     parser.add_argument(
@@ -46,7 +56,8 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs) -> No
 
 
 def apply_cli_args(server_args, cls, args: argparse.Namespace, *rest, **kwargs):
-    """AFTER hook of ``ServerArgs.from_cli_args``: export the config path, disable graphs."""
+    """AFTER hook of ``ServerArgs.from_cli_args``: export the config path; with the tokenlake
+    attention backend, disable CUDA graphs and select the pool-consulting radix cache."""
     path = getattr(args, "tokenlake_config", None)
     if path:
         load_config(path)  # a bad file fails at launch, not in a subprocess
@@ -56,6 +67,8 @@ def apply_cli_args(server_args, cls, args: argparse.Namespace, *rest, **kwargs):
             logger.info("tokenlake attention backend: CUDA graphs disabled (host-side planning)")
         server_args.disable_decode_cuda_graph = True
         server_args.disable_prefill_cuda_graph = True
+        if server_args.radix_cache_backend is None and not server_args.disable_radix_cache:
+            server_args.radix_cache_backend = BACKEND_NAME
     return server_args
 
 
@@ -69,6 +82,10 @@ def register() -> None:
         ATTENTION_BACKENDS,
         register_attention_backend,
     )
+    from sglang.srt.mem_cache.registry import (
+        get_radix_cache_factory,
+        register_radix_cache_backend,
+    )
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if ATTENTION_BACKENDS.get(BACKEND_NAME) is create_backend:
@@ -76,5 +93,7 @@ def register() -> None:
     register_attention_backend(BACKEND_NAME)(create_backend)
     if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([BACKEND_NAME])
+    if get_radix_cache_factory(BACKEND_NAME) is None:
+        register_radix_cache_backend(BACKEND_NAME, create_radix_cache)
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", add_cli_args, HookType.AFTER)
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", apply_cli_args, HookType.AFTER)

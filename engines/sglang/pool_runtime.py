@@ -14,7 +14,7 @@ import torch
 
 from tokenlake.config import ModelShape, PoolConfig
 from tokenlake.engines.local_cluster import LocalCluster
-from tokenlake.errors import IterationStateError
+from tokenlake.errors import InvalidArgumentError, IterationStateError
 from tokenlake.plans import Chunk, Plans, QueryPlan
 from tokenlake.pool import Pool
 
@@ -66,6 +66,35 @@ class PoolRuntime:
         if pool_id not in self.pool.requests:
             return None
         return self.pool.num_stored_tokens(pool_id)
+
+    def read_kv(self, token_ids: np.ndarray, lo: int, hi: int) -> torch.Tensor:
+        """K and V of tokens ``lo:hi`` of a prefix the pool holds (``match_len(token_ids) >=
+        hi``), read from the in-process instances' slots: ``[num_layers, hi - lo, 2, H_kv,
+        D]`` in pool dtype. No iteration may be in flight (its puts could still move data)."""
+        if self._inflight is not None:
+            raise IterationStateError("read_kv: an SGLang forward is in flight")
+        match = self.pool.get_prefix_tree().match(token_ids[:hi])
+        if not 0 <= lo <= hi <= match.num_tokens:
+            raise InvalidArgumentError(
+                f"lo/hi: expected 0 <= lo <= hi <= {match.num_tokens} cached tokens, got {lo}, {hi}"
+            )
+        nodes = list(match.nodes) + ([match.partial] if match.partial_len else [])
+        seg, offset = np.divmod(np.arange(lo, hi), self.config.segment_len)
+        where = np.array([nodes[s].replicas[0] for s in seg.tolist()], dtype=np.int64)
+        where = where.reshape(-1, 2)  # (instance_id, slot_id) per token
+        shape = self.pool.config.model
+        out = torch.empty(
+            (shape.num_layers, hi - lo, 2, shape.num_kv_heads, shape.head_dim),
+            dtype=shape.torch_dtype,
+            device=self.cluster.kv_pools[0].data.device,
+        )
+        for instance in np.unique(where[:, 0]).tolist():
+            rows = np.flatnonzero(where[:, 0] == instance)
+            data = self.cluster.kv_pools[instance].data  # [L, S, 2, C, H_kv, D]
+            slot = torch.from_numpy(where[rows, 1]).to(data.device)
+            off = torch.from_numpy(offset[rows]).to(data.device)
+            out[:, torch.from_numpy(rows).to(data.device)] = data[:, slot, :, off].transpose(0, 1)
+        return out
 
     def finish(self, pool_id: str) -> None:
         """Release a request's pins; its partial tail stays for a later turn."""

@@ -75,6 +75,7 @@ class World:
 
     def __init__(self, config: SGLangPoolConfig, seed: int = 0, **runner_kwargs) -> None:
         self.runner = make_runner(**runner_kwargs)
+        self.allocator = None  # SGLang's slot allocator, when a test sets one
         self.tokenlake = TokenLakeAttnBackend(self.runner, config)
         self.reference = TorchNativeAttnBackend(self.runner)
         self.layers = list(self.runner.model)
@@ -95,17 +96,28 @@ class World:
         return self.tokenlake.runtime.pool
 
     # ---- the scheduler's side ------------------------------------------------------------
-    def add(self, rid: str, tokens: list[int], share_from: str | None = None, share: int = 0):
+    def add(
+        self,
+        rid: str,
+        tokens: list[int],
+        share_from: str | None = None,
+        share: int = 0,
+        prefix_slots: list[int] | None = None,
+    ):
         """A new request; ``share`` tokens of ``share_from``'s cached KV are reused as SGLang's
-        radix cache would (same slots, no recompute)."""
+        radix cache would (same slots, no recompute), or the slots of a radix-cache match."""
         (row,) = self.rtt.alloc_rows(1)
         req = Req(rid, list(tokens), row)
         if share_from is not None and share:
             src = self.reqs[share_from]
             assert src.tokens[:share] == req.tokens[:share] and share <= src.num_cached
-            req.slots = src.slots[:share]
-            req.num_cached = share
-            self.rtt.req_to_token[row, :share] = torch.tensor(req.slots, dtype=torch.int32)
+            prefix_slots = src.slots[:share]
+        if prefix_slots:
+            req.slots = list(prefix_slots)
+            req.num_cached = len(prefix_slots)
+            self.rtt.req_to_token[row, : req.num_cached] = torch.tensor(
+                req.slots, dtype=torch.int32
+            )
         self.reqs[rid] = req
         return req
 
@@ -127,7 +139,10 @@ class World:
             start = req.num_cached
             while len(req.tokens) < start + n:  # decoding: the "sampled" next token
                 req.tokens.append((len(req.tokens) * 131 + 17) % 5000)
-            new_slots = [self.free_kv.pop() for _ in range(n)]
+            if self.allocator is not None:
+                new_slots = self.allocator.alloc(n).tolist()
+            else:
+                new_slots = [self.free_kv.pop() for _ in range(n)]
             req.slots += new_slots
             self.rtt.req_to_token[req.row, start : start + n] = torch.tensor(
                 new_slots, dtype=torch.int32

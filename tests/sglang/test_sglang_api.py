@@ -89,7 +89,8 @@ def test_backend_overrides_match_attention_backend() -> None:
         _class(_tree(SGLANG / "srt/layers/attention/base_attn_backend.py"), "AttentionBackend")
     )
     ours = _methods(_class(_tree(ADAPTER / "backend.py"), "TokenLakeAttnBackend"))
-    overridden = {n for n in ours if not n.startswith("_")}
+    assert {n for n in ours if not n.startswith("_")} - set(base) == {"load_prefix"}
+    overridden = {n for n in ours if n in base}
     assert overridden == {
         "init_forward_metadata",
         "forward_extend",
@@ -124,6 +125,30 @@ def test_registration_hooks_exist() -> None:
     assert "AFTER" in _names_assigned(_class(hooks, "HookType"))
     plugins = (SGLANG / "srt/plugins/__init__.py").read_text()
     assert 'GENERAL_PLUGINS_GROUP = "sglang.srt.plugins"' in plugins
+
+
+def test_radix_cache_hooks_match() -> None:
+    registry = _tree(SGLANG / "srt/mem_cache/registry.py")
+    funcs = {n.name: n for n in registry.body if isinstance(n, ast.FunctionDef)}
+    assert _params(funcs["register_radix_cache_backend"])[0] == ["name", "factory"]
+    assert _params(funcs["get_radix_cache_factory"])[0] == ["name"]
+    create = funcs["create_unified_radix_cache"]
+    assert _params(create)[0] == ["ctx"] and "cache_class" in [
+        a.arg for a in create.args.kwonlyargs
+    ]
+    assert "tp_worker" in _names_assigned(_class(registry, "TreeCacheBuildContext"))
+    unified = _methods(
+        _class(_tree(SGLANG / "srt/mem_cache/unified_radix_cache.py"), "UnifiedRadixCache")
+    )
+    ours = _methods(_class(_tree(ADAPTER / "radix_cache.py"), "TokenLakeRadixCache"))
+    assert _params(ours["match_prefix"]) == _params(unified["match_prefix"])
+    base = _tree(SGLANG / "srt/mem_cache/base_prefix_cache.py")
+    assert "prev_prefix_len" in _names_assigned(_class(base, "InsertParams"))
+    assert "device_prefix_len" in _names_assigned(_class(base, "MatchResult"))
+    prefix_cache = _methods(_class(base, "BasePrefixCache"))
+    assert {"lock", "unlock", "evict", "path_device_indices"} <= set(prefix_cache)
+    memory = _names_assigned(_tree(SGLANG / "srt/arg_groups/fields/memory.py"))
+    assert {"radix_cache_backend", "disable_radix_cache"} <= memory
 
 
 def test_server_args_hooks_match() -> None:

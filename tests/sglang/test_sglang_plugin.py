@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from importlib.metadata import entry_points
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +15,7 @@ sgl_world = pytest.importorskip("sgl_world", reason="sglang is not installed")
 import torch  # noqa: E402
 from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES  # noqa: E402
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  # noqa: E402
+from sglang.srt.mem_cache.registry import get_radix_cache_factory  # noqa: E402
 from sglang.srt.plugins import load_plugins  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
@@ -50,6 +52,7 @@ def test_command_line_selects_backend_and_exports_config(loaded, tmp_path, monke
     )
     assert args.attention_backend == "tokenlake"
     assert args.disable_decode_cuda_graph and args.disable_prefill_cuda_graph
+    assert args.radix_cache_backend == "tokenlake"  # the pool-consulting prefix matcher
     # what a scheduler subprocess then builds through the registered factory
     backend = ATTENTION_BACKENDS["tokenlake"](sgl_world.make_runner(kv_size=4000))
     assert isinstance(backend, TokenLakeAttnBackend)
@@ -58,6 +61,20 @@ def test_command_line_selects_backend_and_exports_config(loaded, tmp_path, monke
     assert cfg.namespace == "tiny-test-model"
     other = prepare_server_args(["--model-path", str(tmp_path / "model")])
     assert not other.disable_decode_cuda_graph  # other backends keep their graphs
+    assert other.radix_cache_backend is None
+    kept = prepare_server_args(
+        ["--model-path", str(tmp_path / "model"), "--attention-backend", "tokenlake"]
+        + ["--disable-radix-cache"]
+    )
+    assert kept.radix_cache_backend is None
+
+
+def test_radix_cache_factory_needs_the_tokenlake_backend(loaded) -> None:
+    assert get_radix_cache_factory("tokenlake") is plugin.create_radix_cache
+    runner = SimpleNamespace(attn_backend=object())
+    ctx = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=runner))
+    with pytest.raises(UnsupportedFeatureError, match="needs --attention-backend tokenlake"):
+        plugin.create_radix_cache(ctx)
 
 
 def test_bad_config_fails_at_launch(loaded, tmp_path) -> None:
