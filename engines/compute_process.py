@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ import zmq
 
 from tokenlake import plan_wire, wire
 from tokenlake.engines import messages
+from tokenlake.engines.auth import AuthError, ClusterSecret, FrameAuth
 from tokenlake.engines.cluster_base import ClusterBase
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
 from tokenlake.engines.driver import Driver
@@ -39,6 +41,7 @@ from tokenlake.engines.shared_buffers import InstanceBuffers, Layout
 from tokenlake.engines.transport import Requester, Server, bind_random
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.plans import Chunk, Plans
+from tokenlake.wire import WireError
 
 _MAX_RESULT_BYTES = 1 << 30
 
@@ -54,6 +57,7 @@ class ComputeSpec:
     buffers: tuple[InstanceBuffers, ...]
     endpoints: dict[tuple[str, int], str]
     lost: frozenset[int]
+    secret_path: str
     make_program: Callable[[], Callable]
     ready_endpoint: str
     parent_pid: int
@@ -65,14 +69,15 @@ class ComputeClients(ClusterBase):
 
     def __init__(self, driver: Driver, num_instances: int) -> None:
         self._driver = driver
+        self.stats: Counter = Counter()  # frames this process's server rejected
         self._make_clients(num_instances)
 
 
 class _Worker:
-    def __init__(self, spec: ComputeSpec, ctx: zmq.Context) -> None:
+    def __init__(self, spec: ComputeSpec, ctx: zmq.Context, auth: FrameAuth) -> None:
         n = spec.layout.num_instances
         requester = Requester(
-            ctx, spec.config.timeout_s, spec.config.poll_interval_s, lambda key: True
+            ctx, spec.config.timeout_s, spec.config.poll_interval_s, lambda key: True, auth
         )
         for key, endpoint in spec.endpoints.items():
             if key[1] not in spec.lost:
@@ -106,19 +111,23 @@ class _Worker:
 def main(spec: ComputeSpec) -> None:
     """Entry point of a compute process (``multiprocessing`` spawn target)."""
     torch.set_num_threads(1)
+    auth = FrameAuth(ClusterSecret.from_file(spec.secret_path))
     ctx = zmq.Context()
-    server = Server(ctx, spec.config.host)
+    server = Server(ctx, spec.config.host, auth)
     ready = ctx.socket(zmq.PUSH)
     ready.setsockopt(zmq.LINGER, 1000)
     try:
-        worker = _Worker(spec, ctx)
+        worker = _Worker(spec, ctx, auth)
         ready.connect(spec.ready_endpoint)
         ready.send(
-            messages.encode(
-                messages.Ready("compute", spec.instance_ids[0], server.endpoint, os.getpid())
+            auth.seal(
+                messages.encode(
+                    messages.Ready("compute", spec.instance_ids[0], server.endpoint, os.getpid())
+                ),
+                spec.ready_endpoint.encode(),
             )
         )
-        server.serve(worker.handle, spec.parent_pid)
+        server.serve(worker.handle, spec.parent_pid, worker.clients.stats)
     finally:
         ready.close()
         server.close()
@@ -162,13 +171,17 @@ class ComputeProcesses:
         for g in groups:
             spec = ComputeSpec(
                 g, cfg, cluster.layout, cluster.backend, tuple(cluster.buffers),
-                cluster.endpoints, frozenset(cluster.lost), make_program, endpoint, os.getpid(),
+                cluster.endpoints, frozenset(cluster.lost), cluster.secret_path, make_program,
+                endpoint, os.getpid(),
             )  # fmt: skip
             p = spawn.Process(target=main, args=(spec,), name=f"tokenlake-compute-{g[0]}")
             p.daemon = True
             p.start()
             self._procs.append(p)
-        self._requester = Requester(self._ctx, cfg.timeout_s, cfg.poll_interval_s, self._alive)
+        self._auth = FrameAuth(cluster.secret)
+        self._requester = Requester(
+            self._ctx, cfg.timeout_s, cfg.poll_interval_s, self._alive, self._auth
+        )
         try:
             found = 0
             while found < len(groups):
@@ -177,7 +190,10 @@ class ComputeProcesses:
                         raise PeerFailedError(groups[k][0], "compute", f"exited ({p.exitcode})")
                 if ready.poll(int(cfg.startup_timeout_s * 1000)) == 0:
                     raise PeerFailedError(groups[0][0], "compute", "not ready in time")
-                msg = messages.decode(ready.recv())
+                try:
+                    msg = messages.decode(self._auth.open(ready.recv(), endpoint.encode()))
+                except (AuthError, WireError):
+                    continue
                 k = self._owner[msg.instance_id]
                 self._requester.connect(("compute", k), msg.endpoint)
                 found += 1

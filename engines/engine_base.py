@@ -1,19 +1,27 @@
 """What the query and the transfer engine share, in a process of their own or in the
-caller's: the buffers of their host, the layout, the bindings and message dispatch."""
+caller's: the buffers of their host, the layout, the bindings, counters, and dispatch of
+messages whose every field is checked against the engine's own geometry before anything
+is touched (a message is hostile until checked)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from tokenlake import plan_wire, wire
 from tokenlake.config import ModelShape
 from tokenlake.engines import messages, process_group
 from tokenlake.engines.shared_buffers import InstanceBuffers, InstanceViews, Layout
 from tokenlake.errors import InvalidArgumentError
+from tokenlake.plan_wire import check_id
 
 ROLES = ("query", "transfer")
+BACKENDS = ("", "torch", "cpu", "flashinfer")
+TAG_SPACE = 1 << 30
+MAX_BINDINGS_PER_ORIGIN = 64
 
 
 @dataclass(frozen=True)
@@ -31,7 +39,8 @@ class EngineHost:
 
 
 class EngineBase:
-    """Dispatches decoded messages to ``handlers`` by type; owns the buffer views."""
+    """Dispatches decoded messages to ``handlers`` by type; owns the buffer views and the
+    counters (:attr:`stats`, answered to a :class:`messages.Stats`)."""
 
     role = ""
 
@@ -44,14 +53,16 @@ class EngineBase:
         self.backend: str | None = None
         self.bindings: dict[tuple[int, int], object] = {}
         self.staging = None  # point-to-point buffers, when instances are separate hosts
+        self.stats: Counter = Counter()
         self.sync = None
         if host.event_handles:
             from tokenlake.engines.gpu import EventWaiter
 
             self.sync = EventWaiter(self.device, host.event_handles)
-        self.handlers: dict[type, Callable[[object], None]] = {
+        self.handlers: dict[type, Callable[[object], bytes | None]] = {
             messages.Configure: self.configure,
-            messages.Stop: lambda message: None,
+            messages.Stats: lambda m: wire.packb(dict(self.stats)),
+            messages.Stop: lambda m: None,
         }
 
     @property
@@ -64,56 +75,85 @@ class EngineBase:
     def device(self) -> torch.device:
         return self.host.buffers[self.instance_id].raw["pool"].device
 
-    def handle(self, message: object) -> None:
+    @property
+    def limits(self) -> plan_wire.PlanLimits:
+        lay = self.own.pool and self.layout  # raises until configured
+        return plan_wire.PlanLimits(lay.num_instances, lay.num_slots, lay.segment_len)
+
+    def handle(self, message: object) -> bytes | None:
         handler = self.handlers.get(type(message))
         if handler is None:
             raise InvalidArgumentError(
                 f"message: a {self.role} engine does not handle {type(message).__name__}"
             )
-        handler(message)
+        return handler(message)
 
     def configure(self, m: messages.Configure) -> None:
+        if m.backend not in BACKENDS:
+            raise InvalidArgumentError(f"backend: expected one of {BACKENDS}, got {m.backend!r}")
         model = ModelShape(m.num_layers, m.num_q_heads, m.num_kv_heads, m.head_dim, m.dtype)
+        for name in ("num_slots", "segment_len", "max_q_rows", "max_kv_rows"):
+            check_id(name, getattr(m, name) - 1, 1 << 40)
         layout = Layout(
-            model,
-            self.host.num_instances,
-            m.num_slots,
-            m.segment_len,
-            m.max_q_rows,
-            m.max_kv_rows,
+            model, self.host.num_instances, m.num_slots, m.segment_len, m.max_q_rows, m.max_kv_rows
         )
-        self.views = {i: b.views(layout) for i, b in self.host.buffers.items()}
-        self.layout = layout
+        views = {i: b.views(layout) for i, b in self.host.buffers.items()}  # checks the fit
         if self.group is not None:
             if hasattr(self.staging, "close"):
                 self.staging.close()
             self.staging = process_group.make_staging(
                 self.group, self.host.group_backend, _staging_bytes(layout), self.device
             )
+        self.views, self.layout = views, layout
         self.backend = m.backend or None
         self.bindings.clear()
 
+    # ---- checks of message fields against this engine's geometry --------------------------
     def peer_views(self, origin: int) -> InstanceViews:
+        check_id("origin", origin, self.host.num_instances)
         views = self.views.get(origin)
         if views is None:
             raise InvalidArgumentError(f"origin: instance {origin} is not on this host")
         return views
 
     def check_layer(self, layer: int) -> int:
-        if not 0 <= layer < self.own.pool.num_layers:
-            raise InvalidArgumentError(f"layer: expected 0..{self.own.pool.num_layers - 1}")
-        return layer
+        return check_id("layer", layer, self.own.pool.num_layers)
 
-    def drop_older(self, origin: int, epoch: int) -> None:
-        """Forget ``origin``'s bindings of earlier iterations (they can never run again)."""
-        self.bindings = {
-            k: b for k, b in self.bindings.items() if k[0] != origin or b.epoch >= epoch
-        }
+    def check_tag(self, tag: int, remote: bool) -> int:
+        """``-1`` (shared buffers, on this host) or a point-to-point tag block."""
+        if not remote:
+            if tag != -1:
+                raise InvalidArgumentError(f"tag: expected -1 on one host, got {tag!r}")
+            return tag
+        if self.group is None:
+            raise InvalidArgumentError("tag: this engine has no point-to-point group")
+        return check_id("tag", tag, TAG_SPACE)
+
+    def check_rank(self, name: str, ranks) -> None:
+        world = 1 + 2 * self.host.num_instances
+        plan_wire.check_values(name, plan_wire.check_array(name, ranks), 0, world)
+        own = process_group.rank_of(self.role, self.instance_id, self.host.num_instances)
+        if len(ranks) and bool((ranks == own).any()):
+            raise InvalidArgumentError(f"{name}: this engine's own rank {own}")
+
+    def add_binding(self, origin: int, epoch: int, binding: int, value) -> None:
+        """Bind ``value`` as ``(origin, binding)``; forget ``origin``'s bindings of earlier
+        iterations (they can never run again)."""
+        check_id("origin", origin, self.host.num_instances)
+        check_id("epoch", epoch, 1 << 62)
+        check_id("binding", binding, 1 << 62)
+        kept = {k: b for k, b in self.bindings.items() if k[0] != origin or b.epoch >= epoch}
+        if sum(k[0] == origin for k in kept) >= MAX_BINDINGS_PER_ORIGIN:
+            raise InvalidArgumentError(
+                f"binding: origin {origin} holds {MAX_BINDINGS_PER_ORIGIN} bindings already"
+            )
+        kept[(origin, binding)] = value
+        self.bindings = kept
 
     def binding(self, origin: int, binding: int):
         found = self.bindings.get((origin, binding))
         if found is None:
-            raise InvalidArgumentError(f"binding: unknown binding {binding} of origin {origin}")
+            raise InvalidArgumentError(f"binding: unknown binding {binding!r} of origin {origin!r}")
         return found
 
 

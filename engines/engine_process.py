@@ -12,6 +12,7 @@ import torch
 import zmq
 
 from tokenlake.engines import messages, process_group
+from tokenlake.engines.auth import ClusterSecret, FrameAuth
 from tokenlake.engines.engine_base import ROLES, EngineHost
 from tokenlake.engines.process_group import GroupSpec
 from tokenlake.engines.transport import Server
@@ -23,6 +24,7 @@ class EngineSpec:
 
     role: str
     host: EngineHost
+    secret_path: str  # a 0600 file holding the cluster secret (never the secret itself)
     ready_endpoint: str
     bind_host: str
     parent_pid: int
@@ -48,22 +50,29 @@ def main(spec: EngineSpec) -> None:
             cpu.set_num_threads(spec.kernel_threads)
     else:
         from tokenlake.engines.transfer_engine import TransferEngine as engine_cls
+    secret = ClusterSecret.from_file(spec.secret_path)
+    auth = FrameAuth(secret)
     ctx = zmq.Context()
-    server = Server(ctx, spec.bind_host)
+    server = Server(ctx, spec.bind_host, auth)
     ready = ctx.socket(zmq.PUSH)
     ready.setsockopt(zmq.LINGER, 1000)
     group = None
     try:
         ready.connect(spec.ready_endpoint)
         ready.send(
-            messages.encode(messages.Ready(spec.role, instance_id, server.endpoint, os.getpid()))
+            auth.seal(
+                messages.encode(
+                    messages.Ready(spec.role, instance_id, server.endpoint, os.getpid())
+                ),
+                spec.ready_endpoint.encode(),
+            )
         )
         if spec.group is not None:
             rank = process_group.rank_of(spec.role, instance_id, spec.host.num_instances)
-            store = process_group.make_store(spec.group, is_master=False)
+            store = process_group.make_store(spec.group, secret)
             group = process_group.connect(spec.group, store, rank)
         engine = engine_cls(spec.host, group)
-        server.serve(engine.handle, spec.parent_pid)
+        server.serve(engine.handle, spec.parent_pid, engine.stats)
     finally:
         process_group.shutdown(group)
         ready.close()

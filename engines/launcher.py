@@ -13,12 +13,14 @@ import torch.multiprocessing as mp
 import zmq
 
 from tokenlake.engines import messages
+from tokenlake.engines.auth import AuthError, FrameAuth
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
 from tokenlake.engines.engine_base import EngineHost
 from tokenlake.engines.engine_process import EngineSpec, main
 from tokenlake.engines.process_group import GroupSpec
 from tokenlake.engines.shared_buffers import InstanceBuffers
 from tokenlake.engines.transport import bind_random
+from tokenlake.wire import WireError
 
 Key = tuple[str, int]  # (role, instance_id)
 
@@ -49,7 +51,10 @@ class EngineProcesses:
         buffers: list[InstanceBuffers],
         group: GroupSpec | None,
         event_handles: dict[int, bytes] | None,
+        auth: FrameAuth,
+        secret_path: str,
     ) -> None:
+        self._auth, self._secret_path = auth, secret_path
         self.config = config
         self._ctx = ctx
         self._buffers = buffers
@@ -76,8 +81,9 @@ class EngineProcesses:
                     self._group.backend if self._group else "gloo", self._event_handles,
                 )  # fmt: skip
                 spec = EngineSpec(
-                    role, host, endpoint, cfg.host, os.getpid(), cfg.kernel_threads, self._group
-                )
+                    role, host, self._secret_path, endpoint, cfg.host, os.getpid(),
+                    cfg.kernel_threads, self._group,
+                )  # fmt: skip
                 p = spawn.Process(
                     target=main, args=(spec,), name=f"tokenlake-{role}-{i}", daemon=True
                 )
@@ -87,11 +93,11 @@ class EngineProcesses:
             self._finalizer = weakref.finalize(
                 self, stop_processes, list(self.processes.values()), 2.0
             )
-            return self._wait_ready(ready, keys)
+            return self._wait_ready(ready, keys, endpoint.encode())
         finally:
             ready.close(linger=0)
 
-    def _wait_ready(self, ready: zmq.Socket, keys: list[Key]) -> dict[Key, str]:
+    def _wait_ready(self, ready: zmq.Socket, keys: list[Key], audience: bytes) -> dict[Key, str]:
         endpoints = {}
         deadline = time.monotonic() + self.config.startup_timeout_s
         while len(endpoints) < len(keys):
@@ -103,7 +109,10 @@ class EngineProcesses:
                 missing = sorted(set(keys) - set(endpoints))
                 raise PeerFailedError(missing[0][1], missing[0][0], "not ready in time")
             if ready.poll(100):
-                msg = messages.decode(ready.recv())
+                try:
+                    msg = messages.decode(self._auth.open(ready.recv(), audience))
+                except (AuthError, WireError):
+                    continue  # not from an engine of ours
                 endpoints[(msg.role, msg.instance_id)] = msg.endpoint
         return endpoints
 

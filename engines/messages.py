@@ -1,30 +1,25 @@
-"""Every control message of the data plane, as msgpack-encoded frozen dataclasses.
-
-Wire format: one msgpack map ``{"version": VERSION, "type": <class name>, "fields": [...]}``
-(field values in declaration order). Integer arrays travel as msgpack extension type 1
-(little-endian int32 bytes). Nothing is ever pickled onto a socket: :func:`decode` only
-builds the classes listed here and rejects another version or an unknown type.
+"""Every control message of the data plane, as frozen dataclasses on the
+:mod:`tokenlake.wire` codec (versioned msgpack, whitelist decoding, every field checked
+against its annotation; integer arrays travel as raw little-endian int32). Nothing is ever
+pickled onto a socket. Frames are sealed by :mod:`tokenlake.engines.auth` on top.
 
 Bulk tensors never travel in these messages; they stay in shared buffers or move over
-``torch.distributed`` point-to-point under a ``tag`` named here.
+``torch.distributed`` point-to-point under a ``tag`` named here. The range of every field
+is checked by the receiving engine against its own geometry before anything is touched.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-import msgpack
 import numpy as np
 
-from tokenlake.errors import TokenLakeError
+from tokenlake.wire import Codec, WireError
 
-VERSION = 1
-_INT32_ARRAY = 1
+VERSION = 2
+MAX_FRAME_BYTES = 1 << 26
 
-
-class ProtocolError(TokenLakeError):
-    """A message could not be decoded (corrupt, unknown type or another protocol version)."""
+ProtocolError = WireError  # what a frame that is not a valid message raises
 
 
 @dataclass(frozen=True)
@@ -157,6 +152,13 @@ class CopyRemote:
 
 
 @dataclass(frozen=True)
+class Stats:
+    """Answer with the engine's counters (a msgpack map of ints in the reply's payload)."""
+
+    seq: int
+
+
+@dataclass(frozen=True)
 class Stop:
     """Reply, then exit the engine's loop."""
 
@@ -171,7 +173,7 @@ class RunStep:
 
     seq: int
     plans: bytes
-    chunks: list
+    chunks: tuple[bytes, ...]
 
 
 @dataclass(frozen=True)
@@ -183,53 +185,17 @@ class Retire:
 
 
 MESSAGES = (
-    Ready, Reply, Configure, BindQuery, RunQuery, BindPut, Put, CopyLocal, CopyRemote, Stop,
-    RunStep, Retire,
+    Ready, Reply, Configure, BindQuery, RunQuery, BindPut, Put, CopyLocal, CopyRemote, Stats,
+    Stop, RunStep, Retire,
 )  # fmt: skip
-_BY_NAME = {cls.__name__: cls for cls in MESSAGES}
-
-
-def _default(value: object) -> object:
-    if isinstance(value, np.ndarray):
-        if value.dtype.kind not in "iu" or value.ndim != 1:
-            raise TypeError(f"only 1-D integer arrays are sent, got {value.dtype} {value.shape}")
-        return msgpack.ExtType(_INT32_ARRAY, value.astype("<i4", copy=False).tobytes())
-    if isinstance(value, np.integer):
-        return int(value)
-    raise TypeError(f"cannot encode {type(value).__name__}")
-
-
-def _ext_hook(code: int, data: bytes) -> object:
-    if code != _INT32_ARRAY:
-        raise ProtocolError(f"message: unknown extension type {code}")
-    return np.frombuffer(data, dtype="<i4")
+CODEC = Codec("message", VERSION, MESSAGES, max_bytes=MAX_FRAME_BYTES)
 
 
 def encode(message: object) -> bytes:
     """The wire bytes of one message dataclass."""
-    if type(message) not in _BY_NAME.values():
-        raise TypeError(f"message: not a data-plane message: {type(message).__name__}")
-    values = [getattr(message, f.name) for f in dataclasses.fields(message)]
-    payload = {"version": VERSION, "type": type(message).__name__, "fields": values}
-    return msgpack.packb(payload, default=_default, use_bin_type=True)
+    return CODEC.encode(message)
 
 
 def decode(data: bytes) -> object:
-    """The message dataclass encoded in ``data``; :class:`ProtocolError` if it is not one."""
-    try:
-        payload = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=True)
-    except ProtocolError:
-        raise
-    except Exception as e:
-        raise ProtocolError(f"message: not valid msgpack ({e})") from None
-    if not isinstance(payload, dict) or payload.get("version") != VERSION:
-        version = payload.get("version") if isinstance(payload, dict) else None
-        raise ProtocolError(f"message: expected protocol version {VERSION}, got {version!r}")
-    cls = _BY_NAME.get(payload.get("type"))
-    fields = payload.get("fields")
-    if cls is None or not isinstance(fields, list):
-        raise ProtocolError(f"message: unknown message type {payload.get('type')!r}")
-    try:
-        return cls(*fields)
-    except TypeError as e:
-        raise ProtocolError(f"message: bad fields for {cls.__name__} ({e})") from None
+    """The message dataclass encoded in ``data``; :class:`WireError` if it is not one."""
+    return CODEC.decode(data)

@@ -15,10 +15,16 @@ running.
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import tempfile
 
 import zmq
 
+from tokenlake import wire
 from tokenlake.engines import messages, process_group
+from tokenlake.engines.auth import ClusterSecret, FrameAuth
+from tokenlake.engines.auth_store import StoreServer
 from tokenlake.engines.cluster_base import ClusterBase, layout_for, pool_config
 from tokenlake.engines.dataplane_config import DataPlaneConfig
 from tokenlake.engines.driver import Driver
@@ -41,7 +47,11 @@ class MPCluster(ClusterBase):
     """
 
     def __init__(
-        self, pool, config: DataPlaneConfig | None = None, backend: str | None = None
+        self,
+        pool,
+        config: DataPlaneConfig | None = None,
+        backend: str | None = None,
+        secret: ClusterSecret | None = None,
     ) -> None:
         config = config if config is not None else DataPlaneConfig()
         if not isinstance(config, DataPlaneConfig):
@@ -54,6 +64,13 @@ class MPCluster(ClusterBase):
         self._procs: EngineProcesses | None = None
         self._store = self._group = self._mps = None
         self._closed = False
+        # the cluster secret: given, named by TOKENLAKE_SECRET_FILE, or made here; engines
+        # read it from a 0600 file in a private directory, removed at close
+        self.secret = secret or ClusterSecret.from_env() or ClusterSecret.generate()
+        self._secret_dir = tempfile.mkdtemp(prefix="tokenlake-")
+        self.secret_path = os.path.join(self._secret_dir, "secret")
+        self.secret.write(self.secret_path)
+        self._auth = FrameAuth(self.secret)
         try:
             self._launch(pool)
             self.reset(pool, backend)
@@ -79,18 +96,22 @@ class MPCluster(ClusterBase):
         spec_group = None
         if cfg.separate_hosts:
             backend = "nccl" if cfg.device == "cuda" else "gloo"
-            probe = process_group.GroupSpec(backend, cfg.host, 0, n, cfg.startup_timeout_s)
-            self._store = process_group.make_store(probe, is_master=True)
+            self._store = StoreServer(self.secret, cfg.host)
             spec_group = process_group.GroupSpec(
-                backend, cfg.host, self._store.port, n, cfg.startup_timeout_s
+                backend, cfg.host, self._store.endpoint, n, cfg.startup_timeout_s
             )
         handles = events.handles if events is not None else None
-        self._procs = EngineProcesses(cfg, self._ctx, self._buffers, spec_group, handles)
+        self._procs = EngineProcesses(
+            cfg, self._ctx, self._buffers, spec_group, handles, self._auth, self.secret_path
+        )
         endpoints = self._procs.spawn([(role, i) for role in ROLES for i in range(n)])
         self._endpoints = dict(endpoints)
         if spec_group is not None:
-            self._group = process_group.connect(spec_group, self._store, process_group.DRIVER_RANK)
-        requester = Requester(self._ctx, cfg.timeout_s, cfg.poll_interval_s, self._is_alive)
+            store = process_group.make_store(spec_group, self.secret)
+            self._group = process_group.connect(spec_group, store, process_group.DRIVER_RANK)
+        requester = Requester(
+            self._ctx, cfg.timeout_s, cfg.poll_interval_s, self._is_alive, self._auth
+        )
         for key, ep in endpoints.items():
             requester.connect(key, ep)
         self._driver = Driver(cfg, n, requester, self._group, events)
@@ -111,7 +132,10 @@ class MPCluster(ClusterBase):
         if driver is not None:
             driver.channel.close()
         process_group.shutdown(self._group)
+        if self._store is not None:
+            self._store.close()
         self._group = self._store = self._driver = None
+        shutil.rmtree(self._secret_dir, ignore_errors=True)
         self._ctx.destroy(linger=0)  # closes any socket a failed start-up left open
         self._buffers = []
         if self._mps is not None:
@@ -137,6 +161,18 @@ class MPCluster(ClusterBase):
     def endpoints(self) -> dict[tuple[str, int], str]:
         """Every engine's socket, by ``(role, instance_id)``."""
         return dict(self._endpoints)
+
+    def engine_stats(self) -> dict[tuple[str, int], dict[str, int]]:
+        """Every live engine's counters (calls, bytes, errors, rejected and unauthenticated
+        frames, peer failures), by ``(role, instance_id)``, plus this process's clients'
+        under ``("client", -1)``."""
+        d = self._driver
+        keys = [k for k in d.channel.keys if self._is_alive(k)]
+        tickets = [d.channel.request(k, messages.Stats) for k in keys]
+        payloads = d.channel.wait(tickets, "stats")
+        out = {k: wire.unpackb(p, 1 << 20) for k, p in zip(keys, payloads, strict=True)}
+        out[("client", -1)] = dict(d.channel.stats)
+        return out
 
     @property
     def pids(self) -> dict[tuple[str, int], int]:

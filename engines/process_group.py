@@ -27,7 +27,7 @@ class GroupSpec:
 
     backend: str  # "gloo" or "nccl"
     host: str
-    port: int
+    store_endpoint: str  # the launcher's authenticated store (engines/auth_store.py)
     num_instances: int
     timeout_s: float
 
@@ -48,16 +48,11 @@ def peer_of(rank: int, num_instances: int) -> tuple[str, int]:
     return ("query", i) if i < num_instances else ("transfer", i - num_instances)
 
 
-def make_store(spec: GroupSpec, is_master: bool) -> dist.TCPStore:
-    """The rendezvous store; the master (the driver) passes ``port=0`` and reads ``.port``."""
-    return dist.TCPStore(
-        spec.host,
-        spec.port,
-        spec.world_size,
-        is_master,
-        timeout=datetime.timedelta(seconds=spec.timeout_s),
-        wait_for_workers=False,
-    )
+def make_store(spec: GroupSpec, secret) -> dist.Store:
+    """A client of the launcher's rendezvous store (it needs the cluster secret)."""
+    from tokenlake.engines.auth_store import AuthStore
+
+    return AuthStore(spec.store_endpoint, secret, spec.timeout_s)
 
 
 def connect(spec: GroupSpec, store: dist.Store, rank: int) -> dist.ProcessGroup:

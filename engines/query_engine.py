@@ -3,7 +3,9 @@ rows over this instance's segments.
 
 On one host it reads the origin's q rows straight from the origin's shared q buffer and
 writes ``(o, lse)`` into the origin's shared output region (region = this instance's id). From
-another host the rows arrive, and the results leave, over the point-to-point group.
+another host the rows arrive, and the results leave, over the point-to-point group. Every
+bound part is checked against this engine's geometry before it is kept: rows inside the
+origin's buffers, CSR offsets covering their arrays, slots and lengths inside the pool.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 from tokenlake.engines import messages, process_group
 from tokenlake.engines.engine_base import EngineBase, EngineHost
 from tokenlake.engines.executor import BoundPart
+from tokenlake.errors import InvalidArgumentError
+from tokenlake.plan_wire import check_array, check_id, check_indptr, check_values
 from tokenlake.plans import HolderPart
 
 
@@ -37,22 +41,39 @@ class QueryEngine(EngineBase):
         self.handlers[messages.RunQuery] = self.run
 
     def bind(self, m: messages.BindQuery) -> None:
-        part = HolderPart(
-            self.instance_id, m.rows, m.q_indptr, m.kv_indptr, m.kv_indices, m.last_len
+        lim, rows_cap = self.limits, self.layout.max_q_rows
+        check_id("origin", m.origin, lim.num_instances)
+        offset = check_id("q_offset", m.q_offset, rows_cap)
+        rows = check_array("rows", m.rows)
+        if offset + len(rows) > rows_cap:
+            raise InvalidArgumentError(f"rows: {len(rows)} rows from {offset} overflow {rows_cap}")
+        check_values("rows", rows, 0, rows_cap - offset)
+        num_reqs = len(check_array("q_indptr", m.q_indptr)) - 1
+        check_indptr("q_indptr", m.q_indptr, max(num_reqs, 0), len(rows))
+        check_indptr(
+            "kv_indptr", m.kv_indptr, num_reqs, len(check_array("kv_indices", m.kv_indices))
         )
-        self.drop_older(m.origin, m.epoch)
-        self.bindings[(m.origin, m.binding)] = _QueryBinding(
+        check_values("kv_indices", m.kv_indices, 0, lim.num_slots)
+        check_values(
+            "last_len", check_array("last_len", m.last_len, num_reqs), 1, lim.segment_len + 1
+        )
+        part = HolderPart(self.instance_id, rows, m.q_indptr, m.kv_indptr, m.kv_indices, m.last_len)
+        binding = _QueryBinding(
             m.epoch,
-            m.q_offset,
+            offset,
             BoundPart.from_part(part, self.device),
             BoundPart.from_part(part, self.device, packed=True),
         )
+        self.add_binding(m.origin, m.epoch, m.binding, binding)
 
     def run(self, m: messages.RunQuery) -> None:
         b: _QueryBinding = self.binding(m.origin, m.binding)
         pool_layer = self.own.pool.layer(self.check_layer(m.layer))
+        remote = m.tag != -1
+        self.check_tag(m.tag, remote)
         lo, hi = b.q_offset, b.q_offset + b.num_rows
-        if m.tag < 0:
+        self.stats["query_calls"] += 1
+        if not remote:
             origin = self.peer_views(m.origin)
             if self.sync is not None:
                 self.sync.wait(m.origin)
@@ -61,6 +82,7 @@ class QueryEngine(EngineBase):
             origin.out_lse[self.instance_id, lo:hi].copy_(lse)
             if self.sync is not None:
                 self.sync.finish()
+            self.stats["query_bytes"] += o.numel() * 4 + lse.numel() * 4
             return
         model = self.layout.model
         self.staging.reset()
@@ -77,6 +99,7 @@ class QueryEngine(EngineBase):
             ],
             "(o, lse)",
         )
+        self.stats["query_bytes"] += q.numel() * q.element_size() + (o.numel() + lse.numel()) * 4
 
     def _wait(self, works: list, what: str) -> None:
         process_group.wait_works(

@@ -3,15 +3,19 @@ pool that its own host's processes cannot do directly — puts of new KV and seg
 from another host (over the point-to-point group), and copies inside its host ordered by a
 client on another host. Inside one host, clients write puts and copies directly (see
 :mod:`tokenlake.engines.driver`); no two writers ever target the same slot range in one
-iteration.
+iteration. Every run, slot, length, peer and tag is checked before anything is written.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from tokenlake.engines import executor, messages, process_group
-from tokenlake.engines.engine_base import EngineBase, EngineHost
+from tokenlake.engines.engine_base import TAG_SPACE, EngineBase, EngineHost
+from tokenlake.errors import InvalidArgumentError
+from tokenlake.plan_wire import check_array, check_runs, check_values
 
 
 @dataclass(eq=False)
@@ -32,14 +36,22 @@ class TransferEngine(EngineBase):
         self.handlers[messages.CopyRemote] = self.copy_remote
 
     def bind(self, m: messages.BindPut) -> None:
-        self.drop_older(m.origin, m.epoch)
         runs = executor.PutRuns(m.src_row, m.length, m.dst_slot, m.dst_offset)
-        self.bindings[(m.origin, m.binding)] = _PutBinding(m.epoch, runs.as_lists(), runs.num_rows)
+        num_rows = int(np.asarray(check_array("length", m.length), dtype=np.int64).sum())
+        if num_rows > self.layout.max_kv_rows:
+            raise InvalidArgumentError(
+                f"length: {num_rows} rows, at most {self.layout.max_kv_rows}"
+            )
+        check_runs("put", m.src_row, m.length, m.dst_slot, m.dst_offset, num_rows, self.limits)
+        self.add_binding(
+            m.origin, m.epoch, m.binding, _PutBinding(m.epoch, runs.as_lists(), num_rows)
+        )
 
     def put(self, m: messages.Put) -> None:
         """Receive one layer of packed put rows from another host and store them."""
         b: _PutBinding = self.binding(m.origin, m.binding)
         layer = self.check_layer(m.layer)
+        self.check_tag(m.tag, remote=True)
         model = self.layout.model
         self.staging.reset()
         rows = self.staging.empty(
@@ -50,51 +62,64 @@ class TransferEngine(EngineBase):
         executor.write_runs(self.own.pool, b.runs, rows, layer)
         if self.sync is not None:
             self.sync.finish()
+        self.stats["put_calls"] += 1
+        self.stats["put_bytes"] += rows.numel() * rows.element_size()
+
+    def _check_copies(self, prefix: str, slots, lengths, n: int) -> None:
+        lim = self.limits
+        check_values(f"{prefix}slot", check_array(f"{prefix}slot", slots, n), 0, lim.num_slots)
+        check_values(
+            f"{prefix}len", check_array(f"{prefix}len", lengths, n), 0, lim.segment_len + 1
+        )
 
     def copy_local(self, m: messages.CopyLocal) -> None:
-        for src, src_slot, dst_slot, n in zip(
-            m.src_instance.tolist(),
-            m.src_slot.tolist(),
-            m.dst_slot.tolist(),
-            m.length.tolist(),
-            strict=True,
+        n = len(check_array("src_instance", m.src_instance))
+        views = [self.peer_views(i) for i in m.src_instance.tolist()]
+        self._check_copies("src_", m.src_slot, m.length, n)
+        self._check_copies("dst_", m.dst_slot, m.length, n)
+        for view, src_slot, dst_slot, length in zip(
+            views, m.src_slot.tolist(), m.dst_slot.tolist(), m.length.tolist(), strict=True
         ):
-            executor.copy_segment(self.peer_views(src).pool, src_slot, self.own.pool, dst_slot, n)
+            executor.copy_segment(view.pool, src_slot, self.own.pool, dst_slot, length)
         if self.sync is not None:
             self.sync.finish()
+        self.stats["copy_calls"] += 1
 
     def copy_remote(self, m: messages.CopyRemote) -> None:
+        if self.group is None:
+            raise InvalidArgumentError("copy: this engine has no point-to-point group")
+        sides = []
+        for side in ("recv", "send"):
+            peers = getattr(m, f"{side}_peer")
+            n = len(check_array(f"{side}_peer", peers))
+            self.check_rank(f"{side}_peer", peers)
+            self._check_copies(f"{side}_", getattr(m, f"{side}_slot"), getattr(m, f"{side}_len"), n)
+            tags = check_array(f"{side}_tag", getattr(m, f"{side}_tag"), n)
+            check_values(f"{side}_tag", tags, 0, TAG_SPACE)
+            sides.append(
+                zip(peers.tolist(), getattr(m, f"{side}_slot").tolist(),
+                    getattr(m, f"{side}_len").tolist(), tags.tolist(), strict=True)
+            )  # fmt: skip
         pool = self.own.pool
         self.staging.reset()
         works, received, sent = [], [], []
-        for peer, slot, n, tag in zip(
-            m.recv_peer.tolist(),
-            m.recv_slot.tolist(),
-            m.recv_len.tolist(),
-            m.recv_tag.tolist(),
-            strict=True,
-        ):
-            view = executor.segment_view(pool, slot, n)
-            buf = self.staging.empty(tuple(view.shape), view.dtype)
-            works.append((process_group.recv(self.group, buf, peer, tag), peer))
-            received.append((slot, n, buf))
-        for peer, slot, n, tag in zip(
-            m.send_peer.tolist(),
-            m.send_slot.tolist(),
-            m.send_len.tolist(),
-            m.send_tag.tolist(),
-            strict=True,
-        ):
-            view = executor.segment_view(pool, slot, n)
-            buf = self.staging.empty(tuple(view.shape), view.dtype)
-            buf.copy_(view)
-            works.append((process_group.send(self.group, buf, peer, tag), peer))
-            sent.append(buf)  # alive until the send completed
+        for k, rows in enumerate(sides):  # receives are posted before sends
+            for peer, slot, length, tag in rows:
+                view = executor.segment_view(pool, slot, length)
+                buf = self.staging.empty(tuple(view.shape), view.dtype)
+                if k == 0:
+                    works.append((process_group.recv(self.group, buf, peer, tag), peer))
+                    received.append((view, buf))
+                else:
+                    buf.copy_(view)
+                    works.append((process_group.send(self.group, buf, peer, tag), peer))
+                    sent.append(buf)  # alive until the send completed
         self._wait(works, "segment copies")
-        for slot, n, buf in received:
-            executor.segment_view(pool, slot, n).copy_(buf)
+        for view, buf in received:
+            view.copy_(buf)
         if self.sync is not None:
             self.sync.finish()
+        self.stats["copy_calls"] += 1
 
     def _wait(self, works: list, what: str) -> None:
         process_group.wait_works(works, self.host.num_instances, self.host.timeout_s, what)

@@ -1,19 +1,24 @@
 """Control-message transports. Over ZeroMQ: the caller side (:class:`Requester`) and the
 engine side (:class:`Server`); every wait is bounded in time, and a peer whose process has
-exited fails its waiters at once instead of at the timeout. In one process:
-:class:`LocalChannel`, which hands the same messages to the same engine objects.
-Both answer every request through :func:`dispatch`."""
+exited fails its waiters at once instead of at the timeout; every frame is sealed and
+checked with the cluster secret (:mod:`tokenlake.engines.auth`), and the engine's loop
+survives any input: a frame that is not authentic is dropped and counted, one that does not
+decode is answered and counted. In one process: :class:`LocalChannel`, which hands the same
+messages to the same engine objects. Both answer every request through :func:`dispatch`."""
 
 from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 import zmq
 
 from tokenlake.engines import messages
+from tokenlake.engines.auth import AuthError, FrameAuth
 from tokenlake.engines.dataplane_config import PeerFailedError, RemoteEngineError
+from tokenlake.wire import WireError
 
 PeerKey = tuple[str, int]  # (role, instance_id)
 
@@ -37,12 +42,16 @@ class Requester:
         timeout_s: float,
         poll_interval_s: float,
         is_alive: Callable[[PeerKey], bool],
+        auth: FrameAuth,
     ) -> None:
         self._ctx = ctx
+        self._auth = auth
+        self.stats: Counter = Counter()
         self._timeout_s = timeout_s
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._is_alive = is_alive
         self._sockets: dict[PeerKey, zmq.Socket] = {}
+        self._audience: dict[PeerKey, bytes] = {}
         self._keys: dict[zmq.Socket, PeerKey] = {}
         self._poller = zmq.Poller()
         self._next_seq = 1
@@ -53,6 +62,7 @@ class Requester:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(endpoint)
+        self._audience[key] = endpoint.encode()
         self._sockets[key] = sock
         self._keys[sock] = key
         self._poller.register(sock, zmq.POLLIN)
@@ -83,7 +93,7 @@ class Requester:
         sock = self._sockets.get(key)
         if sock is None:
             raise PeerFailedError(key[1], key[0], "marked lost; not reachable")
-        sock.send(messages.encode(message))
+        sock.send(self._auth.seal(messages.encode(message), self._audience[key]))
         ticket = (key, message.seq)
         self._outstanding.add(ticket)
         return ticket
@@ -143,7 +153,14 @@ class Requester:
                     data = sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                reply = messages.decode(data)
+                try:
+                    reply = messages.decode(self._auth.open(data, self._auth.sender))
+                except (AuthError, WireError):
+                    self.stats["rejected_replies"] += 1
+                    continue
+                if not isinstance(reply, messages.Reply):
+                    self.stats["rejected_replies"] += 1
+                    continue
                 ticket = (key, reply.seq)
                 if ticket in self._outstanding:
                     self._replies[ticket] = reply
@@ -156,46 +173,78 @@ class Requester:
 
 
 class Server:
-    """An engine's ROUTER socket. :meth:`serve` runs ``handle(message)`` for each request in
-    arrival order and answers with a :class:`messages.Reply`; it returns after a
-    :class:`messages.Stop`, or when the launching process is gone (no orphans)."""
+    """An engine's ROUTER socket. :meth:`serve` runs ``handle(message)`` for each authentic
+    request in arrival order and answers with a :class:`messages.Reply`; it returns after a
+    :class:`messages.Stop`, or when the launching process is gone (no orphans). Nothing a
+    peer sends ends the loop."""
 
-    def __init__(self, ctx: zmq.Context, host: str) -> None:
+    def __init__(self, ctx: zmq.Context, host: str, auth: FrameAuth) -> None:
+        self._auth = auth
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_FRAME_BYTES + 4096)
         self.endpoint = bind_random(self._sock, host)
+        self._audience = self.endpoint.encode()
 
-    def serve(self, handle: Callable[[object], None], parent_pid: int) -> None:
+    def serve(
+        self, handle: Callable[[object], bytes | None], parent_pid: int, stats: Counter
+    ) -> None:
         while True:
             if not self._sock.poll(1000):
                 if os.getppid() != parent_pid:
                     return
                 continue
-            identity, data = self._sock.recv_multipart()
-            try:
-                message = messages.decode(data)
-            except messages.ProtocolError as e:
-                self._reply(identity, messages.Reply(-1, False, str(e)))
-                continue
-            self._reply(identity, dispatch(handle, message))
-            if isinstance(message, messages.Stop):
+            if self._serve_one(handle, stats):
                 return
 
-    def _reply(self, identity: bytes, reply: messages.Reply) -> None:
-        self._sock.send_multipart([identity, messages.encode(reply)])
+    def _serve_one(self, handle, stats: Counter) -> bool:
+        """Answer one frame; true after a Stop."""
+        frames = self._sock.recv_multipart()
+        try:
+            if len(frames) != 2:
+                stats["malformed_frames"] += 1
+                return False
+            identity, frame = frames
+            try:
+                body = self._auth.open(frame, self._audience)
+            except AuthError:
+                stats["unauthenticated_frames"] += 1
+                return False
+            to = FrameAuth.sender_of(frame)
+            try:
+                message = messages.decode(body)
+            except WireError as e:
+                stats["rejected_frames"] += 1
+                self._reply(identity, to, messages.Reply(-1, False, str(e)))
+                return False
+            self._reply(identity, to, dispatch(handle, message, stats))
+            return isinstance(message, messages.Stop)
+        except Exception:  # never die of input: count it and go on
+            stats["internal_errors"] += 1
+            return False
+
+    def _reply(self, identity: bytes, to: bytes, reply: messages.Reply) -> None:
+        self._sock.send_multipart([identity, self._auth.seal(messages.encode(reply), to)])
 
     def close(self) -> None:
         self._sock.close(linger=0)
 
 
-def dispatch(handle: Callable[[object], bytes | None], message) -> messages.Reply:
+def dispatch(
+    handle: Callable[[object], bytes | None], message, stats: Counter | None = None
+) -> messages.Reply:
     """Run one request and answer it (with the bytes the handler returns, if any); an error
-    is answered, never raised."""
+    is answered and counted, never raised."""
+    seq = getattr(message, "seq", -1)
     try:
         payload = handle(message)
-        return messages.Reply(message.seq, True, "", payload or b"")
+        return messages.Reply(seq, True, "", payload or b"")
     except Exception as e:  # reported to the caller, who raises RemoteEngineError
-        return messages.Reply(message.seq, False, f"{type(e).__name__}: {e}")
+        if stats is not None:
+            stats["errors"] += 1
+            if isinstance(e, PeerFailedError):
+                stats["peer_failures"] += 1
+        return messages.Reply(seq, False, f"{type(e).__name__}: {e}")
 
 
 class LocalChannel:
@@ -219,7 +268,7 @@ class LocalChannel:
         engine = self._engines.get(key)
         if engine is None:
             raise PeerFailedError(key[1], key[0], "marked lost; not reachable")
-        self._replies[(key, message.seq)] = dispatch(engine.handle, message)
+        self._replies[(key, message.seq)] = dispatch(engine.handle, message, engine.stats)
         return (key, message.seq)
 
     def request(self, key: PeerKey, make: Callable[[int], object]) -> tuple[PeerKey, int]:
