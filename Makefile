@@ -33,7 +33,13 @@ $(VENV)/.sglang: $(VENV)/.deps-model
 	$(PY) -m pip install -q --no-warn-conflicts -c $(VENV)/torch-pin.txt $(SGLANG_IMPORT_DEPS)
 	touch $@
 
-$(STAMP): $(VENV)/.deps $(VENV)/.deps-model pyproject.toml CMakeLists.txt $(CSRC)
+# FlashInfer's Python API only (imports on CPU with --no-deps): its released signatures are
+# checked against every call the engines make (tests/engines/test_flashinfer_calls.py)
+$(VENV)/.deps-flashinfer: $(VENV)/.deps
+	$(PY) -m pip install -q --no-deps "flashinfer-python==0.7.2.post1" apache-tvm-ffi nvidia-ml-py requests
+	touch $@
+
+$(STAMP): $(VENV)/.deps $(VENV)/.deps-model $(VENV)/.deps-flashinfer pyproject.toml CMakeLists.txt $(CSRC)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 

@@ -1,12 +1,15 @@
 """Data-plane benchmark: the multi-process engines against in-process work on the same data.
 
-* query: per-layer latency of ``engine.query`` through the engine processes vs calling the
-  kernel in-process (``BoundPart.attend`` per holder, plus the merge when there are
-  several) on the very same shared pool and q rows, at N=1 and N=2 instances.
-  Target: <= 1.2x in-process at N=1.
-* put: bandwidth of ``put`` (all layers of a prefill chunk, timed until landed) vs a plain
-  ``memcpy`` (``torch.Tensor.copy_``) of the same number of bytes, measured in the same run.
-  Target: >= 50% of memcpy.
+* query: per-layer latency of ``engine.query`` through the engine clients and processes vs
+  calling the kernel in-process (``BoundPart.attend`` per holder, plus the merge when there
+  are several) on the very same shared pool and q rows, at N=1 and N=2 instances, for
+  decode with each ``--prefixes`` length and a prefill chunk. ``overhead_us`` is the fixed
+  cost per call (engine minus in-process). Targets: <= 1.2x in-process at N=1; <= 50 us.
+  (At N=1 the only holder is the caller's own instance, whose part runs in the caller; at
+  N=2 the other holder's part is a round trip to its query engine.)
+* put: bandwidth of ``put`` (every layer of a chunk, timed until landed) vs a plain
+  ``memcpy`` (``torch.Tensor.copy_``) of the same number of bytes, measured in the same run,
+  at ``--put-kib`` bytes per call (per layer). Target: >= 50% of memcpy.
 
 Prints a table and one JSON line per case. Run: ``python -m benchmarks.bench_dataplane``.
 """
@@ -65,7 +68,7 @@ def bench_query(pool, cluster, chunks, reps, gen) -> dict:
     engine = cluster.engine(qp.origin)
     q_buf = engine.init_query(qp)
     q_buf.copy_(torch.randn(q_buf.shape, generator=gen).to(q_buf.dtype))
-    views = cluster._driver.views  # the same shared pools the engines read
+    views = {i: b.views(cluster.layout) for i, b in enumerate(cluster.buffers)}  # same memory
     parts = [BoundPart.from_part(p, "cpu") for p in qp.parts]
     backend = cluster.backend
     num_layers = pool.config.model.num_layers
@@ -143,47 +146,47 @@ def bench_put(pool, cluster, chunk, reps, gen) -> dict:
 
 def run_instances(n: int, args, rng: np.random.Generator, gen: torch.Generator) -> list[dict]:
     shape = tl.ModelShape(args.layers, args.q_heads, args.kv_heads, args.head_dim, args.dtype)
-    c = args.segment_len
-    prefix, decode_reqs, prefill_rows, put_rows = (
-        args.prefix,
-        args.decode_requests,
-        args.prefill_rows,
-        args.put_rows,
-    )
-    tokens_needed = prefix * (decode_reqs + 1) + prefill_rows + 2 * put_rows
-    slots = tokens_needed // c + 4 * (decode_reqs + 4)
+    c, reqs, vocab = args.segment_len, args.decode_requests, 50_000
+    row_bytes = 2 * shape.num_kv_heads * shape.head_dim * shape.dtype_bytes
+    put_rows = [max(1, kib * 1024 // row_bytes) for kib in args.put_kib]
+    tokens_needed = sum(p * (reqs + 1) for p in args.prefixes) + args.prefill_rows
+    tokens_needed += 2 * sum(put_rows)
+    slots = tokens_needed // c + 4 * (reqs + 4) * len(args.prefixes) + 2 * len(put_rows)
     cfg = tl.PoolConfig(shape, n, num_slots=-(-slots // n) + 8, segment_len=c)
     pool = tl.Pool(cfg)
-    dp = DataPlaneConfig(
-        max_q_rows=max(prefill_rows, decode_reqs) + 8,
-        max_kv_rows=max(prefix, put_rows) + 8,
-        timeout_s=120.0,
-    )
-    vocab = 50_000
-    prompts = {f"doc{k}": rng.integers(0, vocab, prefix) for k in range(decode_reqs)}
-    prompts["long"] = rng.integers(0, vocab, prefix)
+    rows_cap = max([args.prefill_rows, reqs, *args.prefixes, *put_rows]) + 8
+    dp = DataPlaneConfig(max_q_rows=rows_cap, max_kv_rows=rows_cap, timeout_s=120.0)
+    prompts = {f"doc{p}-{k}": rng.integers(0, vocab, p) for p in args.prefixes for k in range(reqs)}
+    longest = max(args.prefixes)
+    prompts["long"] = rng.integers(0, vocab, longest)
     out = []
-    with MPCluster(pool, dp, backend=args.backend) as cluster:
+    with MPCluster(cfg, dp, backend=args.backend) as cluster:
         populate(pool, cluster, prompts, gen)
-        decode = [
-            tl.Chunk(rid, np.append(prompts[rid], 1), prefix)
-            for rid in prompts
-            if rid.startswith("doc")
-        ]
-        long_ids = np.concatenate([prompts["long"], rng.integers(0, vocab, prefill_rows)])
-        cases = [
-            ("query", f"decode {decode_reqs}x1 rows, prefix {prefix}", decode),
-            ("query", f"prefill {prefill_rows} rows, prefix {prefix}", [
-                tl.Chunk("long", long_ids, prefix)
-            ]),
-        ]  # fmt: skip
-        for kind, label, chunks in cases:
+        cases = []
+        for p in args.prefixes:
+            decode = [
+                tl.Chunk(rid, np.append(ids, 1), p)
+                for rid, ids in prompts.items()
+                if rid.startswith(f"doc{p}-")
+            ]
+            cases.append((f"decode {reqs}x1 rows, prefix {p}", decode))
+        long_ids = np.concatenate([prompts["long"], rng.integers(0, vocab, args.prefill_rows)])
+        cases.append(
+            (
+                f"prefill {args.prefill_rows} rows, prefix {longest}",
+                [tl.Chunk("long", long_ids, longest)],
+            )
+        )
+        for label, chunks in cases:
             res = bench_query(pool, cluster, chunks, args.reps, gen)
-            out.append({"case": kind, "N": n, "workload": label, **res, "target": "<= 1.2"})
-        put_chunk = tl.Chunk("fresh", rng.integers(0, vocab, put_rows), 0)
-        res = bench_put(pool, cluster, put_chunk, args.reps, gen)
-        label = f"{shape.num_layers} layers x {put_rows} rows"
-        out.append({"case": "put", "N": n, "workload": label, **res, "target": ">= 0.5"})
+            res["overhead_us"] = 1e3 * (res["engine_ms"] - res["inprocess_ms"])
+            out.append({"case": "query", "N": n, "workload": label, **res, "target": "<= 1.2"})
+        for kib, rows in zip(args.put_kib, put_rows, strict=True):
+            put_chunk = tl.Chunk(f"fresh{kib}", rng.integers(0, vocab, rows), 0)
+            res = bench_put(pool, cluster, put_chunk, args.reps, gen)
+            res["bytes_per_call"] = res["bytes"] // shape.num_layers
+            label = f"{kib} KiB per call ({shape.num_layers} layers x {rows} rows)"
+            out.append({"case": "put", "N": n, "workload": label, **res, "target": ">= 0.5"})
     return out
 
 
@@ -196,17 +199,19 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--segment-len", type=int, default=256)
-    p.add_argument("--prefix", type=int, default=4096, help="prefix tokens per request")
+    p.add_argument(
+        "--prefixes", type=int, nargs="+", default=[1024, 4096], help="decode prefix lengths"
+    )
     p.add_argument("--decode-requests", type=int, default=4)
     p.add_argument("--prefill-rows", type=int, default=128)
-    p.add_argument("--put-rows", type=int, default=4096)
+    p.add_argument("--put-kib", type=int, nargs="+", default=[256, 8192], help="put KiB per call")
     p.add_argument("--backend", default="cpu", choices=["cpu", "torch"])
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small shapes, few repetitions")
     args = p.parse_args()
     if args.quick:
-        args.prefix, args.prefill_rows, args.put_rows, args.reps = 1024, 64, 1024, 5
+        args.prefixes, args.prefill_rows, args.put_kib, args.reps = [1024], 64, [256, 2048], 5
     # like the engines: one torch thread (the kernels have their own pool), so the in-process
     # baseline is not slowed by oversubscribed OpenMP workers on a small machine
     torch.set_num_threads(1)
@@ -214,7 +219,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(args.seed)
     rows = [r for n in args.instances for r in run_instances(n, args, rng, gen)]
     print(
-        f"{'case':6} {'N':>2}  {'workload':34} {'engines':>10} {'baseline':>10} {'ratio':>6}  target"
+        f"{'case':6} {'N':>2}  {'workload':42} {'engines':>10} {'baseline':>10} {'ratio':>6}  target"
     )
     for r in rows:
         if r["case"] == "query":
@@ -222,7 +227,7 @@ def main() -> None:
         else:
             a, b = f"{r['put_GBps']:.2f} GB/s", f"{r['memcpy_GBps']:.2f} GB/s"
         print(
-            f"{r['case']:6} {r['N']:>2}  {r['workload']:34} {a:>10} {b:>10} {r['ratio']:6.2f}  {r['target']}"
+            f"{r['case']:6} {r['N']:>2}  {r['workload']:42} {a:>10} {b:>10} {r['ratio']:6.2f}  {r['target']}"
         )
     for r in rows:
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}))

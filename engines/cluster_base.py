@@ -24,6 +24,11 @@ def pool_config(source: object) -> PoolConfig:
 
 
 def layout_for(config: PoolConfig, dataplane: DataPlaneConfig, num_instances: int) -> Layout:
+    if config.device != dataplane.device:
+        raise InvalidArgumentError(
+            f"config.device: the pool is configured for {config.device!r}, the data plane runs "
+            f"on {dataplane.device!r}"
+        )
     return Layout(
         config.model, num_instances, config.num_slots, config.segment_len,
         dataplane.max_q_rows, dataplane.max_kv_rows,

@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.multiprocessing as mp
 import zmq
 
 from tokenlake import plan_wire, wire
@@ -36,9 +35,9 @@ from tokenlake.engines.auth import AuthError, ClusterSecret, FrameAuth
 from tokenlake.engines.cluster_base import ClusterBase
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
 from tokenlake.engines.driver import Driver
-from tokenlake.engines.launcher import stop_processes
+from tokenlake.engines.launcher import process_context, stop_processes
 from tokenlake.engines.shared_buffers import InstanceBuffers, Layout
-from tokenlake.engines.transport import Requester, Server, bind_random
+from tokenlake.engines.transport import LauncherId, Requester, Server, bind_random
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.plans import Chunk, Plans
 from tokenlake.wire import WireError
@@ -60,7 +59,7 @@ class ComputeSpec:
     secret_path: str
     make_program: Callable[[], Callable]
     ready_endpoint: str
-    parent_pid: int
+    launcher: LauncherId
 
 
 class ComputeClients(ClusterBase):
@@ -83,7 +82,7 @@ class _Worker:
             if key[1] not in spec.lost:
                 requester.connect(key, endpoint)
         driver = Driver(spec.config, n, requester)
-        driver.layout, driver.backend = spec.layout, spec.backend
+        driver.set_layout(spec.layout, spec.backend)
         driver.views = {i: b.views(spec.layout) for i, b in enumerate(spec.buffers)}
         driver.lost = set(spec.lost)
         self.clients = ComputeClients(driver, n)
@@ -127,7 +126,7 @@ def main(spec: ComputeSpec) -> None:
                 spec.ready_endpoint.encode(),
             )
         )
-        server.serve(worker.handle, spec.parent_pid, worker.clients.stats)
+        server.serve(worker.handle, spec.launcher, worker.clients.stats)
     finally:
         ready.close()
         server.close()
@@ -167,12 +166,12 @@ class ComputeProcesses:
         ready = self._ctx.socket(zmq.PULL)
         ready.setsockopt(zmq.LINGER, 0)
         endpoint = bind_random(ready, cfg.host)
-        spawn = mp.get_context("spawn")
+        spawn = process_context()
         for g in groups:
             spec = ComputeSpec(
                 g, cfg, cluster.layout, cluster.backend, tuple(cluster.buffers),
                 cluster.endpoints, frozenset(cluster.lost), cluster.secret_path, make_program,
-                endpoint, os.getpid(),
+                endpoint, LauncherId.this_process(),
             )  # fmt: skip
             p = spawn.Process(target=main, args=(spec,), name=f"tokenlake-compute-{g[0]}")
             p.daemon = True

@@ -15,9 +15,11 @@ from __future__ import annotations
 from collections import defaultdict
 
 import numpy as np
+import torch
 
 from tokenlake.engines import executor, messages, process_group
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
+from tokenlake.engines.flashinfer_attention import make_planner
 from tokenlake.engines.shared_buffers import InstanceViews, Layout
 from tokenlake.plans import TransferPlan
 
@@ -48,6 +50,7 @@ class Driver:
         self.layout: Layout | None = None
         self.views: dict[int, InstanceViews] = {}
         self.backend: str | None = None
+        self.planner = None
         self.lost: set[int] = set()
         self._puts: dict[int, list] = defaultdict(list)  # layer -> tickets
         self._works: dict[int, list] = defaultdict(list)  # layer -> (work, peer, tensor)
@@ -94,7 +97,13 @@ class Driver:
             for key in keys
         ]
         self.channel.wait(tickets, "configure")
+        self.set_layout(layout, backend)
+
+    def set_layout(self, layout: Layout, backend: str | None) -> None:
+        """This process's side of a layout: the backend and, on CUDA, the FlashInfer planner
+        of the clients' own parts."""
         self.layout, self.backend = layout, backend
+        self.planner = make_planner(layout, backend, torch.device(self.config.device))
 
     # ---- the put ledger ------------------------------------------------------------------
     def record_put(self, layer: int, ticket, work=None, peer: int = -1, tensor=None) -> None:

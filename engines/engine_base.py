@@ -14,6 +14,7 @@ import torch
 from tokenlake import plan_wire, wire
 from tokenlake.config import ModelShape
 from tokenlake.engines import messages, process_group
+from tokenlake.engines.flashinfer_attention import make_planner
 from tokenlake.engines.shared_buffers import InstanceBuffers, InstanceViews, Layout
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.plan_wire import check_id
@@ -53,6 +54,7 @@ class EngineBase:
         self.backend: str | None = None
         self.bindings: dict[tuple[int, int], object] = {}
         self.staging = None  # point-to-point buffers, when instances are separate hosts
+        self.planner = None  # FlashInfer state, on CUDA
         self.stats: Counter = Counter()
         self.sync = None
         if host.event_handles:
@@ -106,6 +108,7 @@ class EngineBase:
             )
         self.views, self.layout = views, layout
         self.backend = m.backend or None
+        self.planner = make_planner(layout, self.backend, self.device)
         self.bindings.clear()
 
     # ---- checks of message fields against this engine's geometry --------------------------

@@ -144,7 +144,11 @@ class EngineClient:
             )
         d.channel.wait(tickets, "init_query")
         device = self._views.q.device
-        parts = [BoundPart.from_part(p, device) for p in query_plan.parts]
+        own = self.instance_id
+        parts = [
+            BoundPart.from_part(p, device, planner=d.planner if p.instance_id == own else None)
+            for p in query_plan.parts
+        ]
         buf = self._views.q[offset : offset + n]
         self._queries[buf.data_ptr()] = _BoundQuery(query_plan, binding, offset, buf, parts)
         return buf

@@ -15,7 +15,7 @@ from tokenlake.engines import messages, process_group
 from tokenlake.engines.auth import ClusterSecret, FrameAuth
 from tokenlake.engines.engine_base import ROLES, EngineHost
 from tokenlake.engines.process_group import GroupSpec
-from tokenlake.engines.transport import Server
+from tokenlake.engines.transport import LauncherId, Server
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class EngineSpec:
     secret_path: str  # a 0600 file holding the cluster secret (never the secret itself)
     ready_endpoint: str
     bind_host: str
-    parent_pid: int
+    launcher: LauncherId
     kernel_threads: int
     group: GroupSpec | None = None
 
@@ -72,7 +72,7 @@ def main(spec: EngineSpec) -> None:
             store = process_group.make_store(spec.group, secret)
             group = process_group.connect(spec.group, store, rank)
         engine = engine_cls(spec.host, group)
-        server.serve(engine.handle, spec.parent_pid, engine.stats)
+        server.serve(engine.handle, spec.launcher, engine.stats)
     finally:
         process_group.shutdown(group)
         ready.close()

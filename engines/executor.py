@@ -38,22 +38,22 @@ class BoundPart:
     kv_indices: torch.Tensor  # int32 [nnz]
     last_len: torch.Tensor  # int32 [num_part_reqs]
     identity: bool
+    planned: object | None = None  # a FlashInferPart, planned once at bind (CUDA)
 
     @classmethod
-    def from_part(cls, part: HolderPart, device, packed: bool = False) -> BoundPart:
-        """``packed``: the part's rows arrive as rows ``0..n-1`` (from another host)."""
+    def from_part(cls, part: HolderPart, device, packed: bool = False, planner=None) -> BoundPart:
+        """``packed``: the part's rows arrive as rows ``0..n-1`` (from another host).
+        ``planner`` (a :class:`~tokenlake.engines.flashinfer_attention.FlashInferPlanner`)
+        plans the part's kernel once, here."""
         n = len(part.rows)
         rows = np.arange(n) if packed else np.asarray(part.rows, dtype=np.int64)
         identity = bool(np.array_equal(rows, np.arange(n)))
-        return cls(
-            part.instance_id,
-            torch.tensor(rows, dtype=torch.int64, device=device),
-            _i32(part.q_indptr, device),
-            _i32(part.kv_indptr, device),
-            _i32(part.kv_indices, device),
-            _i32(part.last_len, device),
-            identity,
-        )
+        csr = [
+            _i32(a, device) for a in (part.q_indptr, part.kv_indptr, part.kv_indices, part.last_len)
+        ]
+        planned = planner.plan(*csr) if planner is not None else None
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+        return cls(part.instance_id, rows_t, *csr, identity, planned)
 
     @property
     def num_rows(self) -> int:
@@ -66,6 +66,8 @@ class BoundPart:
         ``pool_layer``. Returns ``o`` ``[num_part_rows, H_q, D]``, ``lse``
         ``[num_part_rows, H_q]`` float32 (natural log)."""
         q_part = q[: self.num_rows] if self.identity else q.index_select(0, self.rows)
+        if self.planned is not None:
+            return self.planned.run(q_part, pool_layer)
         return kernels.partial_attention(
             q_part,
             self.q_indptr,

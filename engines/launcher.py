@@ -4,7 +4,6 @@ reaped even if the owner is garbage-collected or the interpreter exits."""
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
 from collections.abc import Sequence
@@ -19,10 +18,27 @@ from tokenlake.engines.engine_base import EngineHost
 from tokenlake.engines.engine_process import EngineSpec, main
 from tokenlake.engines.process_group import GroupSpec
 from tokenlake.engines.shared_buffers import InstanceBuffers
-from tokenlake.engines.transport import bind_random
+from tokenlake.engines.transport import LauncherId, bind_random
 from tokenlake.wire import WireError
 
 Key = tuple[str, int]  # (role, instance_id)
+
+
+_PRELOAD = [
+    "tokenlake.engines.engine_process",
+    "tokenlake.engines.query_engine",
+    "tokenlake.engines.transfer_engine",
+    "tokenlake.engines.compute_process",
+]
+
+
+def process_context():
+    """Where engine and compute processes come from: a fork server that imported torch and
+    the engines once (a clean, single-threaded process that never touched CUDA), so starting
+    or restarting an engine takes a fork instead of a fresh interpreter importing torch."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def stop_processes(processes: Sequence, grace_s: float) -> None:
@@ -71,7 +87,7 @@ class EngineProcesses:
         ready.setsockopt(zmq.LINGER, 0)
         try:
             endpoint = bind_random(ready, cfg.host)
-            spawn = mp.get_context("spawn")
+            spawn = process_context()
             for role, i in keys:
                 visible = dict(enumerate(self._buffers))
                 if cfg.separate_hosts:
@@ -81,7 +97,7 @@ class EngineProcesses:
                     self._group.backend if self._group else "gloo", self._event_handles,
                 )  # fmt: skip
                 spec = EngineSpec(
-                    role, host, self._secret_path, endpoint, cfg.host, os.getpid(),
+                    role, host, self._secret_path, endpoint, cfg.host, LauncherId.this_process(),
                     cfg.kernel_threads, self._group,
                 )  # fmt: skip
                 p = spawn.Process(

@@ -61,8 +61,8 @@ class QueryEngine(EngineBase):
         binding = _QueryBinding(
             m.epoch,
             offset,
-            BoundPart.from_part(part, self.device),
-            BoundPart.from_part(part, self.device, packed=True),
+            BoundPart.from_part(part, self.device, planner=self.planner),
+            BoundPart.from_part(part, self.device, packed=True, planner=self.planner),
         )
         self.add_binding(m.origin, m.epoch, m.binding, binding)
 

@@ -12,6 +12,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import zmq
 
@@ -21,6 +22,32 @@ from tokenlake.engines.dataplane_config import PeerFailedError, RemoteEngineErro
 from tokenlake.wire import WireError
 
 PeerKey = tuple[str, int]  # (role, instance_id)
+
+
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), or ``None`` if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+@dataclass(frozen=True)
+class LauncherId:
+    """The process that started an engine, identified by pid and start time (a pid alone
+    may be reused), so the engine ends when it is gone: no orphans."""
+
+    pid: int
+    start_time: int | None
+
+    @classmethod
+    def this_process(cls) -> LauncherId:
+        return cls(os.getpid(), _start_time(os.getpid()))
+
+    def alive(self) -> bool:
+        return _start_time(self.pid) == self.start_time
 
 
 def bind_random(sock: zmq.Socket, host: str) -> str:
@@ -187,11 +214,11 @@ class Server:
         self._audience = self.endpoint.encode()
 
     def serve(
-        self, handle: Callable[[object], bytes | None], parent_pid: int, stats: Counter
+        self, handle: Callable[[object], bytes | None], launcher: LauncherId, stats: Counter
     ) -> None:
         while True:
             if not self._sock.poll(1000):
-                if os.getppid() != parent_pid:
+                if not launcher.alive():
                     return
                 continue
             if self._serve_one(handle, stats):

@@ -229,7 +229,8 @@ def test_derived_byte_sizes(dtype, nbytes):
     assert shape.kv_bytes_per_token_layer == 2 * 2 * 16 * nbytes  # K and V, 2 heads of 16
     assert shape.kv_bytes_per_token == 3 * 64 * nbytes
     assert shape.q_bytes_per_token_layer == 8 * 16 * nbytes
-    cfg = PoolConfig(shape, num_instances=4, num_slots=10, segment_len=32)
+    device = "cuda" if dtype == "float16" else "cpu"  # the CPU kernels have no float16
+    cfg = PoolConfig(shape, num_instances=4, num_slots=10, segment_len=32, device=device)
     assert cfg.segment_bytes == 32 * 3 * 64 * nbytes
     assert cfg.capacity_tokens == 4 * 10 * 32
     assert cfg.segment_len * shape.kv_bytes_per_token == cfg.segment_bytes

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     import torch
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# KV dtypes the attention kernels support, per device: the C++ kernel (and the torch
+# reference) on CPU; FlashInfer (16-bit) or the torch reference (float32) on CUDA
+KERNEL_DTYPES = {"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float16", "float32")}
 
 MAX_HEADS = 2**14  # per layer, query or KV
 MAX_HEAD_DIM = 2**14
@@ -101,6 +104,8 @@ class PoolConfig:
         num_slots: slots per instance; one slot holds one segment of all layers.
         segment_len: tokens per segment (``C``).
         namespace: hash namespace (model id, salt); pools with different namespaces never share keys.
+        device: where the instances' KV lives (``"cpu"`` or ``"cuda"``); ``model.dtype`` must
+            be one the kernels support there (:data:`KERNEL_DTYPES`).
     """
 
     model: ModelShape
@@ -108,6 +113,7 @@ class PoolConfig:
     num_slots: int
     segment_len: int = 512
     namespace: str = "default"
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelShape):
@@ -124,6 +130,15 @@ class PoolConfig:
             },
         )
         check_str("PoolConfig.namespace", self.namespace)
+        if not isinstance(self.device, str) or self.device not in KERNEL_DTYPES:
+            raise InvalidArgumentError(
+                f"PoolConfig.device: expected one of {sorted(KERNEL_DTYPES)}, got {self.device!r}"
+            )
+        if self.model.dtype not in KERNEL_DTYPES[self.device]:
+            raise InvalidArgumentError(
+                f"PoolConfig.model.dtype: the {self.device} kernels support "
+                f"{KERNEL_DTYPES[self.device]}, got {self.model.dtype!r}"
+            )
         if self.segment_bytes > MAX_SEGMENT_BYTES:
             raise InvalidArgumentError(
                 f"PoolConfig.segment_len: a segment of {self.segment_len} tokens of this model "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
+import tempfile
 from multiprocessing import resource_tracker
 from pathlib import Path
 
@@ -28,11 +29,19 @@ CAPACITY = tl.PoolConfig(SHAPE, MAX_INSTANCES, num_slots=64, segment_len=64)
 CONFIG = DataPlaneConfig(max_q_rows=512, max_kv_rows=512, timeout_s=8.0)
 
 
+WATCHDOG_FILE = os.path.join(tempfile.gettempdir(), f"tokenlake-watchdog-{os.getpid()}.txt")
+
+
 @pytest.fixture(autouse=True)
-def watchdog():
-    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
+def watchdog(request):
+    """A hung test dumps every thread's stack to WATCHDOG_FILE (outside pytest's capture,
+    which the exit would discard) and ends the run."""
+    with open(WATCHDOG_FILE, "a") as f:
+        f.write(f"{request.node.nodeid}\n")
+        f.flush()
+        faulthandler.dump_traceback_later(WATCHDOG_S, exit=True, file=f)
+        yield
+        faulthandler.cancel_dump_traceback_later()
 
 
 class SharedCluster:
@@ -63,10 +72,18 @@ def shared_cluster():
 
 
 def child_pids() -> set[int]:
-    """Live (non-zombie) child processes of this process. Starts multiprocessing's resource
-    tracker first: it is a child that lives as long as this process, not a leak."""
+    """Live (non-zombie) descendants of this process, but multiprocessing's helpers that live
+    as long as it does (the resource tracker, the engines' fork server): started here first
+    so that they are never counted as leaks."""
+    from multiprocessing import forkserver
+
+    from tokenlake.engines.launcher import process_context
+
     resource_tracker.ensure_running()
-    me, out = os.getpid(), set()
+    process_context()  # the fork server's preload, before it starts
+    forkserver.ensure_running()
+    helpers = {resource_tracker._resource_tracker._pid, forkserver._forkserver._forkserver_pid}
+    parent = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -75,9 +92,13 @@ def child_pids() -> set[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == me and fields[0] != "Z":
-            out.add(int(entry))
-    return out
+        if fields[0] != "Z":
+            parent[int(entry)] = int(fields[1])
+    out, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, ppid in parent.items() if ppid in frontier} - out
+        out |= frontier
+    return out - helpers
 
 
 def shm_entries() -> set[str]:

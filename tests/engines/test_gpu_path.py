@@ -90,7 +90,7 @@ def test_cuda_data_plane_query_matches_dense_attention(separate_hosts):
     shape = tl.ModelShape(
         num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype="bfloat16"
     )
-    pool = tl.Pool(tl.PoolConfig(shape, 2, num_slots=32, segment_len=16))
+    pool = tl.Pool(tl.PoolConfig(shape, 2, num_slots=32, segment_len=16, device="cuda"))
     config = DataPlaneConfig(
         max_q_rows=128, max_kv_rows=128, device="cuda", separate_hosts=separate_hosts
     )

@@ -117,3 +117,21 @@ def test_copy_segment_copies_the_first_tokens_of_every_layer():
     executor.copy_segment(src, 1, dst, 3, 5)
     assert torch.equal(dst.data[:, 3, :, :5], src.data[:, 1, :, :5])
     assert dst.data[:, 3, :, 5:].eq(0).all() and dst.data[:, :3].eq(0).all()
+
+
+def test_pool_config_accepts_exactly_the_kernels_dtypes_of_its_device():
+    from tokenlake.config import KERNEL_DTYPES
+    from tokenlake.engines.local_cluster import LocalCluster
+
+    for device, dtypes in KERNEL_DTYPES.items():
+        for dtype in ("float32", "bfloat16", "float16"):
+            shape = tl.ModelShape(2, 4, 2, 8, dtype)
+            if dtype in dtypes:
+                assert tl.PoolConfig(shape, 1, 4, 8, device=device).device == device
+            else:
+                with pytest.raises(tl.InvalidArgumentError, match=f"{device} kernels support"):
+                    tl.PoolConfig(shape, 1, 4, 8, device=device)
+    with pytest.raises(tl.InvalidArgumentError, match="PoolConfig.device"):
+        tl.PoolConfig(SHAPE, 1, 4, 8, device="tpu")
+    with pytest.raises(tl.InvalidArgumentError, match="config.device"):
+        LocalCluster(tl.PoolConfig(SHAPE, 1, 4, 8, device="cuda"))  # a CPU data plane
