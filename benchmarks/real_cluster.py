@@ -13,15 +13,18 @@ caches hold duplicates of popular documents while TokenLake's pool holds each on
 
 Time: every iteration is a real forward of the real model, timed on the wall clock; instances
 run in virtual parallel time (2 cores cannot host N busy engines at once): a router instance
-is busy for the measured time of each of its own iterations, independently of the others,
-while a TokenLake iteration spans the instances it plans and lasts its measured time, all
-sub-batches computed one after another in this process (so TokenLake's times are, if
-anything, pessimistic). Arrivals join the next iteration of the instance they were routed to.
+is busy for the measured time of each of its own iterations, independently of the others; a
+TokenLake iteration (synchronous over the pool's instances) lasts as long as its slowest
+batch, each batch timed on its own, a DoP-k batch counted k times faster than measured (ideal
+sequence parallelism, as the simulator assumes). Arrivals join the next iteration of the
+instance (router) or pool (TokenLake) they were sent to. A lane whose running requests overflow
+its pool drops its newest request (it misses the SLO).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -44,6 +47,7 @@ from benchmarks.sim.router import CacheAwareRouter
 from tokenlake.engines.local_cluster import LocalCluster
 from tokenlake.engines.model.engine import ModelEngine
 from tokenlake.engines.model.llama import LlamaModel
+from tokenlake.errors import PoolFullError
 from tokenlake.scheduler import Coeffs, ElasticScheduler, LatencyModel, SchedulerConfig
 
 SYSTEMS = ("tokenlake", "router")
@@ -54,15 +58,24 @@ LATENCY = LatencyModel({1: Coeffs(1e-3, 1e-5, 0.0)}, Coeffs(1e-3, 1e-5, 0.0))
 class RealClusterConfig:
     num_instances: int = 4
     segment_len: int = 32
-    num_slots: int = 40  # per instance
+    num_slots: int = 48  # per instance
     chunk_len: int = 256
-    num_docs: int = 8
+    num_docs: int = 12
     doc_len: int = 448
     question_len: int = 24
     output_len: int = 8
     zipf: float = 1.2
-    num_requests: int = 48
+    num_requests: int = 96
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class Env:
+    """What both systems' schedulers are told: the SLO (seconds) and profiled latency models
+    by instance count."""
+
+    slo: dict
+    latency: dict
 
 
 @dataclass(frozen=True)
@@ -100,38 +113,64 @@ def workload(cfg: RealClusterConfig, rate: float, vocab: int) -> list[RealReques
 class _Group:
     """Instances sharing one pool, scheduler and compute engine."""
 
-    def __init__(self, model: LlamaModel, cfg: RealClusterConfig, num_instances: int) -> None:
+    def __init__(
+        self, model: LlamaModel, cfg: RealClusterConfig, num_instances: int, env: Env | None = None
+    ) -> None:
         config = tl.PoolConfig(model.shape, num_instances, cfg.num_slots, cfg.segment_len)
         self.pool = tl.Pool(config)
         self.engine = ModelEngine(model, LocalCluster(self.pool))
-        sched_cfg = SchedulerConfig(num_instances, cfg.segment_len, chunk_len=cfg.chunk_len)
-        self.scheduler = ElasticScheduler(sched_cfg, LATENCY, self.pool)
+        # the scheduler knows the SLO and this machine's latencies (profiled), as in serving
+        slo = {} if env is None else env.slo
+        sched_cfg = SchedulerConfig(num_instances, cfg.segment_len, chunk_len=cfg.chunk_len, **slo)
+        latency = LATENCY if env is None else env.latency[num_instances]
+        self.scheduler = ElasticScheduler(sched_cfg, latency, self.pool)
         self.hits: dict[str, int] = {}
         self._load = np.zeros(num_instances)
 
-    def step(self) -> tuple[list[str], set, np.ndarray]:
-        """One iteration: the requests that got a token, those that finished, and the prefix
-        tokens each instance read."""
-        it = self.scheduler.step()
+    def step(self) -> tuple[list[str], set, np.ndarray, float]:
+        """One iteration: the requests that got a token, those that finished, the prefix
+        tokens each instance read, and the iteration's duration. Its batches run on disjoint
+        instances at once, so it lasts as long as its slowest batch; a DoP-k batch is timed
+        whole and counted k times faster (ideal sequence parallelism)."""
+        idle = [], set(), np.zeros_like(self._load), 0.0
+        try:
+            it = self.scheduler.step()
+        except PoolFullError:  # the running requests alone overflow the pool: drop the newest
+            self.scheduler.cancel(self._newest_running())
+            return idle
         if it is None:
-            return [], set(), np.zeros_like(self._load)
+            return idle
         chunks = {c.request_id: c for c in it.decision.chunks}
         for rid, c in chunks.items():
             self.hits.setdefault(rid, c.start)
-        logits = self.engine.run(it.plans, chunks)
+        plans, logits, duration = it.plans, {}, 0.0
+        for b in sorted({qp.batch_index for qp in plans.query_plans}):
+            subs = [k for k, qp in enumerate(plans.query_plans) if qp.batch_index == b]
+            part = dataclasses.replace(
+                plans,
+                query_plans=tuple(plans.query_plans[k] for k in subs),
+                transfer_plans=tuple(plans.transfer_plans[k] for k in subs),
+            )
+            t0 = time.perf_counter()
+            logits.update(self.engine.run(part, chunks))
+            duration = max(duration, (time.perf_counter() - t0) / len(subs))
         tokens = {rid: int(row.argmax()) for rid, row in logits.items()}
         finished = {r.request_id for r in self.scheduler.complete(it, tokens)}
-        self.engine.retire(it.plans)
+        self.engine.retire(plans)
         load = np.asarray(self.pool.get_stats()["instance_load"], dtype=float)
         delta, self._load = load - self._load, load
-        return list(tokens), finished, delta
+        return list(tokens), finished, delta, duration
+
+    def _newest_running(self) -> str:
+        running = [rid for rid in self.hits if rid in self.pool.requests]
+        return running[-1]
 
 
 class TokenLakeSystem:
     """One lane: the pool's N instances run each iteration together."""
 
-    def __init__(self, model: LlamaModel, cfg: RealClusterConfig) -> None:
-        self.lanes = [_Group(model, cfg, cfg.num_instances)]
+    def __init__(self, model: LlamaModel, cfg: RealClusterConfig, env: Env) -> None:
+        self.lanes = [_Group(model, cfg, cfg.num_instances, env)]
         self.first_instance = [0]
 
     def add(self, r: RealRequest) -> int:
@@ -148,8 +187,8 @@ class TokenLakeSystem:
 class RouterSystem:
     """N single-instance lanes (private caches) behind sgl-router's cache-aware rule."""
 
-    def __init__(self, model: LlamaModel, cfg: RealClusterConfig) -> None:
-        self.lanes = [_Group(model, cfg, 1) for _ in range(cfg.num_instances)]
+    def __init__(self, model: LlamaModel, cfg: RealClusterConfig, env: Env) -> None:
+        self.lanes = [_Group(model, cfg, 1, env) for _ in range(cfg.num_instances)]
         self.first_instance = list(range(cfg.num_instances))
         self.router = CacheAwareRouter(cfg.num_instances)
         self.where: dict[str, int] = {}
@@ -192,9 +231,7 @@ def measure_solo(model: LlamaModel, cfg: RealClusterConfig, vocab: int) -> Solo:
         g.scheduler.add_request("solo", rng.integers(0, vocab, n).astype(np.int32), 4)
         times = []
         while g.scheduler.has_work:
-            t0 = time.perf_counter()
-            g.step()
-            times.append(time.perf_counter() - t0)
+            times.append(g.step()[3])
         pre.append((n, sum(times[:-3])))
         dec.append((n, float(np.median(times[-3:]))))
     fit = lambda pts: tuple(np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)[::-1])  # noqa: E731
@@ -203,13 +240,13 @@ def measure_solo(model: LlamaModel, cfg: RealClusterConfig, vocab: int) -> Solo:
     return Solo((max(a, 1e-4), max(b, 0.0)), (max(da, 1e-4), max(db, 0.0)))
 
 
-def run(system_name: str, model, cfg, rate: float, solo: Solo, vocab: int, limit_s: float):
+def run(system_name: str, model, cfg, rate: float, solo: Solo, env: Env, limit_s: float):
     """Replay the workload at ``rate`` in virtual time: each lane (a group of instances that
     iterates together) is busy for the measured wall time of every iteration it runs, lanes
     in parallel, arrivals joining the next iteration of their lane. Returns the records and
     the per-instance load timeline."""
-    system = (TokenLakeSystem if system_name == "tokenlake" else RouterSystem)(model, cfg)
-    reqs = workload(cfg, rate, vocab)
+    system = (TokenLakeSystem if system_name == "tokenlake" else RouterSystem)(model, cfg, env)
+    reqs = workload(cfg, rate, model.config.vocab_size)
     records = {
         r.rid: RequestRecord(
             i, r.arrival_s, len(r.tokens), r.output_len, solo.prefill_s(len(r.tokens)), solo.decode
@@ -230,9 +267,8 @@ def run(system_name: str, model, cfg, rate: float, solo: Solo, vocab: int, limit
         if not busy:
             break
         start, lane = min(busy)
-        t0 = time.perf_counter()
-        emitted, finished, delta = system.lanes[lane].step()
-        end = start + time.perf_counter() - t0
+        emitted, finished, delta, duration = system.lanes[lane].step()
+        end = start + duration
         free_at[lane] = end
         system.finished(lane, finished)
         for rid in emitted:
@@ -244,11 +280,11 @@ def run(system_name: str, model, cfg, rate: float, solo: Solo, vocab: int, limit
     return list(records.values()), load
 
 
-def evaluate(system_name, model, cfg, solo, vocab, args) -> dict:
+def evaluate(system_name, model, cfg, solo, env, args) -> dict:
     cache: dict[float, tuple] = {}
 
     def at(rate: float) -> float:
-        records, load = run(system_name, model, cfg, rate, solo, vocab, args.limit_s)
+        records, load = run(system_name, model, cfg, rate, solo, env, args.limit_s)
         cache[rate] = (records, load)
         a = slo_attainment(records)
         print(
@@ -273,11 +309,11 @@ def evaluate(system_name, model, cfg, solo, vocab, args) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer requests and evaluations")
     p.add_argument("--requests", type=int, default=None)
-    p.add_argument("--lo", type=float, default=1.0, help="first rate tried (req/s)")
-    p.add_argument("--hi", type=float, default=4.0, help="second rate tried (req/s)")
+    p.add_argument("--lo", type=float, default=2.0, help="first rate tried (req/s)")
+    p.add_argument("--hi", type=float, default=8.0, help="second rate tried (req/s)")
     p.add_argument("--rel-tol", type=float, default=0.3)
     p.add_argument("--max-evals", type=int, default=6)
-    p.add_argument("--common-rate", type=float, default=2.0, help="rate of the hit-rate/CV column")
+    p.add_argument("--common-rate", type=float, default=8.0, help="rate of the hit-rate/CV column")
     p.add_argument("--limit-s", type=float, default=120.0, help="cap on one replay's wall time")
     p.add_argument("--seed", type=int, default=0)
 
@@ -316,7 +352,19 @@ def run_main(args: argparse.Namespace) -> int:
         f"{(solo.decode[0] + solo.decode[1] * cfg.doc_len) * 1e3:.1f} ms)",
         file=sys.stderr,
     )
-    rows = [evaluate(name, model, cfg, solo, vocab, args) for name in SYSTEMS]
+    from tokenlake.serve.build import profile_latency_model
+
+    env = Env(
+        slo={
+            "tbt_slo": 10 * (solo.decode[0] + solo.decode[1] * (cfg.doc_len + cfg.question_len)),
+            "input_token_slo": 10 * solo.prefill[1] + 10 * solo.prefill[0] / cfg.doc_len,
+        },
+        latency={
+            n: profile_latency_model(model, n, cfg.segment_len, cfg.chunk_len)
+            for n in sorted({1, cfg.num_instances})
+        },
+    )
+    rows = [evaluate(name, model, cfg, solo, env, args) for name in SYSTEMS]
     base = rows[1]["p90_goodput_req_s"]
     rows[0]["goodput_ratio_vs_router"] = (
         round(rows[0]["p90_goodput_req_s"] / base, 3) if base > 0 else math.inf

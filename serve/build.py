@@ -121,18 +121,30 @@ def _cluster(config: ServeConfig, pool: tl.Pool, closers: list):
 
 
 def _latency_model(config: ServeConfig, model: LlamaModel) -> LatencyModel:
-    """Fit ``T(batch, k)`` on this model and machine (a second or two, on a scratch pool so
-    the served pool's cache and counters stay clean), or a flat guess."""
     if not config.profile:
         return LatencyModel({1: Coeffs(1e-3, 1e-5, 1e-9)}, Coeffs(1e-3, 1e-5, 0.0))
+    return profile_latency_model(
+        model, config.num_instances, config.segment_len, config.chunk_len, config.kernel_backend
+    )
+
+
+def profile_latency_model(
+    model: LlamaModel,
+    num_instances: int,
+    segment_len: int,
+    chunk_len: int,
+    backend: str | None = None,
+) -> LatencyModel:
+    """Fit the scheduler's ``T(batch, k)`` on this model and machine (a second or two, on a
+    scratch pool so a served pool's cache and counters stay clean)."""
     from tokenlake.engines.local_cluster import LocalCluster
 
-    dops = tuple(range(1, min(config.num_instances, 4) + 1))
-    max_len = min(config.chunk_len, 256)
+    dops = tuple(range(1, min(num_instances, 4) + 1))
+    max_len = min(chunk_len, 256)
     cases = default_cases(dops, max_len=max_len, num_prefill=3)
-    slots = 4 * 4 * max_len // config.segment_len + 8
-    pool = tl.Pool(tl.PoolConfig(model.shape, max(dops), slots, config.segment_len))
-    engine = ModelEngine(model, LocalCluster(pool, backend=config.kernel_backend))
+    slots = 4 * 4 * max_len // segment_len + 8
+    pool = tl.Pool(tl.PoolConfig(model.shape, max(dops), slots, segment_len))
+    engine = ModelEngine(model, LocalCluster(pool, backend=backend))
     rows = measure_rows(
         pool, lambda plans, chunks: engine.run(plans, chunks), cases, repeats=1,
         vocab=engine.model.config.vocab_size,
