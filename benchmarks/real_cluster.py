@@ -209,7 +209,8 @@ class RouterSystem:
             self.router.finished(lane)
 
     def hit_tokens(self, rid: str) -> int:
-        return self.lanes[self.where[rid]].hits.get(rid, 0)
+        lane = self.where.get(rid)  # None: not sent before the replay hit its time cap
+        return 0 if lane is None else self.lanes[lane].hits.get(rid, 0)
 
 
 @dataclass(frozen=True)
