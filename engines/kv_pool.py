@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tokenlake.config import ModelShape
@@ -39,6 +41,11 @@ class KVPool:
     @property
     def num_slots(self) -> int:
         return self.data.shape[1]
+
+    @functools.cached_property
+    def host_bytes(self):
+        """CPU only: ``data`` as a numpy ``uint8`` view ``[L, S, 2, C, H_kv, D * itemsize]``."""
+        return self.data.view(torch.uint8).numpy()
 
     def layer(self, layer: int) -> torch.Tensor:
         """The contiguous ``[num_slots, 2, C, H_kv, D]`` view of one layer."""
