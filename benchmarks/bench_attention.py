@@ -7,8 +7,8 @@ request), each over 8K- and 32K-token prefixes held in a paged pool (page size 1
 shuffled order), in float32 and bfloat16; attention is non-causal, as for a prefix.
 
 Baselines:
-- ``torch_ref``: ``tokenlake.kernels.reference.partial_attention`` (gathers pages, repeats the KV
-  heads for GQA, dense fp32 matmuls; the test oracle, not tuned).
+- ``torch_ref``: ``partial_attention(..., backend="torch")``, the reference (gathers pages,
+  repeats the KV heads for GQA, dense fp32 matmuls; the test oracle, not tuned).
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)`` on K/V
   already gathered per request into contiguous ``[B, H_kv, L, D]`` tensors of the same dtype.
   The gather is done once outside the timed region, so SDPA is timed on data in its preferred
@@ -30,12 +30,13 @@ and its first-call costs are small next to its runtime). Threads: torch uses
 threads). Prints one table, then one JSON line per case.
 
 Boundary cost (``boundary_*`` lines): what the public functions add to the C++ core on a decode
-step -- argument validation and output allocation -- measured as the per-call time of
+step -- argument validation, conversion and output allocation -- measured as the per-call CPU
+time (``time.process_time``, so other load on the machine does not count) of
 ``tokenlake.kernels.partial_attention`` / ``merge`` (``public_us``) against ``tokenlake._C``
-called directly with arguments converted beforehand and preallocated outputs (``core_us``), in alternating blocks of
-``--boundary-calls`` warm-cache calls (median over 5 blocks each), for decode batches of 8
-requests over ``--boundary-prefix-lens`` with small heads (``--boundary-heads``), so the core's
-own time stays short next to what the boundary adds.
+called directly with arguments converted beforehand and preallocated outputs (``core_us``), in
+alternating blocks of ``--boundary-calls`` warm-cache calls (median over 7 blocks each), on one
+kernel thread, for decode batches of 8 requests over ``--boundary-prefix-lens`` with small heads
+(``--boundary-heads``), so the core's own time stays short next to what the boundary adds.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenlake import _C
-from tokenlake.kernels import cpu, merge, partial_attention, reference
+from tokenlake.kernels import cpu, merge, partial_attention
 
 PAGE_LEN = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -148,7 +149,7 @@ def run_case(
 
     cpp_ms = timer.median_ms(cpp, args.repeats, args.warmup)
     sdpa_ms = timer.median_ms(sdpa, args.repeats, args.warmup)
-    ref = lambda: reference.partial_attention(*kernel_args)  # noqa: E731
+    ref = lambda: partial_attention(*kernel_args, backend="torch")  # noqa: E731
     ref_ms = timer.median_ms(ref, args.ref_repeats, args.ref_warmup)
     o_cpp, _ = cpp()
     o_sdpa = sdpa().float().transpose(1, 2).reshape(o_cpp.shape)
@@ -181,14 +182,16 @@ def run_case(
 
 
 def per_call_us(public: Callable[[], object], core: Callable[[], object], calls: int):
-    """Median per-call microseconds of two callables, timed in alternating blocks."""
+    """Median per-call CPU microseconds of two callables, timed in alternating blocks."""
     times: dict[str, list[float]] = {"public": [], "core": []}
-    for _ in range(5):
+    for _ in range(calls):  # warm-up
+        public(), core()
+    for _ in range(7):
         for name, fn in (("public", public), ("core", core)):
-            start = time.perf_counter()
+            start = time.process_time()
             for _ in range(calls):
                 fn()
-            times[name].append((time.perf_counter() - start) / calls * 1e6)
+            times[name].append((time.process_time() - start) / calls * 1e6)
     return statistics.median(times["public"]), statistics.median(times["core"])
 
 
@@ -215,6 +218,8 @@ def boundary_cases(case: Case, dtype: str, pool: torch.Tensor, slots, calls: int
         ),
     }
     rows = []
+    threads = cpu.get_num_threads()
+    cpu.set_num_threads(1)  # the kernel runs in the calling thread: no wake-up jitter
     for name, (public, core) in pairs.items():
         public_us, core_us = per_call_us(public, core, calls)
         rows.append(
@@ -232,6 +237,7 @@ def boundary_cases(case: Case, dtype: str, pool: torch.Tensor, slots, calls: int
                 "load_avg_1m": round(os.getloadavg()[0], 2),
             }
         )
+    cpu.set_num_threads(threads)
     return rows
 
 

@@ -58,11 +58,13 @@ class PagedAttentionInputs:
     def __post_init__(self) -> None:
         object.__setattr__(self, "causal", check_bool("causal", self.causal))
         pool = check_tensor(
-            "pool_layer", self.pool_layer, shape=(None, 2, None, None, None), dtype=KV_DTYPES
+            "pool_layer",
+            self.pool_layer,
+            shape=(None, 2, None, None, None),
+            dtype=KV_DTYPES,
+            contiguous=True,
         )
         _check_device_type("pool_layer", pool)
-        if not pool.is_contiguous():
-            raise InvalidArgumentError("pool_layer: expected a contiguous tensor")
         num_slots, _, page_len, num_kv_heads, head_dim = pool.shape
         if min(page_len, num_kv_heads, head_dim) < 1:
             raise InvalidArgumentError(
