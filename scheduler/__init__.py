@@ -2,13 +2,16 @@
 degrees of parallelism each iteration and never manages cache placement.
 
 Modules: :mod:`.config` (``SchedulerConfig``), :mod:`.request` (lifecycle), :mod:`.policy`
-(pure decisions), :mod:`.dp` / :mod:`.dp_reference` (the §6.2 DP, C++ and Python),
+(pure decisions), :mod:`.lanes` (asynchronous decode lanes), :mod:`.memory` (admission and
+preemption), :mod:`.deciding` (requests → planned batches), :mod:`.dp` / :mod:`.dp_reference`
+(the §6.2 DP, C++ and Python),
 :mod:`.latency_model` (fitted ``T(batch, k)``), :mod:`.cost_model` (roofline for simulated
 hardware), :mod:`.profiler` (measured rows on a CPU engine), :mod:`.scheduler` (the facade).
 """
 
 from tokenlake.scheduler.config import COLOCATED, ELASTIC, MODES, XPYD, SchedulerConfig
 from tokenlake.scheduler.cost_model import CostModel
+from tokenlake.scheduler.deciding import IterationPlan
 from tokenlake.scheduler.dp import DPProblem, DPResult, solve
 from tokenlake.scheduler.dp_reference import solve_reference
 from tokenlake.scheduler.latency_model import (
@@ -23,6 +26,7 @@ from tokenlake.scheduler.latency_model import (
 from tokenlake.scheduler.policy import (
     MIXED,
     Decision,
+    InstanceLimits,
     WorkItem,
     build_problem,
     plan_batches,
@@ -30,7 +34,7 @@ from tokenlake.scheduler.policy import (
 )
 from tokenlake.scheduler.profiler import default_cases, measure_rows
 from tokenlake.scheduler.request import Phase, Request, chunk_end
-from tokenlake.scheduler.scheduler import ElasticScheduler, IterationPlan
+from tokenlake.scheduler.scheduler import ElasticScheduler
 
 __all__ = [
     "COLOCATED",
@@ -46,6 +50,7 @@ __all__ = [
     "DPResult",
     "Decision",
     "ElasticScheduler",
+    "InstanceLimits",
     "IterationPlan",
     "LatencyModel",
     "Phase",

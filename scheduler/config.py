@@ -40,9 +40,17 @@ class SchedulerConfig:
         num_prefill_instances: ``P`` of xPyD (``1 <= P < N``); ignored in other modes.
         tbt_slo: seconds allowed between two output tokens (``inf``: no SLO).
         input_token_slo: seconds allowed per input token of a prefill chunk (``inf``: no SLO).
-        sync_iterations: an iteration lasts as long as its slowest batch (the pool runs one
-            iteration at a time), so while any decode runs every batch must also meet
-            ``tbt_slo``; set False for a data plane whose batches run asynchronously.
+        sync_iterations: one iteration at a time over the whole cluster (it lasts as long as
+            its slowest batch, so while any decode runs every batch must also meet
+            ``tbt_slo``). False: asynchronous iterations (DESIGN §2.3), one per batch, each on
+            its own instances, decided as instances free up (:mod:`tokenlake.scheduler.lanes`).
+        lane_tbt_fraction: asynchronous decode lanes are sized so a decode batch takes at most
+            this share of ``tbt_slo`` (the rest covers waiting for a busy lane).
+        kv_watermark: share of the pool's slots left free when admitting a new request
+            (vLLM's watermark), so running requests can grow before anything is preempted.
+        output_reserve: share of a request's remaining output the admission reserves for it
+            (1: the whole ``max_output_tokens``, as SGLang's admission; 0: only its prompt,
+            as vLLM's, relying on preemption).
     """
 
     num_instances: int
@@ -54,6 +62,9 @@ class SchedulerConfig:
     tbt_slo: float = math.inf
     input_token_slo: float = math.inf
     sync_iterations: bool = True
+    lane_tbt_fraction: float = 0.5
+    kv_watermark: float = 0.01
+    output_reserve: float = 1.0
 
     def __post_init__(self) -> None:
         _positive_int("num_instances", self.num_instances)
@@ -84,7 +95,21 @@ class SchedulerConfig:
                     f"SchedulerConfig.{name}: expected positive seconds, got {value!r}"
                 )
         if not isinstance(self.sync_iterations, bool):
-            raise InvalidArgumentError("SchedulerConfig.sync_iterations: expected a bool")
+            raise InvalidArgumentError(
+                f"SchedulerConfig.sync_iterations: expected a bool, got {self.sync_iterations!r}"
+            )
+        for name, low_open in (
+            ("lane_tbt_fraction", True),
+            ("kv_watermark", False),
+            ("output_reserve", False),
+        ):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not ok or not (0 < value <= 1 if low_open else 0 <= value <= 1):
+                allowed = "a number in (0, 1]" if low_open else "a number in [0, 1]"
+                raise InvalidArgumentError(
+                    f"SchedulerConfig.{name}: expected {allowed}, got {value!r}"
+                )
 
     @property
     def prefill_instances(self) -> int:

@@ -36,6 +36,20 @@ class WorkItem(NamedTuple):
         return self.end - self.start
 
 
+class InstanceLimits(NamedTuple):
+    """Instances one decision may use: ``total``, of which prefill batches use at most
+    ``prefill`` and decode batches at most ``decode`` (an asynchronous decision covers only
+    the free instances)."""
+
+    total: int
+    prefill: int
+    decode: int
+
+    @classmethod
+    def of(cls, config: SchedulerConfig) -> InstanceLimits:
+        return cls(config.num_instances, config.prefill_instances, config.decode_instances)
+
+
 class Decision(NamedTuple):
     """What one iteration runs: ``batches[b]`` on ``dops[b]`` instances.
 
@@ -63,13 +77,17 @@ def select_work(
     cached_tokens: Callable[[Request], int],
     phases: Sequence[str] = (PREFILL, DECODE),
     max_new_requests: int | None = None,
+    budget: int | None = None,
 ) -> list[WorkItem]:
     """Every decode step, then prefill chunks (running prefills first, then waiting requests in
     arrival order) until the iteration's prefill token budget is spent.
 
-    A waiting request starts at ``min(cached_tokens(r), prompt_len - 1)`` (at least one token
-    is computed, to produce the first output token). ``phases`` limits the work to one phase
-    (one instance cannot run both in elastic mode); ``max_new_requests`` caps admissions.
+    A waiting request starts at ``min(cached_tokens(r), num_known - 1)`` (at least one token
+    is computed, to produce the next output token; a preempted request recomputes the tokens
+    it had generated too). Waiting requests go by ``arrival`` (a preempted request keeps its
+    place). ``phases`` limits the work to one phase (one instance cannot run both in elastic
+    mode); ``max_new_requests`` caps admissions; ``budget`` overrides the prefill token budget
+    (an asynchronous decision over some of the instances).
     """
     pending = [r for r in requests if r.phase is not Phase.FINISHED]
     items = []
@@ -80,18 +98,19 @@ def select_work(
                 items.append(WorkItem(r.request_id, DECODE, ids, len(ids) - 1, len(ids), r.arrival))
     if PREFILL not in phases:
         return items
-    budget = config.prefill_token_budget
-    if config.mode == COLOCATED:
-        budget = config.chunk_len * config.num_instances - len(items)
+    if budget is None:
+        budget = config.prefill_token_budget
+        if config.mode == COLOCATED:
+            budget = config.chunk_len * config.num_instances - len(items)
     admitted = 0
     running = [r for r in pending if r.phase is Phase.PREFILL]
-    waiting = [r for r in pending if r.phase is Phase.WAITING]
+    waiting = sorted((r for r in pending if r.phase is Phase.WAITING), key=lambda r: r.arrival)
     for r in running + waiting:
         new = r.phase is Phase.WAITING
         if new and max_new_requests is not None and admitted >= max_new_requests:
             break
-        start = min(cached_tokens(r), r.prompt_len - 1) if new else r.num_stored
-        end = chunk_end(start, r.prompt_len, min(config.chunk_len, budget), config.segment_len)
+        start = min(cached_tokens(r), r.num_known - 1) if new else r.num_stored
+        end = chunk_end(start, r.num_known, min(config.chunk_len, budget), config.segment_len)
         if end <= start:
             break
         budget -= end - start
@@ -113,14 +132,19 @@ def item_slo(item: WorkItem, config: SchedulerConfig, decoding: bool) -> float:
 
 
 def build_problem(
-    items: Sequence[WorkItem], config: SchedulerConfig, model: LatencyModel, load: float = 0.0
+    items: Sequence[WorkItem],
+    config: SchedulerConfig,
+    model: LatencyModel,
+    load: float = 0.0,
+    limits: InstanceLimits | None = None,
 ) -> tuple[DPProblem, list[WorkItem]]:
     """The DP input for ``items`` and the item order it uses.
 
     Elastic/xPyD: prefill items sorted by context length, then decode items sorted by context
     length. Colocated: one phase sorted by context length (mixed batches, DoP 1, priced with
-    the prefill coefficients).
+    the prefill coefficients). ``limits`` default to the whole cluster of ``config``.
     """
+    limits = InstanceLimits.of(config) if limits is None else limits
     decoding = any(it.phase == DECODE for it in items)
     order = sorted(items, key=lambda it: (it.end, it.arrival))
     if config.mode != COLOCATED:
@@ -134,11 +158,11 @@ def build_problem(
         lens=[it.num_new for it in order],
         slos=[item_slo(it, config, decoding) for it in order],
         num_prefill=num_prefill,
-        prefill_coef=model.table(config.max_prefill_dop),
+        prefill_coef=model.table(max(1, min(config.max_prefill_dop, limits.prefill))),
         decode_coef=list(model.coeffs(DECODE)),
-        num_instances=config.num_instances,
-        max_prefill_instances=config.prefill_instances,
-        max_decode_instances=config.decode_instances,
+        num_instances=limits.total,
+        max_prefill_instances=limits.prefill,
+        max_decode_instances=limits.decode,
         load=load,
     )
     return problem, order
@@ -150,15 +174,16 @@ def plan_batches(
     model: LatencyModel,
     load: float = 0.0,
     solver: str = "cpp",
+    limits: InstanceLimits | None = None,
 ) -> Decision:
     """Batch ``items`` and choose DoPs with the §6.2 DP under cache load ``load``: a batch is
     all-prefill or all-decode (except in colocated mode), decode DoP 1 (see
-    :func:`build_problem` for the order)."""
+    :func:`build_problem` for the order and ``limits``)."""
     if solver not in SOLVERS:
         raise InvalidArgumentError(f"solver: expected one of {sorted(SOLVERS)}, got {solver!r}")
     if not items:
         return Decision((), (), (), (), float(load), True, 0.0)
-    problem, order = build_problem(items, config, model, load)
+    problem, order = build_problem(items, config, model, load, limits)
     result = SOLVERS[solver](problem)
     batches, phases, latencies = [], [], []
     for start, end, dop in result.batches:

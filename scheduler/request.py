@@ -1,4 +1,5 @@
-"""One request's lifecycle: waiting → prefill (chunks) → decode → finished."""
+"""One request's lifecycle: waiting → prefill (chunks) → decode → finished; a preempted request
+goes back to waiting and recomputes what it knew (vLLM's recompute preemption)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tokenlake.keys import as_tokens
 
 
 class Phase(enum.Enum):
-    WAITING = "waiting"  # not in the pool yet; its first chunk starts at the cached prefix
+    WAITING = "waiting"  # not in the pool; its first chunk starts at the cached prefix
     PREFILL = "prefill"  # in the pool, prompt partly stored
     DECODE = "decode"  # prompt stored, generating one token per iteration
     FINISHED = "finished"  # released with pool.finish
@@ -35,8 +36,10 @@ class Request:
     """Scheduler-side state of one request.
 
     ``num_stored`` tokens have KV in the pool; ``token_ids`` are the prompt and the tokens
-    generated so far. The last prompt chunk yields the first output token; each decode step
-    stores the previous output token's KV and yields the next one.
+    generated so far. A chunk that reaches the end of the known tokens (a prompt's last chunk,
+    a decode step, a recompute's last chunk) yields the next token. ``arrival`` is the
+    request's priority (lower first; kept across preemptions); ``ready_at`` the time its last
+    token came (or it arrived), from which its next token's latency counts.
     """
 
     request_id: int | str
@@ -47,9 +50,18 @@ class Request:
     phase: Phase = Phase.WAITING
     num_stored: int = 0
     num_generated: int = 0
+    ready_at: float = 0.0
+    num_preemptions: int = 0
 
     @classmethod
-    def create(cls, request_id: int | str, prompt, max_output_tokens: int, arrival: int) -> Request:
+    def create(
+        cls,
+        request_id: int | str,
+        prompt,
+        max_output_tokens: int,
+        arrival: int,
+        now: float = 0.0,
+    ) -> Request:
         prompt = as_tokens(prompt, "prompt")
         if not len(prompt):
             raise InvalidArgumentError("prompt: expected at least one token")
@@ -63,11 +75,16 @@ class Request:
             )
         tokens = np.zeros(len(prompt) + max_output_tokens, dtype=np.int32)
         tokens[: len(prompt)] = prompt
-        return cls(request_id, len(prompt), max_output_tokens, arrival, tokens)
+        return cls(request_id, len(prompt), max_output_tokens, arrival, tokens, ready_at=now)
 
     @property
     def num_known(self) -> int:
         return self.prompt_len + self.num_generated
+
+    @property
+    def max_len(self) -> int:
+        """Tokens the request may hold in the pool at most: prompt and every output token."""
+        return self.prompt_len + self.max_output_tokens
 
     @property
     def token_ids(self) -> np.ndarray:
@@ -80,16 +97,30 @@ class Request:
     def output_ids(self) -> np.ndarray:
         return self.tokens[self.prompt_len : self.num_known].copy()
 
-    def advance(self, end: int, next_token: int) -> None:
-        """Record that the pool now stores tokens ``[0, end)``; when that completes the prompt
-        or a decode step, ``next_token`` is the newly generated token."""
+    def advance(self, end: int, next_token: int, now: float = 0.0) -> bool:
+        """Record that the pool now stores tokens ``[0, end)``; when that reaches the end of
+        the known tokens, ``next_token`` is the newly generated token. Returns whether a
+        token was generated."""
         if self.phase is Phase.FINISHED:
             raise InvalidArgumentError(f"request_id: {self.request_id!r} already finished")
         self.num_stored = end
-        if self.phase is not Phase.DECODE and end < self.prompt_len:
+        if end < self.num_known:
             self.phase = Phase.PREFILL
-            return
+            return False
         self.tokens[self.num_known] = next_token
         self.num_generated += 1
+        self.ready_at = now
         done = self.num_generated >= self.max_output_tokens
         self.phase = Phase.FINISHED if done else Phase.DECODE
+        return True
+
+    def preempt(self) -> None:
+        """Back to waiting: the pool released it; it recomputes its known tokens (from its
+        cached prefix) before generating the next one."""
+        if self.phase in (Phase.WAITING, Phase.FINISHED):
+            raise InvalidArgumentError(
+                f"request_id: {self.request_id!r} is {self.phase.value}, not running"
+            )
+        self.phase = Phase.WAITING
+        self.num_stored = 0
+        self.num_preemptions += 1

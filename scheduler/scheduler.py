@@ -1,35 +1,35 @@
-"""The elastic scheduler: a client of the pool that decides each iteration and books its result.
+"""The elastic scheduler: a client of the pool that decides iterations and books their results.
 
-It never places cache: it reads the prefix tree (where a new request's prefill starts) and the
-cache load, decides batches and DoPs (:mod:`tokenlake.scheduler.policy`), and calls
-``gen_plans``; after the data plane ran the plans, :meth:`ElasticScheduler.complete` commits
+It never places cache: it reads the prefix tree (where a new request's prefill starts, what
+its admission pins) and the cache load, decides batches and DoPs (:mod:`.policy`, the §6.2
+DP), and calls ``gen_plans``; after the data plane ran the plans, :meth:`complete` commits
 them, advances every request and finishes the done ones (releasing their pins).
+
+Asynchronous iterations (``sync_iterations=False``, DESIGN §2.3): each batch is an iteration
+of its own on its own instances, committed on its own; :meth:`step` hands out the next one
+for the free instances (:mod:`.lanes` chooses decode lanes and prefill instances). Memory
+(:mod:`.memory`): FCFS admission within what the pool can hold; when the pool still runs
+short, the latest running arrival is preempted and later recomputed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import replace
-from typing import NamedTuple
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from tokenlake.errors import InvalidArgumentError, PoolFullError, UnknownRequestError
-from tokenlake.plans import Plans
 from tokenlake.pool import Pool
-from tokenlake.scheduler.config import ELASTIC, XPYD, SchedulerConfig
-from tokenlake.scheduler.latency_model import DECODE, PREFILL, LatencyModel
-from tokenlake.scheduler.policy import SOLVERS, Decision, WorkItem, plan_batches, select_work
+from tokenlake.scheduler import memory
+from tokenlake.scheduler.config import SchedulerConfig
+from tokenlake.scheduler.deciding import Deciding, IterationPlan, Planned
+from tokenlake.scheduler.latency_model import LatencyModel
+from tokenlake.scheduler.policy import SOLVERS, Decision
 from tokenlake.scheduler.request import Phase, Request
 
 VOCAB = 32000  # synthetic next tokens, when the caller supplies none
-
-
-class IterationPlan(NamedTuple):
-    """One planned iteration: the scheduler's decision and the pool's plans for it."""
-
-    decision: Decision
-    plans: Plans
 
 
 class ElasticScheduler:
@@ -40,16 +40,25 @@ class ElasticScheduler:
         sched = ElasticScheduler(config, latency_model, pool)
         sched.add_request("r1", prompt, max_output_tokens=16)
         while sched.has_work:
-            it = sched.step()                  # decide + pool.gen_plans
+            it = sched.step()                  # the next iteration for free instances
             ...                                # the data plane executes it.plans
             done = sched.complete(it, tokens)  # pool.commit, advance, pool.finish
+
+    Asynchronous callers call :meth:`step` until it returns ``None`` whenever instances free
+    up or requests arrive, and :meth:`complete` each iteration when it ends, in any order.
+    ``clock`` gives seconds (the time between tokens is measured on it).
     """
 
     def __init__(
-        self, config: SchedulerConfig, latency_model: LatencyModel, pool: Pool, solver: str = "cpp"
+        self,
+        config: SchedulerConfig,
+        latency_model: LatencyModel,
+        pool: Pool,
+        solver: str = "cpp",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(config, SchedulerConfig):
-            raise InvalidArgumentError("config: expected a SchedulerConfig")
+            raise InvalidArgumentError(f"config: expected a SchedulerConfig, got {config!r}")
         if not isinstance(latency_model, LatencyModel):
             raise InvalidArgumentError("latency_model: expected a LatencyModel")
         pc = pool.config
@@ -60,25 +69,42 @@ class ElasticScheduler:
             )
         if solver not in SOLVERS:
             raise InvalidArgumentError(f"solver: expected one of {sorted(SOLVERS)}, got {solver!r}")
+        if not callable(clock):
+            raise InvalidArgumentError(f"clock: expected a callable, got {clock!r}")
         self.config = config
         self.latency_model = latency_model
         self.pool = pool
         self.solver = solver
+        self.clock = clock
         self._requests: dict[int | str, Request] = {}  # unfinished, in arrival order
         self._num_arrived = 0
-        self._inflight: IterationPlan | None = None
-        self._decode_turn = False  # one instance, elastic: alternate the phases
+        self._inflight: dict[int, IterationPlan] = {}  # epoch -> iteration handed out
+        self._busy: dict[int | str, int] = {}  # request id -> epoch of its iteration
+        self._planned: deque[IterationPlan] = deque()  # planned, not handed out yet
+        self._deciding = Deciding(config, latency_model, pool, solver)
+        self._victims: set[int | str] = set()  # preempted during the current step()
+        self.num_preemptions = 0
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: int | str, prompt, max_output_tokens: int = 1) -> None:
-        """Queue a request: ``prompt`` token ids, at most ``max_output_tokens`` to generate."""
+        """Queue a request: ``prompt`` token ids, at most ``max_output_tokens`` to generate.
+        A request that could not fit in the whole pool even alone is refused."""
         try:
             hash(request_id)
         except TypeError:
-            raise InvalidArgumentError("request_id: expected an int or str") from None
+            raise InvalidArgumentError(
+                f"request_id: expected an int or str, got {request_id!r}"
+            ) from None
         if request_id in self._requests:
             raise InvalidArgumentError(f"request_id: {request_id!r} is already queued or running")
-        req = Request.create(request_id, prompt, max_output_tokens, self._num_arrived)
+        req = Request.create(request_id, prompt, max_output_tokens, self._num_arrived, self.clock())
+        need = memory.segments(req.max_len, self.config.segment_len)
+        capacity = self._deciding.capacity_slots()
+        if need > capacity:
+            raise InvalidArgumentError(
+                f"prompt: {req.prompt_len} tokens + max_output_tokens={max_output_tokens} need "
+                f"{need} segments of {self.config.segment_len} tokens; the pool holds {capacity}"
+            )
         self._requests[request_id] = req
         self._num_arrived += 1
 
@@ -89,15 +115,13 @@ class ElasticScheduler:
             raise UnknownRequestError(f"request_id: unknown request {request_id!r}") from None
 
     def cancel(self, request_id: int | str) -> None:
-        """Drop a request that is not in the iteration in flight (a client went away, a stop
+        """Drop a request that is not in an iteration in flight (a client went away, a stop
         token came): it leaves the queue, and the pool releases its pins (``pool.finish``,
         which keeps its partial tail) if it had reached the pool."""
         req = self.request(request_id)
-        if self._inflight is not None and any(
-            c.request_id == request_id for c in self._inflight.decision.chunks
-        ):
+        if request_id in self._busy:
             raise InvalidArgumentError(
-                f"request_id: {request_id!r} is in the iteration in flight; complete it first"
+                f"request_id: {request_id!r} is in an iteration in flight; complete it first"
             )
         if req.phase is not Phase.WAITING:
             self.pool.finish(request_id)
@@ -115,97 +139,108 @@ class ElasticScheduler:
     def num_running(self) -> int:
         return len(self._requests) - self.num_waiting
 
+    @property
+    def iterations_in_flight(self) -> tuple[IterationPlan, ...]:
+        """Iterations handed out by :meth:`step` and not completed or aborted yet."""
+        return tuple(self._inflight.values())
+
     # ---- deciding ------------------------------------------------------------------------
     def decide(self, load: float | None = None, max_new_requests: int | None = None) -> Decision:
-        """This iteration's batches and DoPs; reads the prefix tree and cache load only.
+        """A synchronous iteration's batches and DoPs over every request and live instance;
+        reads the prefix tree and cache load only (``load`` overrides ``get_cache_load``)."""
+        return self._deciding.decide_sync(self._requests.values(), load, max_new_requests)
 
-        ``load`` overrides the pool's ``get_cache_load`` (L = 0 when the pool has no load
-        model). Runs on the pool's live instances.
-        """
-        tree = self.pool.get_prefix_tree()
-        config = self._live_config()
-        reqs = self._requests.values()
-        phases = (PREFILL, DECODE)
-        if config.mode == ELASTIC and config.num_instances == 1:
-            has_decode = any(r.phase is Phase.DECODE for r in reqs)
-            has_prefill = any(r.phase in (Phase.WAITING, Phase.PREFILL) for r in reqs)
-            if has_decode and has_prefill:
-                phases = (DECODE,) if self._decode_turn else (PREFILL,)
-        items = select_work(
-            reqs, config, lambda r: tree.match(r.token_ids).num_tokens, phases, max_new_requests
-        )
-        load = self._cache_load(items) if load is None else load
-        return plan_batches(items, config, self.latency_model, load, self.solver)
-
-    def _cache_load(self, items: list[WorkItem]) -> float:
-        # get_cache_load needs the pool's roofline LoadModel; without one, L = 0
-        if getattr(self.pool, "load_model", None) is None or not items:
-            return 0.0
-        reqs = [(it.start, it.num_new) for it in items]
-        return float(self.pool.get_cache_load(reqs, self.pool.get_prefix_tree()))
-
-    def _live_config(self) -> SchedulerConfig:
-        """The config on the pool's live instances (an instance may have been dropped)."""
-        cfg = self.config
-        live = len(getattr(self.pool, "live_instances", range(cfg.num_instances)))
-        if live >= cfg.num_instances:
-            return cfg
-        if live < 1 or (cfg.mode == XPYD and live < 2):
-            raise InvalidArgumentError(f"pool: {live} live instances are too few for {cfg.mode}")
-        prefill = min(cfg.num_prefill_instances, live - 1)
-        return replace(cfg, num_instances=live, num_prefill_instances=prefill)
-
-    def _fixed_roles(self, decision: Decision) -> list[list[int]] | None:
-        """xPyD pins roles to instances: the first P live instances only ever run prefill
-        batches, the others only decode (the dispatcher still picks within each set)."""
-        if self.config.mode != XPYD:
-            return None
-        live = sorted(self.pool.live_instances)
-        num_prefill = self._live_config().num_prefill_instances
-        prefill, decode = live[:num_prefill], live[num_prefill:]
-        return [prefill if phase == PREFILL else decode for phase in decision.phases]
-
-    # ---- running -------------------------------------------------------------------------
     def step(self, load: float | None = None) -> IterationPlan | None:
-        """Decide the next iteration and plan it with ``pool.gen_plans``; ``None`` when idle.
-
-        If the pool is too full for every admitted request, fewer new requests are admitted
-        (halving); ``PoolFullError`` propagates when even the running requests do not fit.
+        """Plan the next iteration (``pool.gen_plans``); ``None`` when there is nothing to
+        start now. Synchronous mode: one iteration over the whole cluster at a time.
+        Asynchronous mode: one batch on free instances per call; call again until ``None``.
         """
-        if self._inflight is not None:
-            raise InvalidArgumentError("step: the previous iteration is not completed or aborted")
-        limit = None
+        if self._planned:
+            return self._hand_out(self._planned.popleft())
+        now = self.clock()
+        if self.config.sync_iterations:
+            if self._inflight:
+                raise InvalidArgumentError(
+                    "step: the previous iteration is not completed or aborted"
+                )
+            planned = [self._deciding.plan_sync(self._requests.values(), load)]
+            planned = [p for p in planned if p.batches]
+        else:
+            reqs = list(self._requests.values())
+            planned = self._deciding.plan_async(reqs, self._inflight.values(), now, load)
+        self._victims: set[int | str] = set()
+        for p in planned:
+            it = self._launch(p, now)
+            if it is not None:
+                self._planned.append(it)
+        return self._hand_out(self._planned.popleft()) if self._planned else None
+
+    def _hand_out(self, it: IterationPlan) -> IterationPlan:
+        self._inflight[it.plans.epoch] = it
+        return it
+
+    def _launch(self, planned: Planned, now: float) -> IterationPlan | None:
+        """``gen_plans`` for ``planned``; when the pool is short, leave its newest new request
+        out, else preempt the latest running arrival (never one older than the batch's oldest
+        request). ``None`` when nothing of it can start now (it waits for iterations in flight
+        to end)."""
         while True:
-            decision = self.decide(load, limit)
-            if not decision.batches:
+            planned = planned.without(self._victims)  # preempted since it was decided
+            if planned is None:
                 return None
+            instances = planned.instances
+            if instances is not None:  # earlier batches of this decision took some
+                free = set(self.pool.free_instances)
+                instances = [None if g is None else [i for i in g if i in free] for g in instances]
+                if any(
+                    g is not None and len(g) < d
+                    for g, d in zip(instances, planned.dops, strict=True)
+                ):
+                    return None
             try:
                 plans = self.pool.gen_plans(
-                    [list(b) for b in decision.batches],
-                    list(decision.dops),
+                    [list(b) for b in planned.batches],
+                    list(planned.dops),
                     self.pool.get_prefix_tree(),
-                    instances=self._fixed_roles(decision),
+                    instances=instances,
                 )
-                break
             except PoolFullError:
-                new = sum(
-                    self._requests[c.request_id].phase is Phase.WAITING for c in decision.chunks
-                )
-                if new == 0:
-                    raise
-                limit = new // 2
-        self._decode_turn = PREFILL in decision.phases
-        self._inflight = IterationPlan(decision, plans)
-        return self._inflight
+                planned = self._make_room(planned)
+                continue
+            for chunk in planned.chunks:
+                self._busy[chunk.request_id] = plans.epoch
+            return IterationPlan(planned.decision(), plans, now)
 
+    def _make_room(self, planned: Planned) -> Planned | None:
+        reqs = [self._requests[c.request_id] for c in planned.chunks]
+        new = [r for r in reqs if r.phase is Phase.WAITING]
+        if new:
+            return planned.without({max(new, key=lambda r: r.arrival).request_id})
+        oldest = min(r.arrival for r in reqs)
+        idle = (r for r in self._requests.values() if r.request_id not in self._busy)
+        victim = memory.victim(idle, protect_before=oldest)
+        if victim is None:
+            if not self._inflight and not self._planned:
+                raise PoolFullError(
+                    f"batches: request {reqs[0].request_id!r} cannot proceed even with every "
+                    "other request preempted"
+                )
+            return None
+        self.pool.finish(victim.request_id)  # its segments stay cached, unpinned
+        victim.preempt()
+        self.num_preemptions += 1
+        self._victims.add(victim.request_id)
+        return planned
+
+    # ---- results -------------------------------------------------------------------------
     def complete(
         self, iteration: IterationPlan, new_token_ids: Mapping[int | str, int] | None = None
     ) -> list[Request]:
         """Commit an executed iteration and advance its requests.
 
-        ``new_token_ids[request_id]`` is the token sampled for a request whose chunk ended its
-        prompt or was a decode step (a deterministic synthetic token when absent). Returns the
-        requests that finished; the pool has released them (``pool.finish``).
+        ``new_token_ids[request_id]`` is the token sampled for a request whose chunk reached
+        the end of its known tokens (a deterministic synthetic token when absent). Returns
+        the requests that finished; the pool has released them (``pool.finish``).
         """
         self._check(iteration)
         given = new_token_ids or {}
@@ -221,10 +256,11 @@ class ElasticScheduler:
             tokens[chunk.request_id] = int(token)
         self._take(iteration)
         self.pool.commit(iteration.plans)
+        now = self.clock()
         finished = []
         for chunk in iteration.decision.chunks:
             req = self._requests[chunk.request_id]
-            req.advance(chunk.end, tokens[chunk.request_id])
+            req.advance(chunk.end, tokens[chunk.request_id], now)
             if req.phase is Phase.FINISHED:
                 self.pool.finish(chunk.request_id)
                 del self._requests[chunk.request_id]
@@ -232,14 +268,20 @@ class ElasticScheduler:
         return finished
 
     def abort(self, iteration: IterationPlan) -> None:
-        """Undo a planned iteration (``pool.abort``); its requests keep their state."""
+        """Undo an iteration (``pool.abort``); its requests keep their state."""
         self._take(iteration)
         self.pool.abort(iteration.plans)
 
     def _check(self, iteration: IterationPlan) -> None:
-        if iteration is not self._inflight or self._inflight is None:
-            raise InvalidArgumentError("iteration: not the iteration returned by the last step()")
+        if not isinstance(iteration, IterationPlan) or (
+            self._inflight.get(iteration.plans.epoch) is not iteration
+        ):
+            raise InvalidArgumentError(
+                "iteration: not an iteration handed out by step() and still in flight"
+            )
 
     def _take(self, iteration: IterationPlan) -> None:
         self._check(iteration)
-        self._inflight = None
+        del self._inflight[iteration.plans.epoch]
+        for chunk in iteration.decision.chunks:
+            del self._busy[chunk.request_id]

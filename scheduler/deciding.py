@@ -1,0 +1,322 @@
+"""From requests to planned iterations: the synchronous decision over the whole cluster, the
+asynchronous one over the free instances (lanes, :mod:`.lanes`), and FCFS memory-aware
+admission (:mod:`.memory`). Reads the pool (prefix tree, free capacity, instances), never
+changes it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import NamedTuple
+
+from tokenlake.errors import InvalidArgumentError
+from tokenlake.plans import Chunk, Plans
+from tokenlake.pool import Pool
+from tokenlake.prefix_tree import PrefixMatch
+from tokenlake.scheduler import memory
+from tokenlake.scheduler.config import COLOCATED, ELASTIC, XPYD, SchedulerConfig
+from tokenlake.scheduler.lanes import Running, split_free_instances
+from tokenlake.scheduler.latency_model import DECODE, PREFILL, LatencyModel
+from tokenlake.scheduler.policy import (
+    Decision,
+    InstanceLimits,
+    WorkItem,
+    plan_batches,
+    select_work,
+)
+from tokenlake.scheduler.request import Phase, Request
+
+
+class IterationPlan(NamedTuple):
+    """One planned iteration: the scheduler's decision, the pool's plans for it, and when it
+    started on the scheduler's clock."""
+
+    decision: Decision
+    plans: Plans
+    started_at: float = 0.0
+
+    @property
+    def predicted_end(self) -> float:
+        return self.started_at + max(self.decision.latencies, default=0.0)
+
+
+class Planned(NamedTuple):
+    """Batches decided but not planned by the pool yet; ``instances[b]`` the instances batch
+    ``b`` may run on (``None``: any free one)."""
+
+    batches: tuple[tuple[Chunk, ...], ...]
+    dops: tuple[int, ...]
+    phases: tuple[str, ...]
+    latencies: tuple[float, ...]
+    instances: list[list[int] | None] | None
+    load: float
+    slo_met: bool
+    cost: float
+
+    @classmethod
+    def of(cls, d: Decision, instances: list[list[int] | None] | None) -> Planned:
+        return cls(d.batches, d.dops, d.phases, d.latencies, instances, d.load, d.slo_met, d.cost)
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return [c for batch in self.batches for c in batch]
+
+    def decision(self) -> Decision:
+        return Decision(
+            self.batches, self.dops, self.phases, self.latencies, self.load, self.slo_met, self.cost
+        )
+
+    def without(self, request_ids: Collection[int | str]) -> Planned | None:
+        """These batches without ``request_ids`` (a batch's DoP shrinks to its rows if need
+        be; empty batches go); ``None`` if nothing is left."""
+        if not request_ids or not any(c.request_id in request_ids for c in self.chunks):
+            return self
+        keep = []
+        for b, batch in enumerate(self.batches):
+            rest = tuple(c for c in batch if c.request_id not in request_ids)
+            if rest:
+                dop = min(self.dops[b], sum(c.num_new_tokens for c in rest))
+                inst = None if self.instances is None else self.instances[b]
+                keep.append((rest, dop, self.phases[b], self.latencies[b], inst))
+        if not keep:
+            return None
+        batches, dops, phases, latencies, instances = zip(*keep, strict=True)
+        return Planned(
+            batches,
+            dops,
+            phases,
+            latencies,
+            None if self.instances is None else list(instances),
+            self.load,
+            self.slo_met,
+            self.cost,
+        )
+
+
+class Deciding:
+    def __init__(
+        self, config: SchedulerConfig, model: LatencyModel, pool: Pool, solver: str
+    ) -> None:
+        self.config, self.model, self.pool, self.solver = config, model, pool, solver
+        self._decode_turn = False  # one live instance, elastic: alternate the phases
+
+    def capacity_slots(self) -> int:
+        return self.pool.config.num_slots * len(self.pool.live_instances)
+
+    # ---- synchronous ---------------------------------------------------------------------
+    def decide_sync(
+        self,
+        requests: Iterable[Request],
+        load: float | None = None,
+        max_new_requests: int | None = None,
+    ) -> Decision:
+        reqs = list(requests)
+        config = self._live_config()
+        items = self._work(reqs, reqs, config, {}, max_new_requests=max_new_requests)
+        load = self._cache_load(items) if load is None else load
+        return plan_batches(items, config, self.model, load, self.solver)
+
+    def plan_sync(self, requests: Iterable[Request], load: float | None) -> Planned:
+        decision = self.decide_sync(requests, load)
+        self._decode_turn = PREFILL in decision.phases
+        return Planned.of(decision, self._fixed_roles(decision))
+
+    def _work(
+        self,
+        idle: Sequence[Request],
+        requests: Iterable[Request],
+        config: SchedulerConfig,
+        stored: Mapping[int | str, int],
+        num_free: int | None = None,
+        max_new_requests: int | None = None,
+    ) -> list[WorkItem]:
+        """Work items of ``idle`` requests that memory admits. Elastic on one instance: one
+        phase, alternating (the other when the turn's phase has nothing to run)."""
+        options = [(PREFILL, DECODE)]
+        if config.mode == ELASTIC and config.num_instances == 1:
+            has_decode = any(r.phase is Phase.DECODE for r in idle)
+            has_prefill = any(r.phase in (Phase.WAITING, Phase.PREFILL) for r in idle)
+            if has_decode and has_prefill:
+                options = [(DECODE,), (PREFILL,)]
+                if not self._decode_turn:
+                    options.reverse()
+        for phases in options:
+            budget = None
+            if num_free is not None:
+                budget = self._budget(num_free)
+                if config.mode == COLOCATED:
+                    budget -= sum(r.phase is Phase.DECODE for r in idle)
+            matches: dict[int | str, PrefixMatch] = {}
+            cached = self._cached(matches)
+            items = select_work(idle, config, cached, phases, max_new_requests, budget)
+            items = self.admit(items, requests, stored, matches)
+            if items:
+                return items
+        return []
+
+    def _live_config(self) -> SchedulerConfig:
+        """The config on the pool's live instances (an instance may have been dropped)."""
+        cfg = self.config
+        live = len(self.pool.live_instances)
+        if live >= cfg.num_instances:
+            return cfg
+        if live < 1 or (cfg.mode == XPYD and live < 2):
+            raise InvalidArgumentError(f"pool: {live} live instances are too few for {cfg.mode}")
+        prefill = min(cfg.num_prefill_instances, live - 1)
+        return replace(cfg, num_instances=live, num_prefill_instances=prefill)
+
+    def _fixed_roles(self, decision: Decision) -> list[list[int] | None] | None:
+        """xPyD pins roles to instances: the first P live instances only ever run prefill
+        batches, the others only decode (the dispatcher still picks within each set)."""
+        if self.config.mode != XPYD:
+            return None
+        live = sorted(self.pool.live_instances)
+        num_prefill = self._live_config().num_prefill_instances
+        prefill, decode = live[:num_prefill], live[num_prefill:]
+        return [prefill if phase == PREFILL else decode for phase in decision.phases]
+
+    # ---- asynchronous --------------------------------------------------------------------
+    def plan_async(
+        self,
+        requests: Sequence[Request],
+        inflight: Iterable[IterationPlan],
+        now: float,
+        load: float | None = None,
+    ) -> list[Planned]:
+        """Batches for the free instances, each an iteration of its own: decode lanes first,
+        then prefill, over the ``requests`` in none of the iterations ``inflight``."""
+        free = list(self.pool.free_instances)
+        inflight = list(inflight)
+        busy = {c.request_id for it in inflight for c in it.decision.chunks}
+        idle = [r for r in requests if r.request_id not in busy]
+        if not free or not idle:
+            return []
+        stored = {c.request_id: c.end for it in inflight for c in it.decision.chunks}
+        live = list(self.pool.live_instances)
+        cfg = self._live_config()
+        if cfg.mode == COLOCATED or (cfg.mode == ELASTIC and len(live) == 1):
+            items = self._work(idle, requests, cfg, stored, num_free=len(free))
+            n = len(free)
+            limits = InstanceLimits(n, n, 0 if cfg.mode == COLOCATED else n)
+            d = self._plan(items, limits, load, inflight)
+            if d.batches:
+                self._decode_turn = PREFILL in d.phases
+            return [self._one(d, b, free) for b in range(len(d.batches))]
+        running = [
+            Running(it.decision.phases[0], it.plans.origins, _num_decodes(it), it.predicted_end)
+            for it in inflight
+        ]
+        ready = [r for r in idle if r.phase is Phase.DECODE]
+        load_now = self._cache_load(_items_of(ready), inflight) if load is None else load
+        split = split_free_instances(cfg, self.model, load_now, now, live, free, running, ready)
+        out = []
+        if split.decodes:
+            items = _items_of(split.decodes)
+            k = len(split.decode_instances)
+            d = self._plan(items, InstanceLimits(k, 0, k), load_now, [])
+            out += [self._one(d, b, split.decode_instances) for b in range(len(d.batches))]
+        if split.prefill_instances:
+            p = len(split.prefill_instances)
+            prefills = [r for r in idle if r.phase is not Phase.DECODE]
+            items = self._work(prefills, requests, cfg, stored, num_free=p)
+            d = self._plan(items, InstanceLimits(p, p, 0), load, inflight)
+            out += [self._one(d, b, split.prefill_instances) for b in range(len(d.batches))]
+        return out
+
+    def _budget(self, num_instances: int) -> int:
+        cfg = self.config
+        if cfg.max_prefill_tokens:
+            share = cfg.max_prefill_tokens * num_instances / max(1, cfg.prefill_instances)
+            return max(cfg.segment_len, int(share))
+        return cfg.chunk_len * num_instances
+
+    def _plan(self, items, limits: InstanceLimits, load, inflight) -> Decision:
+        load = self._cache_load(items, inflight) if load is None else load
+        return plan_batches(items, self.config, self.model, load, self.solver, limits)
+
+    @staticmethod
+    def _one(d: Decision, b: int, instances: Sequence[int]) -> Planned:
+        return Planned(
+            (d.batches[b],),
+            (d.dops[b],),
+            (d.phases[b],),
+            (d.latencies[b],),
+            [list(instances)],
+            d.load,
+            d.slo_met,
+            d.cost,
+        )
+
+    # ---- memory and load -----------------------------------------------------------------
+    def admit(
+        self,
+        items: list[WorkItem],
+        requests: Iterable[Request],
+        stored: Mapping[int | str, int],
+        matches: Mapping[int | str, PrefixMatch],
+    ) -> list[WorkItem]:
+        """FCFS memory-aware admission: ``items`` up to the first new request that does not
+        fit (see :mod:`.memory`). ``requests`` are all unfinished requests; ``stored`` gives
+        in-flight requests' stored tokens after their iteration (their slots are taken
+        already)."""
+        if not any(it.phase == PREFILL and it.request_id in matches for it in items):
+            return items
+        cfg, seg = self.config, self.config.segment_len
+        by_id = {}
+        reserved, running = 0, False
+        for req in requests:
+            by_id[req.request_id] = req
+            if req.phase in (Phase.PREFILL, Phase.DECODE):
+                stored_now = stored.get(req.request_id, req.num_stored)
+                reserved += memory.future_slots(req, stored_now, seg, cfg.output_reserve)
+                running = True
+        # the watermark is room for running requests to grow: a lone request may use it all
+        watermark = math.ceil(cfg.kv_watermark * self.capacity_slots()) if running else 0
+        avail = self.pool.free_capacity() - watermark
+        out = []
+        for it in items:
+            if it.phase == PREFILL and it.request_id in matches:
+                req = by_id[it.request_id]
+                cost = memory.new_request_cost(
+                    req, matches[it.request_id], it.start, seg, cfg.output_reserve
+                )
+                if reserved + cost > avail:
+                    break
+                reserved += cost
+            out.append(it)
+        return out
+
+    def _cached(self, matches: dict[int | str, PrefixMatch]):
+        tree = self.pool.get_prefix_tree()
+
+        def cached(r: Request) -> int:
+            m = tree.match(r.token_ids)
+            matches[r.request_id] = m
+            return m.num_tokens
+
+        return cached
+
+    def _cache_load(self, items: Sequence[WorkItem], inflight: Iterable = ()) -> float:
+        # get_cache_load needs the pool's roofline LoadModel; without one, L = 0
+        if self.pool.load_model is None or not items:
+            return 0.0
+        reqs = [(it.start, it.num_new) for it in items]
+        reqs += [(c.start, c.num_new_tokens) for it in inflight for c in it.decision.chunks]
+        return float(self.pool.get_cache_load(reqs, self.pool.get_prefix_tree()))
+
+
+def _items_of(decodes: Iterable[Request]) -> list[WorkItem]:
+    out = []
+    for r in decodes:
+        ids = r.token_ids
+        out.append(WorkItem(r.request_id, DECODE, ids, len(ids) - 1, len(ids), r.arrival))
+    return out
+
+
+def _num_decodes(it: IterationPlan) -> int:
+    return sum(
+        len(batch)
+        for batch, phase in zip(it.decision.batches, it.decision.phases, strict=True)
+        if phase == DECODE
+    )

@@ -1,0 +1,112 @@
+"""Asynchronous decisions (DESIGN §2.3): which free instances run decode now and which prefill.
+
+Iterations are in flight at once, each on its own instance group. Decodes run in *lanes*: an
+instance that finishes a decode batch decodes again at once with the requests that are ready,
+so decode never waits for a prefill elsewhere. The elastic mode keeps as few lanes as the TBT
+SLO allows (every free instance beyond them prefills), so it becomes the best fixed split by
+itself: one lane is TokenLake-(N-1)P1D; more decodes open more lanes; no decodes, no lane.
+xPyD keeps its decode instances as lanes and its prefill instances for prefill. A ready
+decode may wait for a busy lane that frees soon enough for its next token to stay within the
+TBT SLO ("what is about to free up") instead of taking a free instance from prefill.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from tokenlake.scheduler.config import ELASTIC, XPYD, SchedulerConfig
+from tokenlake.scheduler.latency_model import DECODE, LatencyModel
+from tokenlake.scheduler.request import Request
+
+
+class Running(NamedTuple):
+    """An iteration in flight, as the scheduler planned it."""
+
+    phase: str  # "prefill", "decode" or "mixed"
+    instances: tuple[int, ...]
+    num_decodes: int  # decode steps in it
+    predicted_end: float  # seconds, on the caller's clock
+
+
+class Split(NamedTuple):
+    """One asynchronous decision's shape: ``decodes`` (oldest ready first) run now on
+    ``decode_instances`` (one lane each, at most ``lane_cap`` per lane); prefill work goes to
+    ``prefill_instances``."""
+
+    decode_instances: tuple[int, ...]
+    decodes: tuple[Request, ...]
+    lane_cap: int
+    prefill_instances: tuple[int, ...]
+
+
+def decode_step_time(model: LatencyModel, num_decodes: int, load: float) -> float:
+    """Predicted seconds of one decode batch of ``num_decodes`` steps under cache load."""
+    return model.predict(DECODE, [1] * max(num_decodes, 1), load=load)
+
+
+def lanes_needed(
+    config: SchedulerConfig, model: LatencyModel, num_decodes: int, limit: int, load: float
+) -> int:
+    """Fewest lanes (``<= limit``) whose decode batches take at most ``lane_tbt_fraction`` of
+    the TBT SLO: the rest of the SLO covers a wait for a lane that is still busy."""
+    if num_decodes <= 0:
+        return 0
+    budget = config.tbt_slo * config.lane_tbt_fraction
+    for lanes in range(1, limit + 1):
+        if decode_step_time(model, math.ceil(num_decodes / lanes), load) <= budget:
+            return lanes
+    return limit
+
+
+def split_free_instances(
+    config: SchedulerConfig,
+    model: LatencyModel,
+    load: float,
+    now: float,
+    live: Sequence[int],
+    free: Sequence[int],
+    running: Sequence[Running],
+    ready_decodes: Sequence[Request],
+) -> Split:
+    """Lanes and prefill instances among ``free`` (sorted ids) for elastic and xPyD modes.
+
+    ``running`` are the iterations in flight; ``ready_decodes`` the decode-phase requests in
+    none of them. Lanes needed for all decodes (ready and in flight) are opened on free
+    instances beyond the lanes already busy; ready decodes beyond the new lanes' share wait
+    for a busy lane, unless that wait would break the TBT SLO of the oldest of them, in
+    which case one more lane opens (elastic overshoot; xPyD opens every free decode
+    instance it needs).
+    """
+    if config.mode == XPYD:
+        num_prefill = min(config.num_prefill_instances, len(live) - 1)
+        prefill_role = set(sorted(live)[:num_prefill])
+        candidates = [i for i in free if i not in prefill_role]
+        prefill_pool = [i for i in free if i in prefill_role]
+        max_lanes = len(live) - num_prefill
+    else:
+        assert config.mode == ELASTIC
+        candidates, prefill_pool, max_lanes = list(free), [], len(live)
+    lanes_busy = [r for r in running if r.phase == DECODE]
+    in_flight = sum(r.num_decodes for r in running)
+    total = len(ready_decodes) + in_flight
+    if config.mode == XPYD:
+        target = max_lanes if total else 0
+    else:
+        target = lanes_needed(config, model, total, max_lanes, load)
+    cap = math.ceil(total / target) if target else 0
+    ready = sorted(ready_decodes, key=lambda r: (r.ready_at, r.arrival))
+    opened = 0
+    if ready and candidates:
+        opened = min(len(candidates), max(0, target - len(lanes_busy)), math.ceil(len(ready) / cap))
+        if opened == 0:
+            next_free = min(r.predicted_end for r in lanes_busy)
+            step = decode_step_time(model, cap, load)
+            if next_free - ready[0].ready_at + step > config.tbt_slo:
+                opened = 1
+    lanes = tuple(candidates[:opened])
+    if config.mode == ELASTIC:
+        prefill_pool = [i for i in free if i not in lanes]
+    taken = tuple(ready[: opened * cap])
+    return Split(lanes, taken, cap, tuple(prefill_pool))
