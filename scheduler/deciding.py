@@ -67,6 +67,13 @@ class Planned(NamedTuple):
             self.batches, self.dops, self.phases, self.latencies, self.load, self.slo_met, self.cost
         )
 
+    def with_chunks(self, chunks: Mapping[int | str, Chunk]) -> Planned:
+        """These batches with some requests' chunks replaced."""
+        if not chunks:
+            return self
+        batches = tuple(tuple(chunks.get(c.request_id, c) for c in b) for b in self.batches)
+        return self._replace(batches=batches)
+
     def without(self, request_ids: Collection[int | str]) -> Planned | None:
         """These batches without ``request_ids`` (a batch's DoP shrinks to its rows if need
         be; empty batches go); ``None`` if nothing is left."""
@@ -277,10 +284,13 @@ class Deciding:
         out = []
         for it in items:
             if it.phase == PREFILL and it.request_id in matches:
-                req = by_id[it.request_id]
-                cost = memory.new_request_cost(
-                    req, matches[it.request_id], it.start, seg, cfg.output_reserve
-                )
+                req, match = by_id[it.request_id], matches[it.request_id]
+                cost = memory.new_request_cost(req, match, it.start, seg, cfg.output_reserve)
+                if reserved + cost > avail and it.start % seg:
+                    # copy-on-extend holds the cached partial segment and its copy at once:
+                    # starting at the segment boundary needs one slot fewer
+                    it = it._replace(start=it.start - it.start % seg)
+                    cost = memory.new_request_cost(req, match, it.start, seg, cfg.output_reserve)
                 if reserved + cost > avail:
                     break
                 reserved += cost

@@ -5,9 +5,11 @@ still need (its remaining prompt and ``output_reserve`` of its remaining output)
 need and the cached segments it would pin fit in what the pool can free now, less a
 watermark. When the pool still runs short (the estimate is not exact: replicas, in-flight
 reservations, an ``output_reserve`` below 1), the scheduler preempts the running request
-with the lowest priority — the latest arrival — which the pool releases (its segments stay
-cached, unpinned) and which later recomputes from its cached prefix. The oldest request is
-never preempted for a younger one, so it always progresses and nothing starves.
+with the lowest priority — the latest arrival in no iteration in flight — which the pool
+releases (its segments stay cached, unpinned) and which later recomputes from its cached
+prefix. The oldest running request is never preempted while a younger one runs, so it always
+progresses; it fits the pool alone (larger requests are refused), so it finishes, and then
+the next oldest: nothing starves.
 """
 
 from __future__ import annotations
@@ -51,12 +53,14 @@ def new_request_cost(
     return own + pin_cost(match, start, segment_len)
 
 
-def victim(candidates: Iterable[Request], protect_before: int) -> Request | None:
-    """The running request to preempt: the latest arrival among ``candidates`` (running, in
-    no iteration in flight) that arrived after ``protect_before``; ``None`` if there is none."""
+def victim(candidates: Iterable[Request]) -> Request | None:
+    """The running request to preempt: the latest arrival among ``candidates`` (the requests
+    in no iteration in flight); ``None`` if none of them runs. A batch that cannot get its
+    slots has its own running requests among the candidates, so the victim is one of them
+    or younger than all of them."""
     best = None
     for req in candidates:
-        if req.phase not in (Phase.PREFILL, Phase.DECODE) or req.arrival <= protect_before:
+        if req.phase not in (Phase.PREFILL, Phase.DECODE):
             continue
         if best is None or req.arrival > best.arrival:
             best = req

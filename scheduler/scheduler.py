@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from tokenlake.errors import InvalidArgumentError, PoolFullError, UnknownRequestError
+from tokenlake.plans import Chunk
 from tokenlake.pool import Pool
 from tokenlake.scheduler import memory
 from tokenlake.scheduler.config import SchedulerConfig
@@ -157,22 +158,25 @@ class ElasticScheduler:
         """
         if self._planned:
             return self._hand_out(self._planned.popleft())
+        if self.config.sync_iterations and self._inflight:
+            raise InvalidArgumentError("step: the previous iteration is not completed or aborted")
         now = self.clock()
-        if self.config.sync_iterations:
-            if self._inflight:
-                raise InvalidArgumentError(
-                    "step: the previous iteration is not completed or aborted"
-                )
-            planned = [self._deciding.plan_sync(self._requests.values(), load)]
-            planned = [p for p in planned if p.batches]
-        else:
-            reqs = list(self._requests.values())
-            planned = self._deciding.plan_async(reqs, self._inflight.values(), now, load)
-        self._victims: set[int | str] = set()
-        for p in planned:
-            it = self._launch(p, now)
-            if it is not None:
-                self._planned.append(it)
+        while True:
+            if self.config.sync_iterations:
+                planned = [self._deciding.plan_sync(self._requests.values(), load)]
+                planned = [p for p in planned if p.batches]
+            else:
+                reqs = list(self._requests.values())
+                planned = self._deciding.plan_async(reqs, self._inflight.values(), now, load)
+            self._victims = set()
+            for p in planned:
+                it = self._launch(p, now)
+                if it is not None:
+                    self._planned.append(it)
+            # preempting emptied what was decided: decide again over the requests left (each
+            # round preempts at least one request, so this ends)
+            if self._planned or not self._victims:
+                break
         return self._hand_out(self._planned.popleft()) if self._planned else None
 
     def _hand_out(self, it: IterationPlan) -> IterationPlan:
@@ -181,13 +185,13 @@ class ElasticScheduler:
 
     def _launch(self, planned: Planned, now: float) -> IterationPlan | None:
         """``gen_plans`` for ``planned``; when the pool is short, leave its newest new request
-        out, else preempt the latest running arrival (never one older than the batch's oldest
-        request). ``None`` when nothing of it can start now (it waits for iterations in flight
-        to end)."""
+        out, else preempt the latest running arrival in no iteration in flight (one of the
+        batch's or a younger one). ``None`` when nothing of it is left to start."""
         while True:
             planned = planned.without(self._victims)  # preempted since it was decided
             if planned is None:
                 return None
+            planned = planned.with_chunks(self._shrunk_starts(planned))
             instances = planned.instances
             if instances is not None:  # earlier batches of this decision took some
                 free = set(self.pool.free_instances)
@@ -206,26 +210,40 @@ class ElasticScheduler:
                 )
             except PoolFullError:
                 planned = self._make_room(planned)
+                if planned is None:
+                    return None
                 continue
             for chunk in planned.chunks:
                 self._busy[chunk.request_id] = plans.epoch
             return IterationPlan(planned.decision(), plans, now)
 
+    def _shrunk_starts(self, planned: Planned) -> dict[int | str, Chunk]:
+        """New requests whose cached prefix an earlier iteration of this step evicted start
+        where the cache ends now."""
+        tree, out = self.pool.get_prefix_tree(), {}
+        for c in planned.chunks:
+            req = self._requests[c.request_id]
+            if req.phase is Phase.WAITING and c.start:
+                start = min(tree.match(c.token_ids).num_tokens, req.num_known - 1)
+                if start < c.start:
+                    out[c.request_id] = Chunk(c.request_id, c.token_ids, start, c.end)
+        return out
+
     def _make_room(self, planned: Planned) -> Planned | None:
         reqs = [self._requests[c.request_id] for c in planned.chunks]
         new = [r for r in reqs if r.phase is Phase.WAITING]
         if new:
-            return planned.without({max(new, key=lambda r: r.arrival).request_id})
-        oldest = min(r.arrival for r in reqs)
-        idle = (r for r in self._requests.values() if r.request_id not in self._busy)
-        victim = memory.victim(idle, protect_before=oldest)
-        if victim is None:
-            if not self._inflight and not self._planned:
-                raise PoolFullError(
-                    f"batches: request {reqs[0].request_id!r} cannot proceed even with every "
-                    "other request preempted"
+            newest = max(new, key=lambda r: r.arrival).request_id
+            chunk = next(c for c in planned.chunks if c.request_id == newest)
+            seg = self.config.segment_len
+            if chunk.start % seg:  # without copy-on-extend it needs one slot fewer
+                start = chunk.start - chunk.start % seg
+                return planned.with_chunks(
+                    {newest: Chunk(newest, chunk.token_ids, start, chunk.end)}
                 )
-            return None
+            return planned.without({newest})
+        idle = (r for r in self._requests.values() if r.request_id not in self._busy)
+        victim = memory.victim(idle)  # the batch's running requests are candidates: never None
         self.pool.finish(victim.request_id)  # its segments stay cached, unpinned
         victim.preempt()
         self.num_preemptions += 1

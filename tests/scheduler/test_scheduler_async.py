@@ -41,7 +41,8 @@ class Driver:
     """Runs the scheduler asynchronously: launch every iteration ``step`` offers, then
     execute and complete one in flight (chosen by ``rng``), checking every row."""
 
-    def __init__(self, num_instances, num_slots, seed=0, **cfg) -> None:
+    def __init__(self, num_instances, num_slots, seed=0, check=True, **cfg) -> None:
+        self.check = check
         self.pool = tl.Pool(tl.PoolConfig(SHAPE, num_instances, num_slots, segment_len=C))
         self.cluster = LocalCluster(self.pool)
         self.synth = SyntheticModel(SHAPE, seed=1)
@@ -85,6 +86,8 @@ class Driver:
         self.inflight.remove(it)
         chunks = {c.request_id: c for c in it.decision.chunks}
         for r in run_iteration(self.cluster, it.plans, chunks, self.synth):
+            if not self.check:
+                continue
             o, lse = self.synth.reference(chunks[r.request_id].token_ids, r.first, r.end, r.layer)
             err = max(float((o - r.o).abs().max()), float((lse - r.lse).abs().max()))
             self.max_err = max(self.max_err, err)
@@ -169,18 +172,18 @@ def test_preemption_under_an_adversarial_burst():
     with long outputs overfills the pool: the scheduler preempts the latest arrivals instead
     of failing, they recompute from their cached prefix, and every request finishes with
     exactly the tokens a solo run gives (the synthetic tokens depend only on the prefix)."""
-    d = Driver(2, 10, seed=3, mode="elastic", output_reserve=0.0, kv_watermark=0.0)
-    prompts = {f"r{i}": tokens(100 + i, 20 + 3 * i) for i in range(6)}
+    d = Driver(2, 6, seed=3, mode="elastic", output_reserve=0.0, kv_watermark=0.0)
+    prompts = {f"r{i}": tokens(100 + i, 20 + 3 * i) for i in range(5)}
     for rid, prompt in prompts.items():
-        d.add(rid, prompt, 40)  # 20..35 prompt + 40 output tokens: 4..5 slots of 20
+        d.add(rid, prompt, 24)  # 2 slots each at admission, 3..4 at the end: > 12
     d.drain()
     assert d.max_err <= 1e-5
     assert d.sched.num_preemptions > 0
     assert sorted(d.finished) == sorted(prompts)
     assert d.preempted["r0"] == 0  # the oldest is never preempted for a younger one
-    solo = Driver(1, 20, mode="elastic")
+    solo = Driver(1, 20, check=False, mode="elastic")
     for rid, prompt in prompts.items():
-        solo.add(rid, prompt, 40)
+        solo.add(rid, prompt, 24)
     solo.drain()
     for rid in prompts:
         assert np.array_equal(d.outputs[rid], solo.outputs[rid])

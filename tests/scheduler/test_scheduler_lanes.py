@@ -1,0 +1,148 @@
+"""Asynchronous decisions on constructed cases: decode lanes, waiting for a lane that frees
+soon, elastic vs fixed splits; memory costs and the preemption victim."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tokenlake as tl
+from tokenlake.scheduler.config import SchedulerConfig
+from tokenlake.scheduler.lanes import Running, decode_step_time, lanes_needed, split_free_instances
+from tokenlake.scheduler.latency_model import DECODE, PREFILL, Coeffs, LatencyModel
+from tokenlake.scheduler.memory import future_slots, new_request_cost, pin_cost, victim
+from tokenlake.scheduler.request import Phase, Request
+
+C = 16
+# a decode batch of n steps takes 10 ms + 1 ms per step
+MODEL = LatencyModel({1: Coeffs(1e-3, 1e-5, 0)}, Coeffs(0.01, 0.001, 0))
+
+
+def decodes(n: int, ready_at: float = 0.0, first: int = 0) -> list[Request]:
+    out = []
+    for i in range(n):
+        r = Request.create(first + i, np.arange(10, dtype=np.int32), 5, first + i, ready_at)
+        r.phase, r.num_stored, r.num_generated = Phase.DECODE, 10, 1
+        out.append(r)
+    return out
+
+
+def split(mode="elastic", free=(0, 1, 2, 3), running=(), ready=(), now=0.0, **kw):
+    cfg = SchedulerConfig(4, C, mode=mode, sync_iterations=False, **kw)
+    return split_free_instances(cfg, MODEL, 0.0, now, [0, 1, 2, 3], list(free), running, ready)
+
+
+def test_lanes_needed_is_the_fewest_within_the_slo_share():
+    cfg = SchedulerConfig(4, C, tbt_slo=0.1, lane_tbt_fraction=0.5)  # 50 ms per decode batch
+    assert lanes_needed(cfg, MODEL, 0, 4, 0.0) == 0
+    assert lanes_needed(cfg, MODEL, 40, 4, 0.0) == 1  # 10 + 40 ms
+    assert lanes_needed(cfg, MODEL, 41, 4, 0.0) == 2
+    assert lanes_needed(cfg, MODEL, 1000, 4, 0.0) == 4  # none suffices: every instance
+    assert lanes_needed(cfg, MODEL, 40, 4, 0.5) == 3  # load doubles it: 14 steps, 48 ms
+    no_slo = SchedulerConfig(4, C)
+    assert lanes_needed(no_slo, MODEL, 10_000, 4, 0.0) == 1
+    for n in range(1, 200, 7):  # the chosen lanes meet the share, one fewer would not
+        k = lanes_needed(cfg, MODEL, n, 4, 0.0)
+        assert k == 4 or decode_step_time(MODEL, -(-n // k), 0.0) <= 0.05
+        assert k == 1 or decode_step_time(MODEL, -(-n // (k - 1)), 0.0) > 0.05
+
+
+def test_no_decodes_all_free_instances_prefill():
+    s = split()
+    assert s.decode_instances == () and s.decodes == () and s.prefill_instances == (0, 1, 2, 3)
+
+
+def test_one_lane_opens_and_the_rest_prefill():
+    s = split(ready=decodes(8), tbt_slo=0.1)
+    assert s.decode_instances == (0,) and len(s.decodes) == 8 and s.lane_cap == 8
+    assert s.prefill_instances == (1, 2, 3)
+
+
+def test_many_decodes_open_more_lanes_each_within_the_cap():
+    s = split(ready=decodes(100), tbt_slo=0.1)  # 100 steps: 3 lanes of <= 34 (44 ms)
+    assert len(s.decode_instances) == 3 and s.lane_cap == 34
+    assert len(s.decodes) == 100 and s.prefill_instances == (3,)
+
+
+def test_ready_decodes_wait_for_a_lane_that_frees_soon():
+    lane = Running(DECODE, (0,), 10, predicted_end=0.012)
+    prefill = Running(PREFILL, (1,), 0, predicted_end=0.5)
+    ready = decodes(3, ready_at=0.0, first=100)  # e.g. prompts that just ended
+    s = split(free=(2, 3), running=[lane, prefill], ready=ready, now=0.001, tbt_slo=0.1)
+    assert s.decode_instances == () and s.decodes == ()  # join lane 0 at 12 ms
+    assert s.prefill_instances == (2, 3)
+    # the lane is busy too long for their next token (100 ms SLO): one more lane opens
+    slow = Running(DECODE, (0,), 10, predicted_end=0.2)
+    s = split(free=(2, 3), running=[slow, prefill], ready=ready, now=0.001, tbt_slo=0.1)
+    assert s.decode_instances == (2,) and len(s.decodes) == 3 and s.prefill_instances == (3,)
+
+
+def test_xpyd_keeps_roles():
+    ready = decodes(6)
+    s = split("xpyd", ready=ready, num_prefill_instances=1)
+    assert s.decode_instances == (1, 2, 3) and s.prefill_instances == (0,)
+    assert s.lane_cap == 2 and len(s.decodes) == 6
+    s = split("xpyd", free=(0,), ready=ready, num_prefill_instances=1)
+    assert s.decode_instances == () and s.prefill_instances == (0,)  # decodes wait for D
+    s = split("xpyd", free=(2, 3), num_prefill_instances=3)
+    assert s.decode_instances == () and s.prefill_instances == (2,)  # 3 stays decode-only
+
+
+def test_elastic_matches_the_fixed_split_when_one_lane_suffices():
+    """With few decodes, elastic is TokenLake-3P1D: one lane, three prefill instances; with
+    no SLO pressure the split does not depend on how many decodes there are."""
+    for n in (1, 5, 30):
+        s = split(ready=decodes(n), tbt_slo=0.5)
+        fixed = split("xpyd", ready=decodes(n), num_prefill_instances=3, tbt_slo=0.5)
+        assert len(s.decode_instances) == len(fixed.decode_instances) == 1
+        assert len(s.prefill_instances) == len(fixed.prefill_instances) == 3
+
+
+def make(prompt_len, out, phase=Phase.WAITING, stored=0, generated=0, arrival=0):
+    r = Request.create(arrival, np.arange(prompt_len, dtype=np.int32) % 50, out, arrival)
+    r.phase, r.num_stored, r.num_generated = phase, stored, generated
+    return r
+
+
+def test_future_slots_count_the_rest_of_prompt_and_output():
+    r = make(40, 10, Phase.PREFILL, stored=16)  # 50 tokens = 4 segments, holds 1
+    assert future_slots(r, 16, C, 1.0) == 3
+    assert future_slots(r, 16, C, 0.0) == 2  # 40 tokens = 3 segments
+    r = make(40, 10, Phase.DECODE, stored=45, generated=6)  # 46 known, 4 more to come
+    assert future_slots(r, 45, C, 1.0) == 1 and future_slots(r, 45, C, 0.0) == 0
+
+
+def test_new_request_cost_includes_its_pins():
+    shape = tl.ModelShape(1, 2, 1, 8)
+    pool = tl.Pool(tl.PoolConfig(shape, 1, 16, C))
+    ids = np.arange(3 * C + 4, dtype=np.int32)
+    plans = pool.gen_plans([[tl.Chunk("a", ids, 0)]])
+    pool.commit(plans)
+    pool.finish("a")  # 3 sealed segments + a 4-token tail, all unpinned
+    r = make(4 * C, 8)
+    r.tokens[: 3 * C + 4] = ids
+    m = pool.get_prefix_tree().match(r.token_ids)
+    assert pin_cost(m, 3 * C + 2, C) == 4  # 3 segments + the partial source
+    # writes from the partial segment on: 4C + 8 tokens = 5 segments, 3 cached
+    assert new_request_cost(r, m, 3 * C + 2, C, 1.0) == 2 + 4
+    plans = pool.gen_plans([[tl.Chunk("b", r.token_ids, 3 * C + 2)]])  # b pins them
+    assert pin_cost(m, 3 * C + 2, C) == 0
+    pool.abort(plans, executed=False)
+
+
+def test_victim_is_the_latest_running_arrival():
+    reqs = [
+        make(10, 2, Phase.DECODE, 10, 1, arrival=0),
+        make(10, 2, Phase.PREFILL, 5, 0, arrival=3),
+        make(10, 2, Phase.WAITING, arrival=5),  # not running: never a victim
+        make(10, 2, Phase.DECODE, 10, 1, arrival=2),
+    ]
+    assert victim(reqs).arrival == 3
+    assert victim(reqs[2:3]) is None
+    assert victim(reqs[:1]).arrival == 0
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, True, "x"])
+def test_config_rejects_bad_lane_fraction(bad):
+    with pytest.raises(tl.InvalidArgumentError, match="lane_tbt_fraction"):
+        SchedulerConfig(2, C, lane_tbt_fraction=bad)
