@@ -11,7 +11,6 @@ hardware), :mod:`.profiler` (measured rows on a CPU engine), :mod:`.scheduler` (
 
 from tokenlake.scheduler.config import COLOCATED, ELASTIC, MODES, XPYD, SchedulerConfig
 from tokenlake.scheduler.cost_model import CostModel
-from tokenlake.scheduler.deciding import IterationPlan
 from tokenlake.scheduler.dp import DPProblem, DPResult, solve
 from tokenlake.scheduler.dp_reference import solve_reference
 from tokenlake.scheduler.latency_model import (
@@ -23,6 +22,7 @@ from tokenlake.scheduler.latency_model import (
     fit_coeffs,
     fit_latency_model,
 )
+from tokenlake.scheduler.planned import IterationPlan
 from tokenlake.scheduler.policy import (
     MIXED,
     Decision,

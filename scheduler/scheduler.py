@@ -14,6 +14,7 @@ short, the latest running arrival is preempted and later recomputed.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -25,8 +26,9 @@ from tokenlake.plans import Chunk
 from tokenlake.pool import Pool
 from tokenlake.scheduler import memory
 from tokenlake.scheduler.config import SchedulerConfig
-from tokenlake.scheduler.deciding import Deciding, IterationPlan, Planned
+from tokenlake.scheduler.deciding import Deciding
 from tokenlake.scheduler.latency_model import LatencyModel
+from tokenlake.scheduler.planned import IterationPlan, Planned
 from tokenlake.scheduler.policy import SOLVERS, Decision
 from tokenlake.scheduler.request import Phase, Request
 
@@ -127,6 +129,25 @@ class ElasticScheduler:
         if req.phase is not Phase.WAITING:
             self.pool.finish(request_id)
         del self._requests[request_id]
+
+    def preempt(self, request_id: int | str) -> None:
+        """Send a running request back to waiting (vLLM's recompute preemption): the pool
+        releases it (``pool.finish``: its segments stay cached, unpinned) and it later
+        recomputes every token it knows, from its cached prefix, before generating the next.
+        Also the recovery of a request whose KV was lost (``pool.drop_instance`` returned it
+        and already forgot it). Not for a request in an iteration in flight; a waiting
+        request is left as it is."""
+        req = self.request(request_id)
+        if request_id in self._busy:
+            raise InvalidArgumentError(
+                f"request_id: {request_id!r} is in an iteration in flight; complete or abort it first"
+            )
+        if req.phase is Phase.WAITING:
+            return
+        with contextlib.suppress(UnknownRequestError):  # lost with an instance: nothing held
+            self.pool.finish(request_id)
+        req.preempt()
+        self.num_preemptions += 1
 
     @property
     def has_work(self) -> bool:
@@ -244,9 +265,7 @@ class ElasticScheduler:
             return planned.without({newest})
         idle = (r for r in self._requests.values() if r.request_id not in self._busy)
         victim = memory.victim(idle)  # the batch's running requests are candidates: never None
-        self.pool.finish(victim.request_id)  # its segments stay cached, unpinned
-        victim.preempt()
-        self.num_preemptions += 1
+        self.preempt(victim.request_id)
         self._victims.add(victim.request_id)
         return planned
 

@@ -58,6 +58,7 @@ class Driver:
         self.finished: list = []
         self.outputs: dict = {}
         self.preempted: dict = {}
+        self.origins_after_loss: list = []
 
     def add(self, rid, prompt, n_out) -> None:
         self.sched.add_request(rid, prompt, n_out)
@@ -67,6 +68,8 @@ class Driver:
         while (it := self.sched.step()) is not None:
             self.check_disjoint(it)
             self.inflight.append(it)
+            if len(self.pool.live_instances) < self.pool.config.num_instances:
+                self.origins_after_loss.append(it.plans.origins)
         self.max_inflight = max(self.max_inflight, len(self.inflight))
 
     def check_disjoint(self, it) -> None:
@@ -207,3 +210,29 @@ def test_request_preempted_keeps_its_priority():
     assert sorted(d.finished) == [0, 1, 2, 3]
     assert d.preempted[0] == 0  # the oldest is never preempted for a younger one
     assert d.preempted[3] >= d.preempted[1]  # the latest arrival goes first
+
+
+def test_preempt_recovers_requests_whose_kv_was_lost():
+    """``preempt`` is also the recovery path when an instance dies: the pool fails the
+    requests whose KV was only there, the scheduler sends them back to waiting, and they
+    recompute (from what is still cached) and finish exactly on the surviving instances."""
+    d = Driver(3, 64, mode="elastic", tbt_slo=0.05)
+    doc = tokens(7, 4 * C)
+    for i in range(4):
+        d.add(i, np.concatenate([doc, tokens(50 + i, 9 + 5 * i)]), 6)
+    for _ in range(6):
+        d.launch()
+        d.run_one(d.inflight[0])
+    while d.inflight:  # nothing in flight may use the instance being dropped
+        d.run_one(d.inflight[0])
+    failed = d.pool.drop_instance(2)
+    assert failed, "some request held KV only on instance 2"
+    for rid in failed:
+        d.sched.preempt(rid)
+        assert d.sched.request(rid).num_stored == 0
+    with pytest.raises(tl.InvalidArgumentError, match="in flight"):
+        d.launch()
+        d.sched.preempt(d.inflight[0].decision.chunks[0].request_id)
+    d.drain()
+    assert sorted(d.finished) == [0, 1, 2, 3] and d.max_err <= 1e-5
+    assert all(2 not in it_origins for it_origins in d.origins_after_loss)
