@@ -82,3 +82,33 @@ def check_pool_invariants(pool: Pool) -> None:
         assert node.pin_count == expected_pins[node.key], (
             f"{node!r}: pin_count {node.pin_count}, expected {expected_pins[node.key]}"
         )
+    check_no_shared_slots(iterations)
+
+
+def _slots(plans) -> tuple[set, set]:
+    """``(read, written)`` (instance, slot) pairs of one iteration's plans."""
+    read, written = set(), set()
+    for qp in plans.query_plans:
+        for h, instance_id in enumerate(qp.holder_ids.tolist()):
+            lo, hi = int(qp.holder_indptr[h]), int(qp.holder_indptr[h + 1])
+            pages = qp.kv_indices[int(qp.kv_indptr[lo]) : int(qp.kv_indptr[hi])]
+            read.update((instance_id, s) for s in pages.tolist())
+    for tp in plans.transfer_plans:
+        for d, instance_id in enumerate(tp.dst_ids.tolist()):
+            lo, hi = int(tp.dst_indptr[d]), int(tp.dst_indptr[d + 1])
+            written.update((instance_id, s) for s in tp.run_dst_slot[lo:hi].tolist())
+        read.update(zip(tp.copy_src_instance.tolist(), tp.copy_src_slot.tolist(), strict=True))
+        written.update(zip(tp.copy_dst_instance.tolist(), tp.copy_dst_slot.tolist(), strict=True))
+    return read, written
+
+
+def check_no_shared_slots(iterations) -> None:
+    """No iteration in flight reads or writes a slot another one writes: no reader sees
+    another iteration's pending writes, and no two iterations write one slot."""
+    slots = [(it.epoch, *_slots(it.plans)) for it in iterations if it.plans is not None]
+    for i, (epoch_a, read_a, written_a) in enumerate(slots):
+        for epoch_b, read_b, written_b in slots[i + 1 :]:
+            assert not read_a & written_b and not read_b & written_a, (
+                f"iterations {epoch_a} and {epoch_b}: one reads a slot the other writes"
+            )
+            assert not written_a & written_b, f"iterations {epoch_a} and {epoch_b} write one slot"
