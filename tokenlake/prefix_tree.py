@@ -92,6 +92,11 @@ class PrefixTree:
         """Replicas repeated eviction can free now (see :class:`SegmentTable`)."""
         return self.table.num_evictable
 
+    @property
+    def clock(self) -> int:
+        """The LRU clock: stamps handed out so far."""
+        return self._clock
+
     def lru_order(self) -> list[tuple[int, int, int]]:
         """``(key, instance_id, stamp)`` of every replica, least recently used first."""
         return [(key, inst, stamp) for (key, inst), stamp in self._lru.items()]
@@ -336,7 +341,6 @@ class PrefixTree:
         the victims' slots since they were evicted."""
         live = set(live)
         done = [False] * len(evicted)
-        last_stamp = next(reversed(self._lru.values()), 0)
         reorder = False
         for i in range(len(evicted) - 1, -1, -1):
             node, loc, stamp, parent, access = evicted[i]
@@ -353,8 +357,8 @@ class PrefixTree:
                 or node.num_replicas >= self.table.max_replicas
             ):
                 continue
+            reorder |= stamp < next(reversed(self._lru.values()), 0)
             self._add_replica(node, loc, stamp)
-            reorder |= stamp < last_stamp
             done[i] = True
         if reorder:  # back to stamp order: an undone eviction returns to its old place
             self._lru = OrderedDict(sorted(self._lru.items(), key=lambda item: item[1]))

@@ -34,8 +34,10 @@ class SegmentPlanner:
         return touched - (1 if pc.state.open is not None else 0)
 
     def free_capacity(self) -> int:
-        """Slots obtainable without touching pinned data: free ones plus evictable replicas."""
-        return sum(a.num_free for a in self.allocators) + self.tree.num_evictable
+        """Slots obtainable without touching pinned data: free ones on live instances plus
+        evictable replicas."""
+        free = sum(self.allocators[i].num_free for i in self.placement.live)
+        return free + self.tree.num_evictable
 
     def allocate(self, preferred: Sequence[int], journal: list[Evicted]) -> Location:
         """A slot on the first preferred live instance with room; otherwise the slot of the
