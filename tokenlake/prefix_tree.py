@@ -52,7 +52,9 @@ class Evicted(NamedTuple):
     location: Location
     stamp: int  # the replica's LRU stamp
     parent: Node | None  # the node's parent when this was its last copy, else None
-    access: float  # decayed access count of a node that left the tree
+    access: float  # raw (scaled) access count of a node that left the tree
+    access_scale: float  # the table's access scale then
+    position: int  # the replica's index among the node's replicas
 
 
 class PrefixTree:
@@ -259,8 +261,12 @@ class PrefixTree:
             )
         self._add_replica(node, location)
 
-    def _add_replica(self, node: Node, location: Location, stamp: int | None = None) -> None:
-        self.table.set_replicas(node.idx, [*node.replicas, location])
+    def _add_replica(
+        self, node: Node, location: Location, stamp: int | None = None, position: int = -1
+    ) -> None:
+        replicas = node.replicas
+        replicas.insert(len(replicas) if position < 0 else position, location)
+        self.table.set_replicas(node.idx, replicas)
         entry = (node.key, location.instance_id)
         if stamp is None:
             self._stamp(entry)
@@ -325,10 +331,13 @@ class PrefixTree:
                 continue
             if table.num_replicas[idx] > 1 or (not table.pins[idx] and not node.children):
                 parent = node.parent if table.num_replicas[idx] == 1 else None
-                access = float(table.access[idx]) / table.access_scale if parent else 0.0
+                access = float(table.access[idx]) if parent else 0.0
+                position = int(np.flatnonzero(table.rep_inst[idx] == inst)[0])
                 loc = self.remove_replica(node, inst)
                 if journal is not None:
-                    journal.append(Evicted(node, loc, stamp, parent, access))
+                    journal.append(
+                        Evicted(node, loc, stamp, parent, access, table.access_scale, position)
+                    )
                 return node, loc
         return None
 
@@ -343,7 +352,7 @@ class PrefixTree:
         done = [False] * len(evicted)
         reorder = False
         for i in range(len(evicted) - 1, -1, -1):
-            node, loc, stamp, parent, access = evicted[i]
+            node, loc, stamp, parent, access, scale, position = evicted[i]
             if loc.instance_id not in live:
                 continue
             if parent is not None:  # the node left the tree with this copy
@@ -351,14 +360,16 @@ class PrefixTree:
                 if not attached or node.key in self._nodes or node.idx >= 0:
                     continue
                 self._attach(node, parent)
-                self.table.access[node.idx] = access * self.table.access_scale
+                if scale != self.table.access_scale:  # decayed since: same count, new scale
+                    access *= self.table.access_scale / scale
+                self.table.access[node.idx] = access
             elif self._nodes.get(node.key) is not node or (
                 any(r.instance_id == loc.instance_id for r in node.replicas)
                 or node.num_replicas >= self.table.max_replicas
             ):
                 continue
             reorder |= stamp < next(reversed(self._lru.values()), 0)
-            self._add_replica(node, loc, stamp)
+            self._add_replica(node, loc, stamp, position)
             done[i] = True
         if reorder:  # back to stamp order: an undone eviction returns to its old place
             self._lru = OrderedDict(sorted(self._lru.items(), key=lambda item: item[1]))

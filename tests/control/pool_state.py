@@ -55,10 +55,23 @@ def pool_state(pool: tl.Pool) -> dict:
     }
 
 
-def assert_same_state(before: dict, after: dict) -> None:
+def assert_same_state(before: dict, after: dict, ignore: tuple[str, ...] = ()) -> None:
     for key in before:
+        if key in ignore:
+            continue
         a, b = before[key], after[key]
         if isinstance(a, np.ndarray):
             assert np.array_equal(a, b), key
-        else:
-            assert a == b, f"{key} changed"
+        elif a != b:
+            if isinstance(a, list) and isinstance(b, list):
+                gone = [x for x in a if x not in b][:3]
+                new = [x for x in b if x not in a][:3]
+                raise AssertionError(f"{key} changed: before only {gone}; after only {new}")
+            raise AssertionError(f"{key} changed: {a!r} -> {b!r}")
+
+
+def assert_restored(before: dict, after: dict) -> None:
+    """An abort before execution restores everything but the epoch counter: epochs are
+    never reused, so the aborted plans can never look current again."""
+    assert after["epoch"] > before["epoch"]
+    assert_same_state(before, after, ignore=("epoch",))

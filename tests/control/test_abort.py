@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 from harness import Harness, tokens
-from pool_state import assert_same_state, pool_state
+from pool_state import assert_restored, assert_same_state, pool_state
 
 import tokenlake as tl
 from tokenlake.balancer import BalancerConfig
@@ -60,7 +60,7 @@ def test_abort_before_execution_restores_the_pool_exactly(seed):
     assert it.victims, "the scenario must make gen_plans evict"
     h.pool.check_invariants()
     h.pool.abort(plans, executed=False)
-    assert_same_state(before, pool_state(h.pool))
+    assert_restored(before, pool_state(h.pool))
     h.pool.check_invariants()
     # the aborted epoch is never handed out again; its plans stay stale
     again = h.pool.gen_plans(next_batches(h, running, seed))
@@ -68,7 +68,7 @@ def test_abort_before_execution_restores_the_pool_exactly(seed):
     with pytest.raises(StalePlanError):
         h.pool.commit(plans)
     h.pool.abort(again, executed=False)
-    assert_same_state(before, pool_state(h.pool))
+    assert_restored(before, pool_state(h.pool))
 
 
 def test_abort_undoes_a_replication_decision_and_its_victims():
@@ -89,7 +89,7 @@ def test_abort_undoes_a_replication_decision_and_its_victims():
         if it.replications and it.victims:
             found = True
             h.pool.abort(plans, executed=False)
-            assert_same_state(before, pool_state(h.pool))
+            assert_restored(before, pool_state(h.pool))
             h.pool.check_invariants()
             plans = h.pool.gen_plans([batch])
         h.pool.abort(plans, executed=False)
