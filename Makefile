@@ -44,7 +44,7 @@ $(STAMP): $(VENV)/.deps $(VENV)/.deps-model $(VENV)/.deps-flashinfer pyproject.t
 	touch $@
 
 demo: $(STAMP)
-	$(PY) -m benchmarks.demo $(ARGS)
+	$(PY) -m tokenlake.bench.demo $(ARGS)
 
 test: $(STAMP) $(VENV)/.sglang
 	$(PY) -m ruff check .

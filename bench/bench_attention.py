@@ -1,0 +1,324 @@
+"""Prefix-attention kernels on the CPU: the C++ kernel vs the torch reference vs SDPA.
+
+    python -m tokenlake.bench.bench_attention [--quick] [--prefix-lens 8192 32768] [--repeats 5]
+
+Cases: decode (1 query row for each of 8 requests) and a prefill chunk (512 query rows, 1
+request), each over 8K- and 32K-token prefixes held in a paged pool (page size 16, slots in
+shuffled order), in float32 and bfloat16; attention is non-causal, as for a prefix.
+
+Baselines:
+- ``torch_ref``: ``partial_attention(..., backend="torch")``, the reference (gathers pages,
+  repeats the KV heads for GQA, dense fp32 matmuls; the test oracle, not tuned).
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)`` on K/V
+  already gathered per request into contiguous ``[B, H_kv, L, D]`` tensors of the same dtype.
+  The gather is done once outside the timed region, so SDPA is timed on data in its preferred
+  layout -- favourable to SDPA, which in serving would have to gather the pages first.
+
+Memory bandwidth: ``cpp_gbps`` = bytes of K+V the kernel must read / its time; ``memcpy_gbps`` =
+bytes copied / time for ``torch.Tensor.copy_`` of a buffer of the same size as the case's K+V
+(at least 512 MiB, so larger than the LLC; median of 3), measured just before each case so both
+see the same machine load (each copied byte is also written, so memcpy moves twice the bytes it
+is credited with); ``fraction_of_memcpy_bw`` = cpp_gbps / memcpy_gbps.
+
+Every timed call starts with a cold last-level cache (``--flush-mib`` of writes first, excluded
+from the time): in serving each layer's K/V is read once per step from a pool far larger than
+the LLC, and an 8K-token batch (256-512 MiB) could otherwise sit in a large LLC between repeats.
+Timings are medians over ``--repeats`` runs after ``--warmup`` runs; the reference, seconds per
+call, gets ``--ref-repeats`` runs after ``--ref-warmup`` (default 0: the cases before warm it up,
+and its first-call costs are small next to its runtime). Threads: torch uses
+``torch.get_num_threads()``; the C++ kernel its own pool of ``--threads`` (default: all hardware
+threads). Prints one table, then one JSON line per case.
+
+Boundary cost (``boundary_*`` lines): what the public functions add to the C++ core on a decode
+step -- argument validation, conversion and output allocation -- measured as the per-call CPU
+time (``time.process_time``, so other load on the machine does not count) of
+``tokenlake.kernels.partial_attention`` / ``merge`` (``public_us``) against ``tokenlake._C``
+called directly with arguments converted beforehand and preallocated outputs (``core_us``), in
+alternating blocks of ``--boundary-calls`` warm-cache calls (median over 7 blocks each), on one
+kernel thread, for decode batches of 8 requests over ``--boundary-prefix-lens`` with small heads
+(``--boundary-heads``), so the core's own time stays short next to what the boundary adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenlake import _C
+from tokenlake.kernels import cpu, merge, partial_attention
+
+PAGE_LEN = 16
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str  # "decode" or "prefill"
+    num_reqs: int
+    rows_per_req: int
+    prefix_len: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass
+class Inputs:
+    """Kernel arguments plus the same K/V gathered for SDPA (``[B, H_kv, L, D]`` each)."""
+
+    args: tuple[torch.Tensor, ...]  # q, q_indptr, pool_layer, kv_indptr, kv_indices, last_len
+    sdpa_q: torch.Tensor  # [B, H_q, rows, D]
+    sdpa_k: torch.Tensor
+    sdpa_v: torch.Tensor
+
+
+def build_pool(case: Case, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 pool ``[num_slots, 2, PAGE_LEN, H_kv, D]`` and shuffled slot ids ``[num_pages]``."""
+    num_pages = case.num_reqs * case.prefix_len // PAGE_LEN
+    shape = (num_pages, 2, PAGE_LEN, case.num_kv_heads, case.head_dim)
+    pool = torch.empty(shape).normal_(generator=gen)
+    slots = torch.randperm(num_pages, generator=gen).to(torch.int32)
+    return pool, slots
+
+
+def make_inputs(case: Case, pool: torch.Tensor, slots: torch.Tensor, gen) -> Inputs:
+    b, rows, d = case.num_reqs, case.rows_per_req, case.head_dim
+    q = torch.randn(b * rows, case.num_q_heads, d, generator=gen).to(pool.dtype)
+    pages_per_req = case.prefix_len // PAGE_LEN
+    q_indptr = torch.arange(0, b * rows + 1, rows, dtype=torch.int32)
+    kv_indptr = torch.arange(0, b * pages_per_req + 1, pages_per_req, dtype=torch.int32)
+    last_len = torch.full((b,), PAGE_LEN, dtype=torch.int32)
+    gathered = pool.index_select(0, slots.long()).view(b, pages_per_req, *pool.shape[1:])
+    k, v = (
+        gathered[:, :, i].reshape(b, case.prefix_len, case.num_kv_heads, d).transpose(1, 2)
+        for i in (0, 1)
+    )
+    sdpa_q = q.view(b, rows, case.num_q_heads, d).transpose(1, 2).contiguous()
+    args = (q, q_indptr, pool, kv_indptr, slots, last_len)
+    return Inputs(args, sdpa_q, k.contiguous(), v.contiguous())
+
+
+class Timer:
+    """Median wall time of a callable, each run preceded by writes that evict the LLC."""
+
+    def __init__(self, flush_mib: int):
+        self.flush_buf = torch.empty(flush_mib << 20, dtype=torch.uint8)
+
+    def median_ms(self, fn: Callable[[], object], repeats: int, warmup: int) -> float:
+        times = []
+        for i in range(warmup + repeats):
+            self.flush_buf.fill_(i & 0xFF)
+            start = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    def memcpy_gbps(self, num_bytes: int, repeats: int) -> float:
+        src = torch.ones(max(num_bytes, 512 << 20), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        ms = self.median_ms(lambda: dst.copy_(src), repeats, warmup=1)
+        return src.numel() / ms / 1e6
+
+
+def run_case(
+    case: Case, dtype: str, inputs: Inputs, args: argparse.Namespace, timer: Timer
+) -> dict:
+    kernel_args = inputs.args
+    pool = kernel_args[2]
+    load_avg = os.getloadavg()[0]  # other work on the machine skews every number below
+    kv_bytes = case.num_reqs * case.prefix_len * 2 * pool[0, 0, 0].numel() * pool.element_size()
+    bw = timer.memcpy_gbps(kv_bytes, min(3, args.repeats))
+
+    def cpp():
+        return partial_attention(*kernel_args, backend="cpu")
+
+    def sdpa():
+        return F.scaled_dot_product_attention(
+            inputs.sdpa_q, inputs.sdpa_k, inputs.sdpa_v, enable_gqa=True
+        )
+
+    cpp_ms = timer.median_ms(cpp, args.repeats, args.warmup)
+    sdpa_ms = timer.median_ms(sdpa, args.repeats, args.warmup)
+    ref = lambda: partial_attention(*kernel_args, backend="torch")  # noqa: E731
+    ref_ms = timer.median_ms(ref, args.ref_repeats, args.ref_warmup)
+    o_cpp, _ = cpp()
+    o_sdpa = sdpa().float().transpose(1, 2).reshape(o_cpp.shape)
+    cpp_gbps = kv_bytes / cpp_ms / 1e6
+    # QK^T and PV: 2 multiply-adds per (row, q head, key, d).
+    flops = (
+        4 * case.num_reqs * case.rows_per_req * case.num_q_heads * case.prefix_len * case.head_dim
+    )
+    return {
+        "case": case.name,
+        "dtype": dtype,
+        "prefix_len": case.prefix_len,
+        "num_reqs": case.num_reqs,
+        "num_rows": case.num_reqs * case.rows_per_req,
+        "heads": f"{case.num_q_heads}/{case.num_kv_heads}x{case.head_dim}",
+        "cpp_ms": round(cpp_ms, 3),
+        "torch_ref_ms": round(ref_ms, 3),
+        "sdpa_ms": round(sdpa_ms, 3),
+        "speedup_vs_sdpa": round(sdpa_ms / cpp_ms, 3),
+        "speedup_vs_ref": round(ref_ms / cpp_ms, 3),
+        "kv_bytes": kv_bytes,
+        "cpp_gbps": round(cpp_gbps, 2),
+        "memcpy_gbps": round(bw, 2),
+        "fraction_of_memcpy_bw": round(cpp_gbps / bw, 3),
+        "cpp_gflops": round(flops / cpp_ms / 1e6, 1),
+        "sdpa_gflops": round(flops / sdpa_ms / 1e6, 1),
+        "max_abs_diff_vs_sdpa": float((o_cpp - o_sdpa).abs().max()),
+        "load_avg_1m": round(load_avg, 2),
+    }
+
+
+def per_call_us(public: Callable[[], object], core: Callable[[], object], calls: int):
+    """Median per-call CPU microseconds of two callables, timed in alternating blocks."""
+    times: dict[str, list[float]] = {"public": [], "core": []}
+    for _ in range(calls):  # warm-up
+        public(), core()
+    for _ in range(7):
+        for name, fn in (("public", public), ("core", core)):
+            start = time.process_time()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.process_time() - start) / calls * 1e6)
+    return statistics.median(times["public"]), statistics.median(times["core"])
+
+
+def boundary_cases(case: Case, dtype: str, pool: torch.Tensor, slots, calls: int, gen) -> list:
+    """Per-call cost of the public partial_attention and merge over the bare C++ core."""
+    args = make_inputs(case, pool, slots, gen).args
+    q = args[0]
+    o_b, lse_b = torch.randn(q.shape, generator=gen), torch.randn(q.shape[:2], generator=gen)
+    # The core's cheapest call: arguments converted beforehand (NumPy views cross the binding
+    # faster than DLPack; NumPy has no bfloat16) and outputs preallocated.
+    bare = lambda t: t if t.dtype == torch.bfloat16 else t.numpy()  # noqa: E731
+    core_args = [bare(t) for t in args]
+    o, lse = torch.empty(q.shape).numpy(), torch.empty(q.shape[:2]).numpy()
+    merge_args = [bare(t) for t in (o_b, lse_b, o_b, lse_b)]
+    scale = case.head_dim**-0.5
+    pairs = {
+        "boundary_partial_attention": (
+            lambda: partial_attention(*args),
+            lambda: _C.partial_attention(*core_args, o, lse, False, scale),
+        ),
+        "boundary_merge": (
+            lambda: merge(o_b, lse_b, o_b, lse_b),
+            lambda: _C.merge(*merge_args, o, lse),
+        ),
+    }
+    rows = []
+    threads = cpu.get_num_threads()
+    cpu.set_num_threads(1)  # the kernel runs in the calling thread: no wake-up jitter
+    for name, (public, core) in pairs.items():
+        public_us, core_us = per_call_us(public, core, calls)
+        rows.append(
+            {
+                "case": name,
+                "dtype": dtype,
+                "prefix_len": case.prefix_len,
+                "num_reqs": case.num_reqs,
+                "num_pages": int(args[4].numel()),
+                "heads": f"{case.num_q_heads}/{case.num_kv_heads}x{case.head_dim}",
+                "public_us": round(public_us, 2),
+                "core_us": round(core_us, 2),
+                "overhead_us": round(public_us - core_us, 2),
+                "overhead_fraction": round((public_us - core_us) / core_us, 4),
+                "load_avg_1m": round(os.getloadavg()[0], 2),
+            }
+        )
+    cpu.set_num_threads(threads)
+    return rows
+
+
+def print_table(rows: list[dict], cols: list[tuple[str, int]] | None = None) -> None:
+    cols = cols or [
+        ("case", 8), ("dtype", 9), ("prefix_len", 10), ("num_rows", 8), ("heads", 10),
+        ("cpp_ms", 9), ("torch_ref_ms", 12), ("sdpa_ms", 9), ("speedup_vs_sdpa", 15),
+        ("cpp_gbps", 8), ("memcpy_gbps", 11), ("fraction_of_memcpy_bw", 21),
+    ]  # fmt: skip
+    print(" ".join(f"{name:>{width}}" for name, width in cols))
+    for row in rows:
+        print(" ".join(f"{row[name]!s:>{width}}" for name, width in cols))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="8K prefix only, 3 repeats")
+    parser.add_argument("--prefix-lens", type=int, nargs="*", default=[8192, 32768])
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
+    parser.add_argument("--cases", nargs="+", choices=["decode", "prefill"],
+                        default=["decode", "prefill"])  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--ref-repeats", type=int, default=1)
+    parser.add_argument("--ref-warmup", type=int, default=0)
+    parser.add_argument("--flush-mib", type=int, default=512, help="LLC-evicting writes per run")
+    parser.add_argument("--threads", type=int, default=None, help="C++ kernel threads")
+    parser.add_argument("--decode-heads", type=int, nargs=3, default=[32, 8, 128],
+                        metavar=("H_Q", "H_KV", "D"))  # fmt: skip
+    parser.add_argument("--prefill-heads", type=int, nargs=3, default=[8, 2, 128],
+                        metavar=("H_Q", "H_KV", "D"))  # fmt: skip
+    parser.add_argument("--boundary-prefix-lens", type=int, nargs="*", default=[16, 4096],
+                        help="decode prefixes for the boundary-cost lines (none: skip)")  # fmt: skip
+    parser.add_argument("--boundary-heads", type=int, nargs=3, default=[8, 2, 64],
+                        metavar=("H_Q", "H_KV", "D"))  # fmt: skip
+    parser.add_argument("--boundary-calls", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.prefix_lens, args.repeats = [8192], 3
+    if args.threads is not None:
+        cpu.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(args.seed)
+    print(
+        f"threads: torch {torch.get_num_threads()}, cpp {cpu.get_num_threads()}; page size "
+        f"{PAGE_LEN}; decode heads H_q/H_kv x D = {'/'.join(map(str, args.decode_heads[:2]))}"
+        f"x{args.decode_heads[2]}; prefill heads {'/'.join(map(str, args.prefill_heads[:2]))}"
+        f"x{args.prefill_heads[2]} (reduced from the decode config so the 512-row chunk over "
+        "32K keys stays affordable for the reference on 2 cores)",
+        file=sys.stderr,
+    )
+    timer = Timer(args.flush_mib)
+    results = []
+    for prefix_len in args.prefix_lens:
+        for name in args.cases:
+            hq, hkv, d = args.decode_heads if name == "decode" else args.prefill_heads
+            reqs, rows = (8, 1) if name == "decode" else (1, 512)
+            case = Case(name, reqs, rows, prefix_len, hq, hkv, d)
+            pool, slots = build_pool(case, gen)
+            for dtype in args.dtypes:
+                inputs = make_inputs(case, pool.to(DTYPES[dtype]), slots, gen)
+                results.append(run_case(case, dtype, inputs, args, timer))
+                print(json.dumps(results[-1]), file=sys.stderr)
+                del inputs
+            del pool
+    boundary = []
+    for prefix_len in args.boundary_prefix_lens:
+        case = Case("decode", 8, 1, prefix_len, *args.boundary_heads)
+        pool, slots = build_pool(case, gen)
+        for dtype in args.dtypes:
+            boundary += boundary_cases(
+                case, dtype, pool.to(DTYPES[dtype]), slots, args.boundary_calls, gen
+            )
+    print_table(results)
+    if boundary:
+        cols = [("case", 26), ("dtype", 9), ("prefix_len", 10), ("num_pages", 9), ("heads", 8),
+                ("public_us", 9), ("core_us", 8), ("overhead_us", 11)]  # fmt: skip
+        print_table(boundary, cols)
+    for row in results + boundary:
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Workload generators match their target statistics; trace replay scales, jitters, re-blocks
+and scopes ids as configured."""
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from tokenlake.bench.traces import conversation_trace
+from tokenlake.bench.workloads import GENERATORS, GeneratorConfig, TraceConfig, trace_workload
+from tokenlake.bench.workloads.request import prompt_tokens
+
+CONVERSATION_TRACE = conversation_trace(1000)  # the shared trace, or the bundled excerpt
+
+
+def stats(name, n=400):
+    w = GENERATORS[name](GeneratorConfig(num_requests=n, rate=2.0, seed=1))
+    lens = np.array([r.input_len for r in w.requests])
+    outs = np.array([r.output_len for r in w.requests])
+    return w, lens, outs
+
+
+def test_every_request_starts_with_the_shared_system_prompt():
+    for name in GENERATORS:
+        w, _, _ = stats(name, 60)
+        heads = {r.block_ids[:8] for r in w.requests}
+        assert len(heads) == 1, name  # 4096-token system prompt = 8 blocks
+
+
+def test_loogle_and_sharegpt_lengths():
+    _, lens, _ = stats("loogle")
+    assert 20_000 < lens.mean() < 28_000
+    w, lens, outs = stats("sharegpt")
+    assert ((lens - 4096) + outs < 2400).all()
+
+
+def test_scbench_sessions():
+    w, lens, _ = stats("scbench")
+    assert 190_000 < lens.mean() < 265_000
+    sessions = np.bincount([r.session for r in w.requests])
+    assert 4 < sessions.mean() < 6
+
+
+def test_agentic_sessions():
+    w, lens, outs = stats("agentic", 1500)
+    turns = np.bincount([r.session for r in w.requests])
+    assert 25 < np.median(turns) < 45
+    assert 90 < lens.sum() / outs.sum() < 180  # input:output about 131:1
+    by_session = {}
+    for r in w.requests:
+        by_session.setdefault(r.session, []).append(r)
+    growth = [
+        np.diff([r.input_len for r in rs]).mean() for rs in by_session.values() if len(rs) > 2
+    ]
+    assert 1_500 < np.mean(growth) < 3_200  # ~2.2K tokens per turn
+    delays = np.array([r.delay_s for r in w.requests if r.after >= 0])
+    assert 4.0 < np.median(delays) < 6.5
+    for rs in by_session.values():  # a turn extends the previous turn's whole blocks
+        for prev, cur in zip(rs, rs[1:], strict=False):
+            k = prev.input_len // 512
+            assert cur.after == prev.rid and cur.block_ids[:k] == prev.block_ids[:k]
+
+
+def test_prompt_tokens_share_exactly_the_shared_blocks():
+    w, _, _ = stats("loogle", 40)
+    a, b = w.requests[0], w.requests[1]
+    ta, tb = prompt_tokens(a, 512)[: a.input_len], prompt_tokens(b, 512)[: b.input_len]
+    common = 0
+    for x, y in zip(a.block_ids, b.block_ids, strict=False):
+        if x != y:
+            break
+        common += 1
+    n = min(len(ta), len(tb))
+    first_diff = np.flatnonzero(ta[:n] != tb[:n])
+    assert (first_diff[0] if len(first_diff) else n) == min(common * 512, n)
+
+
+def test_trace_rate_scaling_jitter_and_reblocking():
+    w = trace_workload(TraceConfig(CONVERSATION_TRACE, limit=300, rate=5.0, jitter_s=3.0))
+    arr = np.array([r.arrival_s for r in w.requests])
+    assert (np.diff(arr) >= 0).all()
+    assert w.offered_rate == pytest.approx(5.0, rel=1e-6)
+    plain = trace_workload(TraceConfig(CONVERSATION_TRACE, limit=300))
+    big = trace_workload(TraceConfig(CONVERSATION_TRACE, limit=300, reblock=2))
+    assert big.block_size == 1024
+    for p, q in zip(plain.requests, big.requests, strict=True):
+        assert len(q.block_ids) == -(-p.input_len // 1024)
+    # equal re-blocked ids <=> equal 1024-token prefixes: check against the raw ids
+    with gzip.open(CONVERSATION_TRACE, "rt") as f:
+        raw = [json.loads(line)["hash_ids"] for _, line in zip(range(300), f, strict=False)]
+    seen = {}
+    for ids, q in zip(raw, big.requests, strict=True):
+        for j, gid in enumerate(q.block_ids):
+            key = tuple(ids[: min(2 * j + 2, len(ids))])
+            assert seen.setdefault(gid, key) == key
+
+
+def test_per_session_ids_get_their_own_namespace(tmp_path):
+    rows = [
+        {
+            "timestamp": 0,
+            "input_length": 600,
+            "output_length": 5,
+            "hash_ids": [0, 1],
+            "session_id": "a",
+        },
+        {
+            "timestamp": 10,
+            "input_length": 600,
+            "output_length": 5,
+            "hash_ids": [0, 1],
+            "session_id": "b",
+        },
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    shared = trace_workload(TraceConfig(path, block_size=512))
+    scoped = trace_workload(TraceConfig(path, block_size=512, per_session_ids=True))
+    assert shared.requests[0].block_ids == shared.requests[1].block_ids
+    assert set(scoped.requests[0].block_ids).isdisjoint(scoped.requests[1].block_ids)
+    assert [r.session for r in scoped.requests] == [0, 1]
