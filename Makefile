@@ -39,7 +39,12 @@ $(VENV)/.deps-flashinfer: $(VENV)/.deps
 	$(PY) -m pip install -q --no-deps "flashinfer-python==0.7.2.post1" apache-tvm-ffi nvidia-ml-py requests
 	touch $@
 
-$(STAMP): $(VENV)/.deps $(VENV)/.deps-model $(VENV)/.deps-flashinfer pyproject.toml CMakeLists.txt $(CSRC)
+# /metrics (prometheus-client) and progress bars (tqdm) (a separate stamp, so existing venvs get them)
+$(VENV)/.deps-ops: $(VENV)/.deps
+	$(PY) -m pip install -q "prometheus-client>=0.17" "tqdm>=4.60"
+	touch $@
+
+$(STAMP): $(VENV)/.deps $(VENV)/.deps-model $(VENV)/.deps-flashinfer $(VENV)/.deps-ops pyproject.toml CMakeLists.txt $(CSRC)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 

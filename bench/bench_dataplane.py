@@ -197,7 +197,7 @@ def run_instances(n: int, args, rng: np.random.Generator, gen: torch.Generator) 
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--instances", type=int, nargs="+", default=[1, 2])
     p.add_argument("--layers", type=int, default=2)
@@ -216,7 +216,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small shapes, few repetitions")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
         args.prefixes, args.prefill_rows, args.put_kib, args.reps = [1024], 64, [256, 2048], 5
     # like the engines: one torch thread (the kernels have their own pool), so the in-process

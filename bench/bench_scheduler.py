@@ -89,7 +89,7 @@ def timed(fn, repeats: int) -> tuple[float, float, object]:
     return statistics.median(times), times[min(len(times) - 1, int(0.9 * len(times)))], out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--instances", type=int, nargs="+", default=[8, 16, 64])
     ap.add_argument("--prefill", type=int, nargs="+", default=[16, 64, 256])
@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="N=8 with 64 prefill chunks only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu-profile", action="store_true", help="also fit a CPU engine profile")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.instances, args.prefill = [8], [64]
     if args.cpu_profile:

@@ -199,7 +199,7 @@ def scrape(client) -> dict[str, float]:
     out = {}
     for line in client.get("/metrics").text.splitlines():
         if line.startswith("tokenlake:") and "instance=" not in line:
-            name, value = line.split("{", 1)[0], line.rsplit(" ", 1)[1]
+            name, value = line.split(" ", 1)[0].split("{", 1)[0], line.rsplit(" ", 1)[1]
             out[name.removeprefix("tokenlake:")] = float(value)
     return out
 

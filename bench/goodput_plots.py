@@ -4,7 +4,10 @@ over time, hit rate vs cache size. Needs matplotlib; without it, says so."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def plot_all(out: Path, summary: dict) -> list[Path]:
@@ -14,7 +17,7 @@ def plot_all(out: Path, summary: dict) -> list[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib not installed: skipping plots (pip install matplotlib)")
+        log.warning("matplotlib not installed: skipping plots (pip install matplotlib)")
         return []
     name, paths = summary["workload"], []
     if summary.get("sweep"):
@@ -102,5 +105,5 @@ def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    print(f"wrote {path}")
+    log.info("wrote %s", path)
     return path

@@ -1,33 +1,53 @@
-"""Minimal progress line for long runs (no extra dependency)."""
+"""Progress of long runs: a tqdm bar on a terminal, a plain log line every ``every_s``
+seconds otherwise (CI logs, pipes), so stdout stays the command's output."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
+log = logging.getLogger("tokenlake.progress")
+
 
 class Progress:
-    """Redraws one line on a terminal; writes a line every ``every_s`` seconds to a log."""
+    """``update(done)`` with the number of items done out of ``total``; ``close()`` at the end."""
 
-    def __init__(self, total: int, label: str, stream=sys.stderr, every_s: float | None = None):
+    def __init__(self, total: int, label: str, stream=None, every_s: float | None = None):
+        stream = sys.stderr if stream is None else stream
         self.tty = stream.isatty()
         self.every_s = every_s if every_s is not None else (0.5 if self.tty else 10.0)
-        self.total, self.label, self.stream = total, label, stream
+        self.total, self.label = total, label
         self.start = self._last = time.perf_counter()
         self.done = 0
+        self._logged = False  # a plain line was written: close() writes the last one
+        self._bar = None
+        if self.tty:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=label, file=stream, mininterval=self.every_s)
 
     def update(self, done: int, extra: str = "", force: bool = False) -> None:
+        if self._bar is not None:
+            self._bar.update(done - self.done)
+            if extra:
+                self._bar.set_postfix_str(extra, refresh=False)
+            self.done = done
+            return
         self.done = done
         now = time.perf_counter()
         if not force and now - self._last < self.every_s:
             return
-        self._last = now
+        self._last, self._logged = now, True
         pct = 100.0 * done / self.total if self.total else 100.0
-        line = f"{self.label}: {done}/{self.total} ({pct:5.1f}%) {now - self.start:6.1f}s {extra}"
-        self.stream.write("\r" + line if self.tty else line + "\n")
-        self.stream.flush()
+        log.info("%s: %d/%d (%.1f%%) %.1fs %s", self.label, done, self.total, pct,
+                 now - self.start, extra)  # fmt: skip
 
     def close(self, extra: str = "") -> None:
-        self.update(self.done, extra, force=True)
-        if self.tty:
-            self.stream.write("\n")
+        if self._bar is not None:
+            if extra:
+                self._bar.set_postfix_str(extra)
+            self._bar.close()
+            return
+        if self._logged:
+            self.update(self.done, extra, force=True)

@@ -13,6 +13,7 @@ found in the sources available to us; TurboMind is a comparable paged-attention 
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -57,7 +58,8 @@ def crosscheck() -> list[dict]:
     return rows
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     rows = crosscheck()
     print(f"simulator step times vs {SOURCE}")
     print(

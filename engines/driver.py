@@ -12,7 +12,8 @@ layer ``l``, and :meth:`Driver.flush` for all of them.
 
 from __future__ import annotations
 
-from collections import defaultdict
+import time
+from collections import Counter, defaultdict
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from tokenlake.engines import executor, messages, process_group
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
 from tokenlake.engines.flashinfer_attention import make_planner
 from tokenlake.engines.shared_buffers import InstanceViews, Layout
+from tokenlake.latency import observe
 from tokenlake.plans import TransferPlan
 
 _TAG_SPACE = 1 << 30
@@ -56,6 +58,13 @@ class Driver:
         self._works: dict[int, list] = defaultdict(list)  # layer -> (work, peer, tensor)
         self._next_tag = 0
         self._next_binding = 0
+        self.stats: Counter = Counter()  # this process's clients: calls, bytes, latency
+
+    def count_call(self, op: str, start: float, nbytes: int) -> None:
+        """A client ``op`` (query / put) that began at ``start`` (perf_counter) is done."""
+        self.stats[f"{op}_calls"] += 1
+        self.stats[f"{op}_bytes"] += nbytes
+        observe(self.stats, f"{op}_seconds", time.perf_counter() - start)
 
     # ---- topology ------------------------------------------------------------------------
     def same_host(self, a: int, b: int) -> bool:

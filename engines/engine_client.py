@@ -15,6 +15,7 @@ views of this instance's buffers, carved consecutively per epoch (capacity:
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -163,6 +164,7 @@ class EngineClient:
         Raises :class:`~tokenlake.engines.dataplane_config.PeerFailedError` if a holder
         fails or does not answer within the timeout.
         """
+        start = time.perf_counter()
         bound = self._bound(self._queries, "q_buf", q_buf, "init_query")
         layer = check_int("layer", layer, low=0, high=self._layout.model.num_layers)
         d = self._driver
@@ -197,7 +199,10 @@ class EngineClient:
                 own = part.attend(bound.buf, views.pool.layer(layer), d.backend)
         if tickets or works:
             d.wait(tickets, works, f"query of layer {layer}")
-        return self._merge(bound, own)
+        o, lse = self._merge(bound, own)
+        q = bound.buf
+        d.count_call("query", start, q.numel() * q.element_size() + (o.numel() + lse.numel()) * 4)
+        return o, lse
 
     def _merge(self, bound: _BoundQuery, own) -> tuple[torch.Tensor, torch.Tensor]:
         views, off, n = self._views, bound.offset, bound.plan.num_rows
@@ -267,6 +272,7 @@ class EngineClient:
         written directly; to another host they are sent and the call returns at once (the
         data lands before any later ``query`` of ``layer`` from this instance, and before
         :meth:`synchronize` returns). Do not rewrite ``kv_buf[layer]`` until then."""
+        start = time.perf_counter()
         bound = self._bound(self._transfers, "kv_buf", kv_buf, "init_transfer")
         layer = check_int("layer", layer, low=0, high=self._layout.model.num_layers)
         d = self._driver
@@ -282,6 +288,7 @@ class EngineClient:
             rows = executor.gather_runs(kv_layer, runs)
             rank = d.rank("transfer", h)
             d.record_put(layer, ticket, process_group.send(d.group, rows, rank, tag), rank, rows)
+        d.count_call("put", start, kv_layer.numel() * kv_layer.element_size())
 
     def synchronize(self) -> None:
         """Wait until every put of this instance has landed (call it before reporting an

@@ -53,4 +53,12 @@ class LocalCluster(ClusterBase):
         self._driver.configure(list(engines), layout, backend)
         self._driver.views = {i: b.views(layout) for i, b in buffers.items()}
         self.kv_pools = [self._driver.views[i].pool for i in range(n)]
+        self._engines = engines
         self._make_clients(n)
+
+    def engine_stats(self) -> dict[tuple[str, int], dict[str, int]]:
+        """Every query engine's counters by ``(role, instance_id)`` and this process's
+        clients' under ``("client", -1)``, as :meth:`MPCluster.engine_stats`."""
+        out = {key: dict(engine.stats) for key, engine in self._engines.items()}
+        out[("client", -1)] = dict(self._driver.stats)
+        return out

@@ -171,7 +171,7 @@ class MPCluster(ClusterBase):
         tickets = [d.channel.request(k, messages.Stats) for k in keys]
         payloads = d.channel.wait(tickets, "stats")
         out = {k: wire.unpackb(p, 1 << 20) for k, p in zip(keys, payloads, strict=True)}
-        out[("client", -1)] = dict(d.channel.stats)
+        out[("client", -1)] = {**d.channel.stats, **d.stats}
         return out
 
     @property

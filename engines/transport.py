@@ -19,6 +19,7 @@ import zmq
 from tokenlake.engines import messages
 from tokenlake.engines.auth import AuthError, FrameAuth
 from tokenlake.engines.dataplane_config import PeerFailedError, RemoteEngineError
+from tokenlake.latency import observe
 from tokenlake.wire import WireError
 
 PeerKey = tuple[str, int]  # (role, instance_id)
@@ -263,8 +264,11 @@ def dispatch(
     """Run one request and answer it (with the bytes the handler returns, if any); an error
     is answered and counted, never raised."""
     seq = getattr(message, "seq", -1)
+    start = time.perf_counter()
     try:
         payload = handle(message)
+        if stats is not None:  # per message type: RunQuery_seconds, Put_seconds, ...
+            observe(stats, f"{type(message).__name__}_seconds", time.perf_counter() - start)
         return messages.Reply(seq, True, "", payload or b"")
     except Exception as e:  # reported to the caller, who raises RemoteEngineError
         if stats is not None:

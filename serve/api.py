@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenlake.engines.model.sampling import SamplingParams
 from tokenlake.errors import InvalidArgumentError
@@ -95,11 +95,11 @@ def create_app(served: Served) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
+    registry = metrics.server_registry(runtime, name)
+
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(
-            metrics.render(runtime, name), media_type="text/plain; version=0.0.4"
-        )
+        return Response(metrics.render(registry), media_type=metrics.CONTENT_TYPE)
 
     def check_model(body) -> None:
         if body.model is not None and body.model != name:

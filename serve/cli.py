@@ -16,6 +16,7 @@ import logging
 import sys
 
 from tokenlake.errors import InvalidArgumentError
+from tokenlake.logs import setup_logging
 from tokenlake.serve.config import DATA_PLANES, ServeConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -146,9 +147,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(args.log_level)
     log = logging.getLogger("tokenlake.serve")
     try:
         config = config_from_args(args)

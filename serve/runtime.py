@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import threading
 import time
 import zlib
@@ -26,6 +27,7 @@ from tokenlake.serve.request import GenerationRequest, TokenEvent
 
 log = logging.getLogger(__name__)
 Sink = Callable[[TokenEvent], None]
+ENGINE_STATS_PERIOD_S = 1.0  # engine counters cost a round trip to every engine process
 
 
 @dataclass(eq=False)
@@ -72,6 +74,8 @@ class Runtime:
         self.counters = collections.Counter()
         self.iteration_seconds = 0.0
         self.pool_stats: dict = scheduler.pool.get_stats()
+        self.engine_stats: dict = {}  # the data plane's counters, refreshed by the loop
+        self._engine_stats_at = -math.inf
 
     # ---- client side (any thread) ---------------------------------------------------------
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
@@ -153,6 +157,7 @@ class Runtime:
     def _loop(self) -> None:
         try:
             while True:
+                self._refresh_engine_stats()
                 with self._cond:
                     if self._stopping:
                         break
@@ -174,6 +179,19 @@ class Runtime:
                 pending, self._inbox = list(self._inbox), collections.deque()
             for live in pending:
                 _deliver(live, TokenEvent(live.request.request_id, None, "abort"))
+
+    def _refresh_engine_stats(self) -> None:
+        """Snapshot the engines' counters for /metrics (on this thread: the data plane is
+        not thread-safe), at most every ENGINE_STATS_PERIOD_S."""
+        now = time.monotonic()
+        source = getattr(self.engine.cluster, "engine_stats", None)
+        if source is None or now - self._engine_stats_at < ENGINE_STATS_PERIOD_S:
+            return
+        self._engine_stats_at = now
+        try:
+            self.engine_stats = source()
+        except Exception as e:  # metrics must never stop serving
+            log.warning("runtime: engine stats unavailable: %s", e)
 
     def _apply_cancels(self, cancels: set[str]) -> None:
         for rid in cancels:

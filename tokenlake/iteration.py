@@ -36,6 +36,7 @@ class Iteration:
     traffic: Traffic | None = None
     gathered: Gathered | None = None
     instances: frozenset[int] = frozenset()  # every instance the plans touch
+    gen_plans_s: float = 0.0  # how long gen_plans took (a histogram at commit)
 
     @property
     def chunks(self) -> list[PlannedChunk]:

@@ -4,6 +4,7 @@ iterations in flight (reserve → transfer → commit | abort), several at once.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -195,6 +196,7 @@ class Pool:
             IterationStateError: a request or instance is taken by an iteration in flight.
             PoolFullError: pinned data leaves too few slots; nothing changed.
         """
+        t0 = time.perf_counter()
         self._check_view(tree)
         live = self.placement.live
         dops = admission.check_batches(batches, dops, len(live))
@@ -212,6 +214,7 @@ class Pool:
         self._inflight[it.epoch] = it
         for pc in it.chunks:
             self._busy_requests[pc.state.request_id] = it.epoch
+        it.gen_plans_s = time.perf_counter() - t0  # booked at commit, like every counter
         return it.plans
 
     def commit(self, plans: Plans) -> None:
@@ -241,6 +244,7 @@ class Pool:
             tree.unpin(node)
         self.access.record_load(it.traffic.load, list(self.live_instances))
         self.stats.record_iteration(it.traffic, it.new_chunks, len(it.victims))
+        self.stats.record_gen_plans(it.gen_plans_s)
         if it.decided_replication is not None:
             self._replicated_at = it.decided_replication
 

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tokenlake import latency
+
 if TYPE_CHECKING:
     from tokenlake.plan_builder import Traffic
     from tokenlake.pool import Pool
@@ -35,6 +37,11 @@ class PoolStats:
         self.replication_bytes = 0.0
         self.num_evictions = 0
         self.load = np.zeros(num_instances, dtype=np.float64)
+        self.latency: dict[str, int] = {}  # histograms (tokenlake.latency)
+
+    def record_gen_plans(self, seconds: float) -> None:
+        """How long ``gen_plans`` took for an iteration now committed."""
+        latency.observe(self.latency, "gen_plans", seconds)
 
     def record_writes(self, writes) -> None:
         for w in writes:
@@ -71,6 +78,9 @@ class PoolStats:
           between instances (query rows to remote holders and their results back, new KV to
           remote homes, segment copies), all layers.
         - storage: segments, replicas, slots used, evictions, dedup savings.
+        - ``gen_plans_seconds``: latency histogram of the ``gen_plans`` calls of committed
+          iterations: ``buckets`` ``[[upper bound s, count <= it], ...]`` (cumulative, last
+          bound ``inf``), ``sum``, ``count``.
         """
         window = pool.access.window_load
         access = pool.access
@@ -109,4 +119,10 @@ class PoolStats:
             "bytes_stored": sum(slots_used) * seg_bytes,
             "bytes_saved_by_dedup": self.num_dedup_segments * seg_bytes,
             "live_instances": live,
+            "gen_plans_seconds": _histogram_dict(self.latency, "gen_plans"),
         }
+
+
+def _histogram_dict(counters: dict, name: str) -> dict:
+    h = latency.histograms({f"{name}:count": 0, **counters})[name]
+    return {"buckets": [list(b) for b in h.buckets], "sum": h.sum_s, "count": h.count}

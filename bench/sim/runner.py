@@ -16,6 +16,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from tokenlake.bench.progress import Progress
 from tokenlake.bench.sim.engine import EngineConfig
 from tokenlake.bench.sim.events import EventLoop
 from tokenlake.bench.sim.job import Job
@@ -198,7 +199,10 @@ def simulate(
     end = last + horizon
     step = max(1.0, horizon / 200)
     t, stop = 0.0, "done"
+    total = len(workload.requests)
+    progress = Progress(total, f"{cfg.system} (seed {cfg.seed}) requests done")
     while pending["n"] > 0:
+        progress.update(total - pending["n"], f"simulated {t:.0f} s")
         if loop.empty:
             stop = "stalled"
             break
@@ -210,6 +214,8 @@ def simulate(
             break
         t = min(t + step, end)
         loop.run(until=t)
+    progress.update(total - pending["n"])
+    progress.close(stop)
     for r in workload.requests:  # turns never sent (their session stalled) still count
         if r.rid not in records:
             records[r.rid] = make_record(r, math.nan, timer)

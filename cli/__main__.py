@@ -1,0 +1,5 @@
+import sys
+
+from tokenlake.cli.main import main
+
+sys.exit(main())
