@@ -24,7 +24,7 @@ import sys
 
 from tokenlake.bench.goodput_report import GoodputReport
 from tokenlake.bench.sim.confidence import system_goodput
-from tokenlake.bench.sim.runner import SYSTEMS, RunConfig, RunResult, simulate
+from tokenlake.bench.sim.runner import EXTRA_SYSTEMS, SYSTEMS, RunConfig, RunResult, simulate
 from tokenlake.bench.sim.step_timer import ClusterSpec, make_timer
 from tokenlake.bench.traces import CONVERSATION_TRACE, SYNTHETIC_TRACE, TRACES_DIR
 from tokenlake.bench.workloads import (
@@ -117,7 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--poisson", action="store_true", help="redraw trace gaps as Poisson")
     w.add_argument("--system-prompt", type=int, default=4096, help="generators' shared prompt")
     c = p.add_argument_group("cluster and systems")
-    c.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {SYSTEMS}")
+    c.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help=f"comma list of {SYSTEMS} (also {EXTRA_SYSTEMS}: synchronous iterations)",
+    )
     c.add_argument("--instances", type=int, default=4)
     c.add_argument("--tp", type=int, default=2, help="GPUs per instance (the paper: 2)")
     c.add_argument("--hardware", default="A100-80G")
@@ -175,8 +179,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')}: expected >= {low}, got {value}")
     args.systems = [s for s in args.systems.split(",") if s]
     for s in args.systems:
-        if s not in SYSTEMS:
-            p.error(f"--systems: unknown {s!r}; expected some of {', '.join(SYSTEMS)}")
+        if s not in SYSTEMS + EXTRA_SYSTEMS:
+            p.error(
+                f"--systems: unknown {s!r}; expected some of {', '.join(SYSTEMS + EXTRA_SYSTEMS)}"
+            )
     bad = [k for k in args.prefill_tokens if k % args.segment_len]
     if bad:
         p.error(f"--prefill-tokens: {bad} are not multiples of --segment-len {args.segment_len}")

@@ -174,13 +174,14 @@ class ElasticScheduler:
 
     def step(self, load: float | None = None) -> IterationPlan | None:
         """Plan the next iteration (``pool.gen_plans``); ``None`` when there is nothing to
-        start now. Synchronous mode: one iteration over the whole cluster at a time.
+        start now. Synchronous mode: one iteration over the whole cluster at a time (``None``
+        while it is in flight).
         Asynchronous mode: one batch on free instances per call; call again until ``None``.
         """
         if self._planned:
             return self._hand_out(self._planned.popleft())
         if self.config.sync_iterations and self._inflight:
-            raise InvalidArgumentError("step: the previous iteration is not completed or aborted")
+            return None  # one cluster-wide iteration at a time
         now = self.clock()
         while True:
             if self.config.sync_iterations:

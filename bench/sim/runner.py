@@ -35,6 +35,9 @@ SYSTEMS = (
     "mooncake-1p3d",
     "mooncake-3p1d",
 )
+# accepted but not run by default: TokenLake with one cluster-wide iteration at a time (the
+# model before asynchronous iterations), for side-by-side comparisons
+EXTRA_SYSTEMS = ("tokenlake-sync",)
 
 
 @dataclass(frozen=True)
@@ -58,8 +61,10 @@ class RunConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.system not in SYSTEMS:
-            raise ValueError(f"RunConfig.system: expected one of {SYSTEMS}, got {self.system!r}")
+        if self.system not in SYSTEMS + EXTRA_SYSTEMS:
+            raise ValueError(
+                f"RunConfig.system: expected one of {SYSTEMS + EXTRA_SYSTEMS}, got {self.system!r}"
+            )
         if self.prefill_tokens < 1 or self.segment_len < 1:
             raise ValueError("RunConfig: prefill_tokens, segment_len >= 1")
 
@@ -127,6 +132,7 @@ def build_system(cfg: RunConfig, loop, timer, spec, on_finished, on_rejected, lo
             max_prefill_tokens=cfg.prefill_tokens,
             tbt_slo=tbt,
             input_token_slo=per_token,
+            sync_iterations=cfg.system == "tokenlake-sync",
         )
         return TokenLakeSystem(loop, timer, spec, on_finished, load, tl, on_rejected)
     if cfg.system == "router":

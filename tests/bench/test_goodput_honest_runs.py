@@ -71,11 +71,10 @@ def test_a_stall_is_counted_and_warned(monkeypatch, capsys):
     assert f"WARNING: tokenlake on sessions at 1 req/s, seed 0: {res.num_stalled} of 4" in err
 
 
-@pytest.mark.parametrize("admit_fraction", [0.9, 100.0])
-def test_the_same_overload_finishes(monkeypatch, admit_fraction):
-    # with the simulator's admission switched off the scheduler's own admission and
-    # preemption keep the running requests within the pool
-    loose = functools.partial(TokenLakeConfig, admit_fraction=admit_fraction)
+@pytest.mark.parametrize("output_reserve", [1.0, 0.0])
+def test_the_same_overload_finishes(monkeypatch, output_reserve):
+    # the scheduler admits within the pool (reserving the outputs, or not and preempting)
+    loose = functools.partial(TokenLakeConfig, output_reserve=output_reserve)
     monkeypatch.setattr(runner, "TokenLakeConfig", loose)
     w = sessions(num_sessions=4, turns=1, first=6, output=1500)
     res = run("tokenlake", w, n=2)
