@@ -46,6 +46,11 @@ class SchedulerConfig:
             its own instances, decided as instances free up (:mod:`tokenlake.scheduler.lanes`).
         lane_tbt_fraction: asynchronous decode lanes are sized so a decode batch takes at most
             this share of ``tbt_slo`` (the rest covers waiting for a busy lane).
+        decode_steps: most decode steps one asynchronous decode iteration runs (vLLM's
+            multi-step scheduling), fewer when its lane would then make a newly ready decode
+            wait past the TBT SLO. Above 1 the steps before the last run on synthetic tokens
+            (known ahead), so it is a simulator setting: it cuts the control-plane work per
+            generated token, not what the hardware does.
         kv_watermark: share of the pool's slots left free when admitting a new request
             (vLLM's watermark), so running requests can grow before anything is preempted.
         output_reserve: share of a request's remaining output the admission reserves for it
@@ -63,6 +68,7 @@ class SchedulerConfig:
     input_token_slo: float = math.inf
     sync_iterations: bool = True
     lane_tbt_fraction: float = 0.5
+    decode_steps: int = 1
     kv_watermark: float = 0.01
     output_reserve: float = 1.0
 
@@ -71,6 +77,7 @@ class SchedulerConfig:
         _positive_int("segment_len", self.segment_len)
         _positive_int("chunk_len", self.chunk_len)
         _positive_int("max_prefill_tokens", self.max_prefill_tokens, 0)
+        _positive_int("decode_steps", self.decode_steps)
         if self.mode not in MODES:
             raise InvalidArgumentError(
                 f"SchedulerConfig.mode: expected one of {MODES}, got {self.mode!r}"

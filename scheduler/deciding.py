@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from tokenlake.errors import InvalidArgumentError
+from tokenlake.plans import Chunk
 from tokenlake.pool import Pool
 from tokenlake.prefix_tree import PrefixMatch
 from tokenlake.scheduler import memory
@@ -26,6 +27,9 @@ from tokenlake.scheduler.policy import (
 )
 from tokenlake.scheduler.request import Phase, Request
 
+TBT_MARGIN = 0.6  # share of the TBT SLO multi-step decode plans to (the rest: misprediction)
+DECODE_SCALE_WEIGHT = 0.2  # EWMA weight of the latest decode iteration's measured/predicted
+
 
 class Deciding:
     def __init__(
@@ -33,6 +37,16 @@ class Deciding:
     ) -> None:
         self.config, self.model, self.pool, self.solver = config, model, pool, solver
         self._decode_turn = False  # one live instance, elastic: alternate the phases
+        # measured / predicted time of decode iterations (EWMA): what sharing the GPUs with
+        # other iterations' work costs the decode lanes beyond the model
+        self.decode_scale = 1.0
+
+    def observe(self, it: IterationPlan, now: float) -> None:
+        """An iteration ended at ``now``: calibrate the decode step time on decode ones."""
+        predicted = max(it.decision.latencies, default=0.0) / self.decode_scale
+        if it.decision.phases == (DECODE,) and predicted > 0 and now > it.started_at:
+            ratio = min(max((now - it.started_at) / predicted, 0.25), 16.0)
+            self.decode_scale += DECODE_SCALE_WEIGHT * (ratio - self.decode_scale)
 
     def capacity_slots(self) -> int:
         return self.pool.config.num_slots * len(self.pool.live_instances)
@@ -142,13 +156,12 @@ class Deciding:
         ]
         ready = [r for r in idle if r.phase is Phase.DECODE]
         load_now = self._cache_load(_items_of(ready), inflight) if load is None else load
-        split = split_free_instances(cfg, self.model, load_now, now, live, free, running, ready)
+        split = split_free_instances(
+            cfg, self.model, load_now, now, live, free, running, ready, self.decode_scale
+        )
         out = []
         if split.decodes:
-            items = _items_of(split.decodes)
-            k = len(split.decode_instances)
-            d = self._plan(items, InstanceLimits(k, 0, k), load_now, [])
-            out += [self._one(d, b, split.decode_instances) for b in range(len(d.batches))]
+            out += self._lanes(split.decodes, split.decode_instances, load_now)
         if split.prefill_instances:
             p = len(split.prefill_instances)
             prefills = [r for r in idle if r.phase is not Phase.DECODE]
@@ -156,6 +169,43 @@ class Deciding:
             d = self._plan(items, InstanceLimits(p, p, 0), load, inflight)
             out += [self._one(d, b, split.prefill_instances) for b in range(len(d.batches))]
         return out
+
+    def _lanes(self, decodes, lanes: Sequence[int], load: float) -> list[Planned]:
+        """Decode batches on ``lanes``: the most even split, which is the DP's decode table
+        for alike decode steps (convex cost), without building the DP."""
+        k = min(len(lanes), len(decodes))
+        out, start = [], 0
+        for b in range(k):
+            end = start + (len(decodes) - start) // (k - b)
+            reqs = decodes[start:end]
+            latency = self.decode_scale * self.model.predict(DECODE, [1] * len(reqs), load=load)
+            steps = self._decode_steps(latency)
+            chunks = tuple(
+                Chunk(
+                    r.request_id,
+                    r.lookahead(min(steps, r.max_output_tokens - r.num_generated)),
+                    r.num_known - 1,
+                )
+                if steps > 1
+                else Chunk(r.request_id, r.token_ids, r.num_known - 1)
+                for r in reqs
+            )
+            latency *= max(c.num_new_tokens for c in chunks)
+            cost = latency * len(reqs)
+            out.append(
+                Planned((chunks,), (1,), (DECODE,), (latency,), [list(lanes)], load, True, cost)
+            )
+            start = end
+        return out
+
+    def _decode_steps(self, step: float) -> int:
+        """Steps of one decode iteration: ``decode_steps`` at most, and few enough that a
+        decode becoming ready just after it started, which waits for it and then takes one
+        step, still gets its next token within ``TBT_MARGIN`` of the TBT SLO."""
+        cfg = self.config
+        if cfg.decode_steps == 1 or not math.isfinite(cfg.tbt_slo):
+            return cfg.decode_steps
+        return max(1, min(cfg.decode_steps, int(TBT_MARGIN * cfg.tbt_slo / step) - 1))
 
     def _budget(self, num_instances: int) -> int:
         cfg = self.config
@@ -239,7 +289,7 @@ class Deciding:
             return 0.0
         reqs = [(it.start, it.num_new) for it in items]
         reqs += [(c.start, c.num_new_tokens) for it in inflight for c in it.decision.chunks]
-        return float(self.pool.get_cache_load(reqs, self.pool.get_prefix_tree()))
+        return float(self.pool.load_model.cache_load(reqs, len(self.pool.live_instances)))
 
 
 def _items_of(decodes: Iterable[Request]) -> list[WorkItem]:

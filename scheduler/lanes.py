@@ -41,13 +41,21 @@ class Split(NamedTuple):
     prefill_instances: tuple[int, ...]
 
 
-def decode_step_time(model: LatencyModel, num_decodes: int, load: float) -> float:
-    """Predicted seconds of one decode batch of ``num_decodes`` steps under cache load."""
-    return model.predict(DECODE, [1] * max(num_decodes, 1), load=load)
+def decode_step_time(
+    model: LatencyModel, num_decodes: int, load: float, scale: float = 1.0
+) -> float:
+    """Predicted seconds of one decode batch of ``num_decodes`` steps under cache load, times
+    ``scale`` (how much slower decode iterations have been running than the model says)."""
+    return scale * model.predict(DECODE, [1] * max(num_decodes, 1), load=load)
 
 
 def lanes_needed(
-    config: SchedulerConfig, model: LatencyModel, num_decodes: int, limit: int, load: float
+    config: SchedulerConfig,
+    model: LatencyModel,
+    num_decodes: int,
+    limit: int,
+    load: float,
+    scale: float = 1.0,
 ) -> int:
     """Fewest lanes (``<= limit``) whose decode batches take at most ``lane_tbt_fraction`` of
     the TBT SLO: the rest of the SLO covers a wait for a lane that is still busy."""
@@ -55,7 +63,7 @@ def lanes_needed(
         return 0
     budget = config.tbt_slo * config.lane_tbt_fraction
     for lanes in range(1, limit + 1):
-        if decode_step_time(model, math.ceil(num_decodes / lanes), load) <= budget:
+        if decode_step_time(model, math.ceil(num_decodes / lanes), load, scale) <= budget:
             return lanes
     return limit
 
@@ -69,11 +77,13 @@ def split_free_instances(
     free: Sequence[int],
     running: Sequence[Running],
     ready_decodes: Sequence[Request],
+    scale: float = 1.0,
 ) -> Split:
     """Lanes and prefill instances among ``free`` (sorted ids) for elastic and xPyD modes.
 
     ``running`` are the iterations in flight; ``ready_decodes`` the decode-phase requests in
-    none of them. Lanes needed for all decodes (ready and in flight) are opened on free
+    none of them; ``scale`` corrects the model's decode step time (see
+    :func:`decode_step_time`). Lanes needed for all decodes (ready and in flight) are opened on free
     instances beyond the lanes already busy; ready decodes beyond the new lanes' share wait
     for a busy lane, unless that wait would break the TBT SLO of the oldest of them, in
     which case one more lane opens (elastic overshoot; xPyD opens every free decode
@@ -94,7 +104,7 @@ def split_free_instances(
     if config.mode == XPYD:
         target = max_lanes if total else 0
     else:
-        target = lanes_needed(config, model, total, max_lanes, load)
+        target = lanes_needed(config, model, total, max_lanes, load, scale)
     cap = math.ceil(total / target) if target else 0
     ready = sorted(ready_decodes, key=lambda r: (r.ready_at, r.arrival))
     opened = 0
@@ -102,7 +112,7 @@ def split_free_instances(
         opened = min(len(candidates), max(0, target - len(lanes_busy)), math.ceil(len(ready) / cap))
         if opened == 0:
             next_free = min(r.predicted_end for r in lanes_busy)
-            step = decode_step_time(model, cap, load)
+            step = decode_step_time(model, cap, load, scale)
             if next_free - ready[0].ready_at + step > config.tbt_slo:
                 opened = 1
     lanes = tuple(candidates[:opened])

@@ -1,15 +1,16 @@
 """Memory-aware admission and preemption choices, in pool slots (one segment each).
 
-Admission is FCFS: a waiting request enters only if the slots every admitted request may
+Admission goes by priority (earliest first-token deadline, then arrival; plain FCFS without
+an input-token SLO), blocking behind its head: a waiting request enters only if the slots every admitted request may
 still need (its remaining prompt and ``output_reserve`` of its remaining output), its own
 need and the cached segments it would pin fit in what the pool can free now, less a
 watermark. When the pool still runs short (the estimate is not exact: replicas, in-flight
 reservations, an ``output_reserve`` below 1), the scheduler preempts the running request
-with the lowest priority — the latest arrival in no iteration in flight — which the pool
-releases (its segments stay cached, unpinned) and which later recomputes from its cached
-prefix. The oldest running request is never preempted while a younger one runs, so it always
-progresses; it fits the pool alone (larger requests are refused), so it finishes, and then
-the next oldest: nothing starves.
+with the lowest priority in no iteration in flight, which the pool releases (its segments
+stay cached, unpinned) and which later recomputes from its cached prefix. The running request
+with the highest priority is never preempted while another runs, so it always progresses; it
+fits the pool alone (larger requests are refused), so it finishes, and then the next: nothing
+starves (deadlines are absolute, so a request's priority only rises relative to newcomers).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def new_request_cost(
 
 
 def victim(candidates: Iterable[Request]) -> Request | None:
-    """The running request to preempt: the latest arrival among ``candidates`` (the requests
+    """The running request to preempt: the lowest priority among ``candidates`` (the requests
     in no iteration in flight); ``None`` if none of them runs. A batch that cannot get its
     slots has its own running requests among the candidates, so the victim is one of them
     or younger than all of them."""
@@ -62,6 +63,6 @@ def victim(candidates: Iterable[Request]) -> Request | None:
     for req in candidates:
         if req.phase not in (Phase.PREFILL, Phase.DECODE):
             continue
-        if best is None or req.arrival > best.arrival:
+        if best is None or req.priority > best.priority:
             best = req
     return best

@@ -79,13 +79,13 @@ def select_work(
     max_new_requests: int | None = None,
     budget: int | None = None,
 ) -> list[WorkItem]:
-    """Every decode step, then prefill chunks (running prefills first, then waiting requests in
-    arrival order) until the iteration's prefill token budget is spent.
+    """Every decode step, then prefill chunks by earliest first-token deadline (then running
+    prefills before waiting requests, then arrival) until the iteration's prefill token budget
+    is spent.
 
     A waiting request starts at ``min(cached_tokens(r), num_known - 1)`` (at least one token
     is computed, to produce the next output token; a preempted request recomputes the tokens
-    it had generated too). Waiting requests go by ``arrival`` (a preempted request keeps its
-    place). ``phases`` limits the work to one phase (one instance cannot run both in elastic
+    it had generated too); a preempted request keeps its priority. ``phases`` limits the work to one phase (one instance cannot run both in elastic
     mode); ``max_new_requests`` caps admissions; ``budget`` overrides the prefill token budget
     (an asynchronous decision over some of the instances).
     """
@@ -103,9 +103,10 @@ def select_work(
         if config.mode == COLOCATED:
             budget = config.chunk_len * config.num_instances - len(items)
     admitted = 0
-    running = [r for r in pending if r.phase is Phase.PREFILL]
-    waiting = sorted((r for r in pending if r.phase is Phase.WAITING), key=lambda r: r.arrival)
-    for r in running + waiting:
+    prefills = [r for r in pending if r.phase in (Phase.PREFILL, Phase.WAITING)]
+    # earliest deadline first; among equal deadlines (none: no SLO) running prefills first
+    prefills.sort(key=lambda r: (r.deadline, r.phase is Phase.WAITING, r.arrival))
+    for r in prefills:
         new = r.phase is Phase.WAITING
         if new and max_new_requests is not None and admitted >= max_new_requests:
             break

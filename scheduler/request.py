@@ -4,12 +4,20 @@ goes back to waiting and recomputes what it knew (vLLM's recompute preemption)."
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.keys import as_tokens
+
+VOCAB = 32000  # synthetic next tokens, when the caller supplies none
+
+
+def synthetic_token(last: int) -> int:
+    """The deterministic token that follows ``last`` when no model samples one."""
+    return (int(last) * 7919 + 17) % VOCAB
 
 
 class Phase(enum.Enum):
@@ -37,9 +45,12 @@ class Request:
 
     ``num_stored`` tokens have KV in the pool; ``token_ids`` are the prompt and the tokens
     generated so far. A chunk that reaches the end of the known tokens (a prompt's last chunk,
-    a decode step, a recompute's last chunk) yields the next token. ``arrival`` is the
-    request's priority (lower first; kept across preemptions); ``ready_at`` the time its last
-    token came (or it arrived), from which its next token's latency counts.
+    a decode step, a recompute's last chunk) yields the next token. ``arrival`` numbers the
+    requests in arrival order; ``deadline`` is when its first token is due (arrival time +
+    the input-token SLO × prompt length; ``inf`` without that SLO); ``priority`` orders
+    admission, prefill and preemption (earliest deadline first, then arrival; kept across
+    preemptions). ``ready_at`` is the time its last token came (or it arrived), from which
+    its next token's latency counts.
     """
 
     request_id: int | str
@@ -51,6 +62,7 @@ class Request:
     num_stored: int = 0
     num_generated: int = 0
     ready_at: float = 0.0
+    deadline: float = math.inf
     num_preemptions: int = 0
 
     @classmethod
@@ -61,6 +73,7 @@ class Request:
         max_output_tokens: int,
         arrival: int,
         now: float = 0.0,
+        input_token_slo: float = math.inf,
     ) -> Request:
         prompt = as_tokens(prompt, "prompt")
         if not len(prompt):
@@ -75,7 +88,23 @@ class Request:
             )
         tokens = np.zeros(len(prompt) + max_output_tokens, dtype=np.int32)
         tokens[: len(prompt)] = prompt
-        return cls(request_id, len(prompt), max_output_tokens, arrival, tokens, ready_at=now)
+        deadline = (
+            now + input_token_slo * len(prompt) if math.isfinite(input_token_slo) else math.inf
+        )
+        return cls(
+            request_id,
+            len(prompt),
+            max_output_tokens,
+            arrival,
+            tokens,
+            ready_at=now,
+            deadline=deadline,
+        )
+
+    @property
+    def priority(self) -> tuple[float, int]:
+        """Lower first: earliest deadline, then earliest arrival."""
+        return (self.deadline, self.arrival)
 
     @property
     def num_known(self) -> int:
@@ -97,22 +126,37 @@ class Request:
     def output_ids(self) -> np.ndarray:
         return self.tokens[self.prompt_len : self.num_known].copy()
 
-    def advance(self, end: int, next_token: int, now: float = 0.0) -> bool:
+    def lookahead(self, num_steps: int) -> np.ndarray:
+        """Token ids for ``num_steps`` decode steps in one iteration (multi-step decoding):
+        the known tokens and the ``num_steps - 1`` synthetic ones the steps before the last
+        will produce (read-only int32). Only for synthetic tokens (the simulator)."""
+        end = self.num_known + num_steps - 1
+        if not 1 <= num_steps <= self.max_output_tokens - self.num_generated:
+            raise InvalidArgumentError(f"num_steps: expected 1..remaining outputs, got {num_steps}")
+        for i in range(self.num_known, end):
+            self.tokens[i] = synthetic_token(self.tokens[i - 1])
+        view = self.tokens[:end]
+        view.flags.writeable = False
+        return view
+
+    def advance(self, end: int, next_token: int, now: float = 0.0) -> int:
         """Record that the pool now stores tokens ``[0, end)``; when that reaches the end of
-        the known tokens, ``next_token`` is the newly generated token. Returns whether a
-        token was generated."""
+        the known tokens (or of a :meth:`lookahead`), ``next_token`` is the newly generated
+        token. Returns how many tokens were generated (the lookahead ones included)."""
         if self.phase is Phase.FINISHED:
             raise InvalidArgumentError(f"request_id: {self.request_id!r} already finished")
         self.num_stored = end
         if end < self.num_known:
             self.phase = Phase.PREFILL
-            return False
+            return 0
+        ahead = end - self.num_known  # lookahead tokens that are now generated
+        self.num_generated += ahead
         self.tokens[self.num_known] = next_token
         self.num_generated += 1
         self.ready_at = now
         done = self.num_generated >= self.max_output_tokens
         self.phase = Phase.FINISHED if done else Phase.DECODE
-        return True
+        return ahead + 1
 
     def preempt(self) -> None:
         """Back to waiting: the pool released it; it recomputes its known tokens (from its

@@ -9,7 +9,7 @@ Asynchronous iterations (``sync_iterations=False``, DESIGN §2.3): each batch is
 of its own on its own instances, committed on its own; :meth:`step` hands out the next one
 for the free instances (:mod:`.lanes` chooses decode lanes and prefill instances). Memory
 (:mod:`.memory`): FCFS admission within what the pool can hold; when the pool still runs
-short, the latest running arrival is preempted and later recomputed.
+short, the running request with the lowest priority is preempted and later recomputed.
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ from tokenlake.scheduler.deciding import Deciding
 from tokenlake.scheduler.latency_model import LatencyModel
 from tokenlake.scheduler.planned import IterationPlan, Planned
 from tokenlake.scheduler.policy import SOLVERS, Decision
-from tokenlake.scheduler.request import Phase, Request
-
-VOCAB = 32000  # synthetic next tokens, when the caller supplies none
+from tokenlake.scheduler.request import Phase, Request, synthetic_token
 
 
 class ElasticScheduler:
@@ -100,7 +98,14 @@ class ElasticScheduler:
             ) from None
         if request_id in self._requests:
             raise InvalidArgumentError(f"request_id: {request_id!r} is already queued or running")
-        req = Request.create(request_id, prompt, max_output_tokens, self._num_arrived, self.clock())
+        req = Request.create(
+            request_id,
+            prompt,
+            max_output_tokens,
+            self._num_arrived,
+            self.clock(),
+            self.config.input_token_slo,
+        )
         need = memory.segments(req.max_len, self.config.segment_len)
         capacity = self._deciding.capacity_slots()
         if need > capacity:
@@ -206,8 +211,8 @@ class ElasticScheduler:
         return it
 
     def _launch(self, planned: Planned, now: float) -> IterationPlan | None:
-        """``gen_plans`` for ``planned``; when the pool is short, leave its newest new request
-        out, else preempt the latest running arrival in no iteration in flight (one of the
+        """``gen_plans`` for ``planned``; when the pool is short, leave out its lowest-priority new request
+        out, else preempt the lowest-priority running request in no iteration in flight (one of the
         batch's or a younger one). ``None`` when nothing of it is left to start."""
         while True:
             planned = planned.without(self._victims)  # preempted since it was decided
@@ -255,15 +260,13 @@ class ElasticScheduler:
         reqs = [self._requests[c.request_id] for c in planned.chunks]
         new = [r for r in reqs if r.phase is Phase.WAITING]
         if new:
-            newest = max(new, key=lambda r: r.arrival).request_id
-            chunk = next(c for c in planned.chunks if c.request_id == newest)
+            last = max(new, key=lambda r: r.priority).request_id
+            chunk = next(c for c in planned.chunks if c.request_id == last)
             seg = self.config.segment_len
             if chunk.start % seg:  # without copy-on-extend it needs one slot fewer
                 start = chunk.start - chunk.start % seg
-                return planned.with_chunks(
-                    {newest: Chunk(newest, chunk.token_ids, start, chunk.end)}
-                )
-            return planned.without({newest})
+                return planned.with_chunks({last: Chunk(last, chunk.token_ids, start, chunk.end)})
+            return planned.without({last})
         idle = (r for r in self._requests.values() if r.request_id not in self._busy)
         victim = memory.victim(idle)  # the batch's running requests are candidates: never None
         self.preempt(victim.request_id)
@@ -277,16 +280,21 @@ class ElasticScheduler:
         """Commit an executed iteration and advance its requests.
 
         ``new_token_ids[request_id]`` is the token sampled for a request whose chunk reached
-        the end of its known tokens (a deterministic synthetic token when absent). Returns
-        the requests that finished; the pool has released them (``pool.finish``).
+        the end of its known tokens (a deterministic synthetic token when absent; always
+        synthetic for multi-step decode chunks, see ``SchedulerConfig.decode_steps``).
+        Returns the requests that finished; the pool has released them (``pool.finish``).
         """
         self._check(iteration)
         given = new_token_ids or {}
         tokens = {}
         for chunk in iteration.decision.chunks:  # validate before anything changes
             req = self._requests[chunk.request_id]
-            last = int(req.tokens[req.num_known - 1])
-            token = given.get(chunk.request_id, (last * 7919 + 17) % VOCAB)
+            if chunk.end > req.num_known and chunk.request_id in given:
+                raise InvalidArgumentError(
+                    f"new_token_ids: request {chunk.request_id!r} ran {chunk.num_new_tokens} "
+                    "decode steps on synthetic tokens (decode_steps > 1); none can be given"
+                )
+            token = given.get(chunk.request_id, synthetic_token(req.tokens[chunk.end - 1]))
             if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
                 raise InvalidArgumentError(f"new_token_ids: expected int tokens, got {token!r}")
             if not 0 <= token < 2**31:
@@ -295,6 +303,7 @@ class ElasticScheduler:
         self._take(iteration)
         self.pool.commit(iteration.plans)
         now = self.clock()
+        self._deciding.observe(iteration, now)
         finished = []
         for chunk in iteration.decision.chunks:
             req = self._requests[chunk.request_id]

@@ -48,7 +48,9 @@ class RunConfig:
     running decodes into prefill batches, SGLang's ``--enable-mixed-chunk``); segment_len
     (TokenLake's pool segment length); horizon_s (simulated seconds after the last open-loop
     arrival; None: 2x the arrival span + 600 s); wall_budget_s; window_s (load timeline
-    windows); slo_scale (the SLO multiple, 10); seed (the router's tree order)."""
+    windows); slo_scale (the SLO multiple, 10); seed (the router's tree order); decode_steps
+    (TokenLake's decode steps per pool iteration at most, bounded by the TBT SLO: fewer
+    control-plane calls per token, see ``SchedulerConfig.decode_steps``)."""
 
     system: str
     prefill_tokens: int = 8192
@@ -59,6 +61,7 @@ class RunConfig:
     window_s: float = 1.0
     slo_scale: float = 10.0
     seed: int = 0
+    decode_steps: int = 8
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS + EXTRA_SYSTEMS:
@@ -133,6 +136,7 @@ def build_system(cfg: RunConfig, loop, timer, spec, on_finished, on_rejected, lo
             tbt_slo=tbt,
             input_token_slo=per_token,
             sync_iterations=cfg.system == "tokenlake-sync",
+            decode_steps=cfg.decode_steps,
         )
         return TokenLakeSystem(loop, timer, spec, on_finished, load, tl, on_rejected)
     if cfg.system == "router":
@@ -182,12 +186,13 @@ def simulate(
             pending["n"] -= 1
             stack.extend((nxt, "session") for nxt in followers.get(req.rid, ()))
 
-    # The SLO budgets the scheduler plans against: 10x a batch-size-1 decode step at a typical
-    # context, and 10x the batch-size-1 prefill time per token of a chunk.
-    typical = sorted(r.input_len for r in workload.requests)[len(workload.requests) // 2]
+    # The SLO budgets TokenLake's scheduler plans against: 10x the batch-size-1 decode step of
+    # the shortest context (the strictest time between tokens any request has), and 10x the
+    # batch-size-1 prefill time per token of a chunk.
+    shortest = min(r.input_len for r in workload.requests)
     chunk = cfg.prefill_tokens
     slos = (
-        cfg.slo_scale * timer.decode_time([typical]),
+        cfg.slo_scale * timer.decode_time([shortest]),
         cfg.slo_scale * timer.prefill_time([chunk], [0]) / chunk,
     )
     system = build_system(cfg, loop, timer, spec, on_finished, on_rejected, load, slos)

@@ -32,9 +32,8 @@ from tokenlake.scheduler import ElasticScheduler, SchedulerConfig
 class TokenLakeConfig:
     """Args: mode / num_prefill (the scheduler's ``elastic`` or ``xpyd`` with P prefill
     instances); segment_len (the pool's); chunk_len / max_prefill_tokens / tbt_slo /
-    input_token_slo / output_reserve (the scheduler's); sync_iterations (one cluster-wide
-    iteration at a time, the pre-asynchronous model); interference (how much of the work
-    sharing a GPU serializes, see :mod:`tokenlake.bench.sim.tokenlake_timing`)."""
+    input_token_slo / output_reserve / decode_steps (the scheduler's); sync_iterations (one cluster-wide
+    iteration at a time, the pre-asynchronous model)."""
 
     mode: str = "elastic"
     num_prefill: int = 0
@@ -44,8 +43,8 @@ class TokenLakeConfig:
     tbt_slo: float = math.inf
     input_token_slo: float = math.inf
     output_reserve: float = 1.0
+    decode_steps: int = 1
     sync_iterations: bool = False
-    interference: float = 1.0
 
 
 class TokenLakeSystem:
@@ -79,11 +78,12 @@ class TokenLakeSystem:
             input_token_slo=config.input_token_slo,
             sync_iterations=config.sync_iterations,
             output_reserve=config.output_reserve,
+            decode_steps=config.decode_steps,
         )
         dops = tuple(d for d in (1, 2, 4, 8, 16) if d <= cfg.max_prefill_dop)
         model = timer.cost.fit(dops=dops)
         self.sched = ElasticScheduler(cfg, model, self.pool, clock=lambda: loop.now)
-        self.timing = TokenLakeTiming(timer, spec, seg, config.interference)
+        self.timing = TokenLakeTiming(timer, spec, seg)
         self.jobs: dict[int, Job] = {}
         self.num_pool_full = 0
         self.num_iterations = 0
@@ -149,12 +149,16 @@ class TokenLakeSystem:
             return
         self.timing.finish(flight)
         now, it = self.loop.now, flight.payload
+        decode = it.decision.phases[0] == "decode" and len(it.decision.phases) == 1
+        steps = max(c.num_new_tokens for c in it.decision.chunks) if decode else 1
         finished = self.sched.complete(it)
         for chunk in it.decision.chunks:
-            if chunk.end == len(chunk.token_ids):  # a prompt's last chunk or a decode step
+            if chunk.end == len(chunk.token_ids):  # a prompt's last chunk or decode steps
                 job = self.jobs[chunk.request_id]
-                job.generated += 1
-                job.rec.emit(now)
+                num = chunk.num_new_tokens if decode else 1
+                for i in range(num):  # multi-step decode: a token at the end of each step
+                    job.generated += 1
+                    job.rec.emit(flight.start + (now - flight.start) * (i + 1) / steps)
         for req in finished:
             self.on_finished_cb(self.jobs.pop(req.request_id), now)
         self._kick()

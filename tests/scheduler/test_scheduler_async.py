@@ -236,3 +236,52 @@ def test_preempt_recovers_requests_whose_kv_was_lost():
     d.drain()
     assert sorted(d.finished) == [0, 1, 2, 3] and d.max_err <= 1e-5
     assert all(2 not in it_origins for it_origins in d.origins_after_loss)
+
+
+def test_multi_step_decode_is_exact_and_gives_the_same_tokens():
+    """``decode_steps`` > 1 runs several decode steps per iteration on synthetic tokens: every
+    row is still exact, and every request ends with the tokens one step at a time gives."""
+    prompts = {f"m{i}": tokens(300 + i, 9 + 7 * i) for i in range(4)}
+    outs = {}
+    for steps in (1, 4):
+        d = Driver(2, 64, seed=5, mode="elastic", decode_steps=steps)
+        for rid, prompt in prompts.items():
+            d.add(rid, prompt, 11)
+        d.launch()
+        d.drain()
+        assert d.max_err <= 1e-5 and sorted(d.finished) == sorted(prompts)
+        outs[steps] = d.outputs
+    for rid in prompts:
+        assert np.array_equal(outs[1][rid], outs[4][rid])
+
+
+def test_multi_step_refuses_sampled_tokens():
+    d = Driver(2, 64, mode="elastic", decode_steps=4)
+    d.add("x", tokens(9, 5), 8)
+    d.launch()
+    d.run_one()  # the prompt
+    d.launch()
+    it = d.inflight[0]
+    assert it.decision.chunks[0].num_new_tokens == 4
+    with pytest.raises(tl.InvalidArgumentError, match="new_token_ids"):
+        d.sched.complete(it, {"x": 3})
+    d.drain()
+
+
+def test_decode_step_time_is_calibrated_on_measured_iterations():
+    """Decode iterations that take twice the model's time make the scheduler plan with twice
+    the step time (fewer steps per multi-step iteration, more lanes if needed)."""
+    d = Driver(2, 64, mode="elastic", decode_steps=8, tbt_slo=1.0)
+    d.add("x", tokens(9, 5), 200)
+    d.launch()
+    d.run_one()
+    scales = []
+    for _ in range(5):
+        d.launch()
+        it = d.inflight[0]
+        d.clock.now = it.started_at + 2 * it.predicted_end - 2 * it.started_at
+        d.inflight.remove(it)
+        d.sched.complete(it)
+        scales.append(d.sched._deciding.decode_scale)
+    assert scales[0] == pytest.approx(1.2) and scales[-1] > 1.7
+    assert all(a < b for a, b in zip(scales, scales[1:], strict=False))

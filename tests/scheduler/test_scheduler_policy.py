@@ -165,3 +165,17 @@ def test_config_validation():
             SchedulerConfig(**{"num_instances": 2, "segment_len": C, **kw})
     with pytest.raises(InvalidArgumentError, match="solver"):
         plan_batches([], SchedulerConfig(2, C), MODEL, solver="fortran")
+
+
+def test_prefill_goes_by_first_token_deadline():
+    """With an input-token SLO, a short request that arrived later is due earlier than a long
+    one: its chunk is chosen first, ahead of a running long prefill too."""
+    reqs = make_requests(
+        [(900, Phase.PREFILL, 256, 0), (2000, Phase.WAITING, 0, 0)] + [(40, Phase.WAITING, 0, 0)]
+    )
+    reqs[0].deadline, reqs[1].deadline, reqs[2].deadline = 9.0, 20.0, 1.4
+    cfg = SchedulerConfig(2, C, chunk_len=256, max_prefill_tokens=300)
+    items = select_work(reqs, cfg, lambda r: 0)
+    assert [it.request_id for it in items] == ["r2", "r0"]  # 40 + 256 of 300
+    r = Request.create("d", np.arange(50, dtype=np.int32), 1, 7, now=2.0, input_token_slo=0.01)
+    assert r.deadline == pytest.approx(2.5) and r.priority == (pytest.approx(2.5), 7)
