@@ -17,13 +17,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tokenlake import InvalidArgumentError, Pool, PoolConfig, PoolFullError
 from tokenlake.bench.sim.events import EventLoop
 from tokenlake.bench.sim.job import Job
 from tokenlake.bench.sim.metrics import LoadTimeline
 from tokenlake.bench.sim.step_timer import ClusterSpec, CostModelTimer
 from tokenlake.bench.sim.tokenlake_timing import Flight, TokenLakeTiming
 from tokenlake.bench.workloads.request import prompt_tokens
-from tokenlake import InvalidArgumentError, Pool, PoolConfig, PoolFullError
 from tokenlake.load_model import LoadModel
 from tokenlake.scheduler import ElasticScheduler, SchedulerConfig
 

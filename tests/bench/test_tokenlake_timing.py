@@ -5,9 +5,9 @@ work, and a delayed iteration is reported so its completion can be rescheduled."
 import numpy as np
 import pytest
 
+from tokenlake import Chunk, Pool, PoolConfig
 from tokenlake.bench.sim.step_timer import ClusterSpec, make_timer
 from tokenlake.bench.sim.tokenlake_timing import SharedGPU, TokenLakeTiming
-from tokenlake import Chunk, Pool, PoolConfig
 
 SPEC = ClusterSpec(num_instances=4)
 
