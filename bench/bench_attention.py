@@ -1,10 +1,22 @@
 """Prefix-attention kernels on the CPU: the C++ kernel vs the torch reference vs SDPA.
 
     python -m tokenlake.bench.bench_attention [--quick] [--prefix-lens 8192 32768] [--repeats 5]
+        [--logit-cap 50] [--baseline-core OTHER_BUILD/_C.cpython-*.so]
 
 Cases: decode (1 query row for each of 8 requests) and a prefill chunk (512 query rows, 1
 request), each over 8K- and 32K-token prefixes held in a paged pool (page size 16, slots in
 shuffled order), in float32 and bfloat16; attention is non-causal, as for a prefix.
+
+Soft cap: ``cpp_softcap_ms`` is the same C++ call with ``logit_cap=--logit-cap`` (Gemma-2's 50
+by default), ``softcap_cost`` its extra time over the uncapped call (``cpp_ms``), timed in
+alternation with it (``softcap_cost_cpu``: the same in process CPU time, steadier under load).
+
+Before/after: ``--baseline-core`` loads the ``_C`` extension of another build (e.g. main
+before a kernel change, built with cmake from that commit's sources) next to this one; each
+case then also times both cores called directly on the same arguments, uncapped, in
+alternation (``core_ms``, ``baseline_core_ms``, ``core_vs_baseline`` = their ratio; ``*_cpu*``
+the same in process CPU time), and checks that they return the same output
+(``core_vs_baseline_max_abs_diff``).
 
 Baselines:
 - ``torch_ref``: ``partial_attention(..., backend="torch")``, the reference (gathers pages,
@@ -42,6 +54,7 @@ kernel thread, for decode batches of 8 requests over ``--boundary-prefix-lens`` 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -114,14 +127,26 @@ class Timer:
         self.flush_buf = torch.empty(flush_mib << 20, dtype=torch.uint8)
 
     def median_ms(self, fn: Callable[[], object], repeats: int, warmup: int) -> float:
-        times = []
+        return self.alternating({"fn": fn}, repeats, warmup)["fn"][0]
+
+    def alternating(self, fns: dict, repeats: int, warmup: int) -> dict[str, tuple[float, float]]:
+        """Median wall and process-CPU ms of each callable, run in turn, the order reversed
+        every other round, so machine load and position skew them alike. CPU time counts
+        this process's threads only: on a loaded machine it is the steadier of the two."""
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
         for i in range(warmup + repeats):
-            self.flush_buf.fill_(i & 0xFF)
-            start = time.perf_counter()
-            fn()
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-        return 1e3 * statistics.median(times)
+            for name, fn in list(fns.items())[:: -1 if i % 2 else 1]:
+                self.flush_buf.fill_(i & 0xFF)
+                start, cpu_start = time.perf_counter(), time.process_time()
+                fn()
+                if i >= warmup:
+                    times[name].append(
+                        (time.perf_counter() - start, time.process_time() - cpu_start)
+                    )
+        return {
+            name: tuple(1e3 * statistics.median(col) for col in zip(*t, strict=True))
+            for name, t in times.items()
+        }
 
     def memcpy_gbps(self, num_bytes: int, repeats: int) -> float:
         src = torch.ones(max(num_bytes, 512 << 20), dtype=torch.uint8)
@@ -130,8 +155,35 @@ class Timer:
         return src.numel() / ms / 1e6
 
 
+def bare_core_args(kernel_args: tuple) -> list:
+    """Arguments as the C++ core reads them, converted beforehand: NumPy views (they cross
+    the binding faster than DLPack), tensors where NumPy has no dtype (bfloat16)."""
+    return [t if t.dtype == torch.bfloat16 else t.numpy() for t in kernel_args]
+
+
+def load_core(path: str):
+    """The ``_C`` extension module of another build, loaded next to this one's."""
+    spec = importlib.util.spec_from_file_location("_C", path)  # its init is PyInit__C
+    if spec is None:
+        raise SystemExit(f"--baseline-core: cannot load {path!r}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def core_call(core, kernel_args: tuple, head_dim: int) -> tuple[Callable[[], object], tuple]:
+    """An uncapped direct call of ``core.partial_attention`` into preallocated outputs (the
+    soft-cap argument is passed only to builds that take one)."""
+    q = kernel_args[0]
+    o, lse = torch.empty(q.shape), torch.empty(q.shape[:2])
+    call = [*bare_core_args(kernel_args), o.numpy(), lse.numpy(), False, head_dim**-0.5]
+    if "logit_cap" in (core.partial_attention.__doc__ or ""):
+        call.append(0.0)
+    return (lambda: core.partial_attention(*call)), (o, lse)
+
+
 def run_case(
-    case: Case, dtype: str, inputs: Inputs, args: argparse.Namespace, timer: Timer
+    case: Case, dtype: str, inputs: Inputs, args: argparse.Namespace, timer: Timer, baseline=None
 ) -> dict:
     kernel_args = inputs.args
     pool = kernel_args[2]
@@ -147,7 +199,17 @@ def run_case(
             inputs.sdpa_q, inputs.sdpa_k, inputs.sdpa_v, enable_gqa=True
         )
 
-    cpp_ms = timer.median_ms(cpp, args.repeats, args.warmup)
+    timed = {
+        "cpp": cpp,
+        "cpp_softcap": lambda: partial_attention(
+            *kernel_args, backend="cpu", logit_cap=args.logit_cap
+        ),
+    }
+    if baseline is not None:
+        timed["core"], core_out = core_call(_C, kernel_args, case.head_dim)
+        timed["baseline_core"], baseline_out = core_call(baseline, kernel_args, case.head_dim)
+    ms = timer.alternating(timed, args.repeats, args.warmup)  # name -> (wall, cpu)
+    cpp_ms = ms["cpp"][0]
     sdpa_ms = timer.median_ms(sdpa, args.repeats, args.warmup)
     ref = lambda: partial_attention(*kernel_args, backend="torch")  # noqa: E731
     ref_ms = timer.median_ms(ref, args.ref_repeats, args.ref_warmup)
@@ -166,6 +228,9 @@ def run_case(
         "num_rows": case.num_reqs * case.rows_per_req,
         "heads": f"{case.num_q_heads}/{case.num_kv_heads}x{case.head_dim}",
         "cpp_ms": round(cpp_ms, 3),
+        "cpp_softcap_ms": round(ms["cpp_softcap"][0], 3),
+        "softcap_cost": round(ms["cpp_softcap"][0] / cpp_ms - 1, 4),
+        "softcap_cost_cpu": round(ms["cpp_softcap"][1] / ms["cpp"][1] - 1, 4),
         "torch_ref_ms": round(ref_ms, 3),
         "sdpa_ms": round(sdpa_ms, 3),
         "speedup_vs_sdpa": round(sdpa_ms / cpp_ms, 3),
@@ -177,6 +242,19 @@ def run_case(
         "cpp_gflops": round(flops / cpp_ms / 1e6, 1),
         "sdpa_gflops": round(flops / sdpa_ms / 1e6, 1),
         "max_abs_diff_vs_sdpa": float((o_cpp - o_sdpa).abs().max()),
+        **(
+            {
+                "core_ms": round(ms["core"][0], 3),
+                "baseline_core_ms": round(ms["baseline_core"][0], 3),
+                "core_vs_baseline": round(ms["core"][0] / ms["baseline_core"][0], 4),
+                "core_cpu_ms": round(ms["core"][1], 3),
+                "baseline_core_cpu_ms": round(ms["baseline_core"][1], 3),
+                "core_vs_baseline_cpu": round(ms["core"][1] / ms["baseline_core"][1], 4),
+                "core_vs_baseline_max_abs_diff": float((core_out[0] - baseline_out[0]).abs().max()),
+            }
+            if baseline is not None
+            else {}
+        ),
         "load_avg_1m": round(load_avg, 2),
     }
 
@@ -200,17 +278,13 @@ def boundary_cases(case: Case, dtype: str, pool: torch.Tensor, slots, calls: int
     args = make_inputs(case, pool, slots, gen).args
     q = args[0]
     o_b, lse_b = torch.randn(q.shape, generator=gen), torch.randn(q.shape[:2], generator=gen)
-    # The core's cheapest call: arguments converted beforehand (NumPy views cross the binding
-    # faster than DLPack; NumPy has no bfloat16) and outputs preallocated.
-    bare = lambda t: t if t.dtype == torch.bfloat16 else t.numpy()  # noqa: E731
-    core_args = [bare(t) for t in args]
+    # The core's cheapest call: arguments converted beforehand and outputs preallocated.
     o, lse = torch.empty(q.shape).numpy(), torch.empty(q.shape[:2]).numpy()
-    merge_args = [bare(t) for t in (o_b, lse_b, o_b, lse_b)]
-    scale = case.head_dim**-0.5
+    merge_args = bare_core_args((o_b, lse_b, o_b, lse_b))
     pairs = {
         "boundary_partial_attention": (
             lambda: partial_attention(*args),
-            lambda: _C.partial_attention(*core_args, o, lse, False, scale),
+            core_call(_C, args, case.head_dim)[0],
         ),
         "boundary_merge": (
             lambda: merge(o_b, lse_b, o_b, lse_b),
@@ -244,9 +318,13 @@ def boundary_cases(case: Case, dtype: str, pool: torch.Tensor, slots, calls: int
 def print_table(rows: list[dict], cols: list[tuple[str, int]] | None = None) -> None:
     cols = cols or [
         ("case", 8), ("dtype", 9), ("prefix_len", 10), ("num_rows", 8), ("heads", 10),
-        ("cpp_ms", 9), ("torch_ref_ms", 12), ("sdpa_ms", 9), ("speedup_vs_sdpa", 15),
-        ("cpp_gbps", 8), ("memcpy_gbps", 11), ("fraction_of_memcpy_bw", 21),
+        ("cpp_ms", 9), ("cpp_softcap_ms", 14), ("softcap_cost", 12), ("torch_ref_ms", 12),
+        ("sdpa_ms", 9), ("speedup_vs_sdpa", 15), ("cpp_gbps", 8), ("memcpy_gbps", 11),
+        ("fraction_of_memcpy_bw", 21),
     ]  # fmt: skip
+    if rows and "core_vs_baseline" in rows[0]:
+        cols += [("core_ms", 9), ("baseline_core_ms", 16), ("core_vs_baseline", 16),
+                 ("core_vs_baseline_cpu", 20)]  # fmt: skip
     print(" ".join(f"{name:>{width}}" for name, width in cols))
     for row in rows:
         print(" ".join(f"{row[name]!s:>{width}}" for name, width in cols))
@@ -274,8 +352,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--boundary-heads", type=int, nargs=3, default=[8, 2, 64],
                         metavar=("H_Q", "H_KV", "D"))  # fmt: skip
     parser.add_argument("--boundary-calls", type=int, default=200)
+    parser.add_argument("--logit-cap", type=float, default=50.0,
+                        help="soft cap of the cpp_softcap_ms timing (Gemma-2's is 50)")  # fmt: skip
+    parser.add_argument("--baseline-core", metavar="SO", default=None,
+                        help="the _C extension of another build to time against this one")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    baseline = load_core(args.baseline_core) if args.baseline_core else None
     if args.quick:
         args.prefix_lens, args.repeats = [8192], 3
     if args.threads is not None:
@@ -299,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
             pool, slots = build_pool(case, gen)
             for dtype in args.dtypes:
                 inputs = make_inputs(case, pool.to(DTYPES[dtype]), slots, gen)
-                results.append(run_case(case, dtype, inputs, args, timer))
+                results.append(run_case(case, dtype, inputs, args, timer, baseline))
                 print(json.dumps(results[-1]), file=sys.stderr)
                 del inputs
             del pool

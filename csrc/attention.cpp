@@ -17,6 +17,7 @@ namespace tokenlake {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr double kLog2e = 1.4426950408889634;
 // Query vectors per prefill item: each staged K/V block is reused this many times, so the K/V
 // stream from memory stays small next to the FMAs; the item's 2 x 128 KiB of transposed queries
 // and accumulators (D = 128) stay in L2.
@@ -111,7 +112,7 @@ std::string at(int64_t value, int64_t index) {
 PagedProblem validate(const TensorView& q, const TensorView& q_indptr, const TensorView& pool,
                       const TensorView& kv_indptr, const TensorView& kv_indices,
                       const TensorView& last_len, const TensorView& o, const TensorView& lse,
-                      double sm_scale) {
+                      double sm_scale, double logit_cap) {
   check("pool_layer", pool, {-1, 2, -1, -1, -1}, {DType::kFloat32, DType::kBFloat16});
   const int64_t num_slots = pool.shape[0], C = pool.shape[2], Hkv = pool.shape[3];
   const int64_t D = pool.shape[4];
@@ -142,6 +143,10 @@ PagedProblem validate(const TensorView& q, const TensorView& q_indptr, const Ten
     fail("sm_scale: expected a finite number in [" + number(kMin) + ", " + number(kMax) +
          "], got " + number(sm_scale));
   }
+  if (!(logit_cap == 0.0 || (logit_cap >= kMinLogitCap && logit_cap <= kMaxLogitCap))) {
+    fail("logit_cap: expected 0 (no cap) or a finite number in [" + number(kMinLogitCap) + ", " +
+         number(kMaxLogitCap) + "], got " + number(logit_cap));
+  }
 
   PagedProblem p;
   p.q = q.data;
@@ -152,6 +157,10 @@ PagedProblem validate(const TensorView& q, const TensorView& q_indptr, const Ten
   p.last_len = static_cast<const int32_t*>(last_len.data);
   p.bf16 = pool.dtype == DType::kBFloat16;
   p.sm_scale = static_cast<float>(sm_scale);
+  if (logit_cap > 0.0) {  // the tile's scores are in log2 units
+    p.cap_log2 = static_cast<float>(logit_cap * kLog2e);
+    p.cap_log2_rcp = static_cast<float>(1.0 / (logit_cap * kLog2e));
+  }
   p.num_q_heads = Hq;
   p.num_kv_heads = Hkv;
   p.head_dim = D;
@@ -263,9 +272,10 @@ void check_paged_indices(const TensorView& q_indptr, const TensorView& kv_indptr
 void partial_attention(const TensorView& q, const TensorView& q_indptr,
                        const TensorView& pool_layer, const TensorView& kv_indptr,
                        const TensorView& kv_indices, const TensorView& last_len,
-                       const TensorView& o, const TensorView& lse, bool causal, double sm_scale) {
-  PagedProblem p =
-      validate(q, q_indptr, pool_layer, kv_indptr, kv_indices, last_len, o, lse, sm_scale);
+                       const TensorView& o, const TensorView& lse, bool causal, double sm_scale,
+                       double logit_cap) {
+  PagedProblem p = validate(q, q_indptr, pool_layer, kv_indptr, kv_indices, last_len, o, lse,
+                            sm_scale, logit_cap);
   p.causal = causal;
   const int64_t batch = q_indptr.shape[0] - 1;
   const int64_t Hq = p.num_q_heads, Hkv = p.num_kv_heads, D = p.head_dim;

@@ -29,15 +29,22 @@ struct TensorView {
 //   o          [num_rows, H_q, D]              float32 output
 //   lse        [num_rows, H_q]                 float32 output, natural log; -inf (o = 0) for a
 //                                              row that sees no keys
-// causal masks bottom-right aligned (row i of n sees keys j <= kv_len - n + i). Accumulates in
-// fp32 and runs on default_pool(). Everything is checked before anything is written (shapes,
-// dtypes, check_paged_indices, sm_scale a float32 in [FLT_MIN, FLT_MAX], o and lse overlapping
-// no other argument); a failed check throws std::invalid_argument naming the argument, its value
-// and what was allowed.
+// causal masks bottom-right aligned (row i of n sees keys j <= kv_len - n + i). logit_cap > 0
+// soft-caps every score s = sm_scale * q.k to logit_cap * tanh(s / logit_cap) before the
+// softmax (SGLang's RadixAttention.logit_cap, FlashInfer's logits_soft_cap); 0 means no cap.
+// Accumulates in fp32 and runs on default_pool(). Everything is checked before anything is
+// written (shapes, dtypes, check_paged_indices, sm_scale a float32 in [FLT_MIN, FLT_MAX],
+// logit_cap 0 or in [kMinLogitCap, kMaxLogitCap], o and lse overlapping no other argument); a
+// failed check throws std::invalid_argument naming the argument, its value and what was allowed.
 void partial_attention(const TensorView& q, const TensorView& q_indptr,
                        const TensorView& pool_layer, const TensorView& kv_indptr,
                        const TensorView& kv_indices, const TensorView& last_len,
-                       const TensorView& o, const TensorView& lse, bool causal, double sm_scale);
+                       const TensorView& o, const TensorView& lse, bool causal, double sm_scale,
+                       double logit_cap);
+
+// The soft caps partial_attention accepts besides 0 (no cap); tokenlake.config.LOGIT_CAP_RANGE.
+constexpr double kMinLogitCap = 1e-6;
+constexpr double kMaxLogitCap = 1e6;
 
 // Throws std::invalid_argument unless indptr, int32 [n >= 1], starts at 0, never decreases and
 // ends at total; name is the argument's, total_name says what total counts ("the rows of q").

@@ -215,8 +215,21 @@ class Tile {
     }
   }
 
+  // Soft cap of the block's scores (log2 units): cap * tanh(s / cap), before the mask.
+  void soft_cap(int nb) {
+    const Vec cap = simd::splat(p_.cap_log2);
+    const Vec rcp = simd::splat(p_.cap_log2_rcp);
+    for (int j = 0; j < nb; ++j) {
+      float* sj = s_ + j * ld_;
+      for (int64_t v = 0; v < nql_; v += kLanes) {
+        simd::store(sj + v, cap * simd::tanh(simd::load(sj + v) * rcp));
+      }
+    }
+  }
+
   // Online softmax over one block, vectorised across query lanes.
   void softmax(int nb, int64_t key0) {
+    if (p_.cap_log2 > 0.0f) soft_cap(nb);
     float* m = m_;
     float* l = l_;
     const Vec neg_inf = simd::splat(kNegInf);

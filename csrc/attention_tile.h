@@ -17,6 +17,9 @@ struct PagedProblem {
   bool bf16 = false;
   bool causal = false;
   float sm_scale = 1.0f;
+  // Soft cap in the tile's log2 units (logit_cap * log2(e)) and its reciprocal; 0: no cap.
+  float cap_log2 = 0.0f;
+  float cap_log2_rcp = 0.0f;
   int64_t num_q_heads = 0;
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;

@@ -43,14 +43,14 @@ NB_MODULE(_C, m) {
   m.def(
       "partial_attention",
       [](Array q, Array q_indptr, Array pool_layer, Array kv_indptr, Array kv_indices,
-         Array last_len, Array o, Array lse, bool causal, double sm_scale) {
+         Array last_len, Array o, Array lse, bool causal, double sm_scale, double logit_cap) {
         tokenlake::partial_attention(view(q), view(q_indptr), view(pool_layer), view(kv_indptr),
                                      view(kv_indices), view(last_len), view(o), view(lse),
-                                     causal, sm_scale);
+                                     causal, sm_scale, logit_cap);
       },
       "q"_a.noconvert(), "q_indptr"_a.noconvert(), "pool_layer"_a.noconvert(),
       "kv_indptr"_a.noconvert(), "kv_indices"_a.noconvert(), "last_len"_a.noconvert(),
-      "o"_a.noconvert(), "lse"_a.noconvert(), "causal"_a, "sm_scale"_a,
+      "o"_a.noconvert(), "lse"_a.noconvert(), "causal"_a, "sm_scale"_a, "logit_cap"_a,
       nb::call_guard<nb::gil_scoped_release>());
   m.def(
       "merge",

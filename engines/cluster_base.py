@@ -48,6 +48,12 @@ class ClusterBase:
         return self._driver.backend
 
     @property
+    def logit_cap(self) -> float:
+        """The pool's attention soft cap (``ModelShape.logit_cap``, 0: none): every partial
+        applies it, and so must the local attention merged with them."""
+        return self._driver.layout.model.logit_cap
+
+    @property
     def num_instances(self) -> int:
         return len(self._clients)
 

@@ -101,6 +101,7 @@ class Driver:
                     layout.max_q_rows,
                     layout.max_kv_rows,
                     backend or "",
+                    m.logit_cap,
                 ),
             )  # fmt: skip
             for key in keys

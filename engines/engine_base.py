@@ -93,7 +93,9 @@ class EngineBase:
     def configure(self, m: messages.Configure) -> None:
         if m.backend not in BACKENDS:
             raise InvalidArgumentError(f"backend: expected one of {BACKENDS}, got {m.backend!r}")
-        model = ModelShape(m.num_layers, m.num_q_heads, m.num_kv_heads, m.head_dim, m.dtype)
+        model = ModelShape(
+            m.num_layers, m.num_q_heads, m.num_kv_heads, m.head_dim, m.dtype, m.logit_cap
+        )
         for name in ("num_slots", "segment_len", "max_q_rows", "max_kv_rows"):
             check_id(name, getattr(m, name) - 1, 1 << 40)
         layout = Layout(

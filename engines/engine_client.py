@@ -146,8 +146,11 @@ class EngineClient:
         d.channel.wait(tickets, "init_query")
         device = self._views.q.device
         own = self.instance_id
+        cap = d.layout.model.logit_cap
         parts = [
-            BoundPart.from_part(p, device, planner=d.planner if p.instance_id == own else None)
+            BoundPart.from_part(
+                p, device, planner=d.planner if p.instance_id == own else None, logit_cap=cap
+            )
             for p in query_plan.parts
         ]
         buf = self._views.q[offset : offset + n]

@@ -28,7 +28,8 @@ class BoundPart:
     """A :class:`HolderPart` as device tensors, built once per bound plan, used every layer.
 
     ``rows`` (int64 ``[num_part_rows]``) are the part's rows of the origin's ``q_buf``;
-    ``identity`` is true when they are exactly ``0..num_rows-1`` in order (no gather needed).
+    ``identity`` is true when they are exactly ``0..num_rows-1`` in order (no gather needed);
+    ``logit_cap`` is the model's attention soft cap (0: none).
     """
 
     instance_id: int
@@ -39,12 +40,15 @@ class BoundPart:
     last_len: torch.Tensor  # int32 [num_part_reqs]
     identity: bool
     planned: object | None = None  # a FlashInferPart, planned once at bind (CUDA)
+    logit_cap: float = 0.0
 
     @classmethod
-    def from_part(cls, part: HolderPart, device, packed: bool = False, planner=None) -> BoundPart:
+    def from_part(
+        cls, part: HolderPart, device, packed: bool = False, planner=None, logit_cap: float = 0.0
+    ) -> BoundPart:
         """``packed``: the part's rows arrive as rows ``0..n-1`` (from another host).
-        ``planner`` (a :class:`~tokenlake.engines.flashinfer_attention.FlashInferPlanner`)
-        plans the part's kernel once, here."""
+        ``planner`` (a :class:`~tokenlake.kernels.flashinfer_backend.FlashInferPlanner`, made
+        with the same ``logit_cap``) plans the part's kernel once, here."""
         n = len(part.rows)
         rows = np.arange(n) if packed else np.asarray(part.rows, dtype=np.int64)
         identity = bool(np.array_equal(rows, np.arange(n)))
@@ -53,7 +57,7 @@ class BoundPart:
         ]
         planned = planner.plan(*csr) if planner is not None else None
         rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
-        return cls(part.instance_id, rows_t, *csr, identity, planned)
+        return cls(part.instance_id, rows_t, *csr, identity, planned, logit_cap)
 
     @property
     def num_rows(self) -> int:
@@ -77,6 +81,7 @@ class BoundPart:
             self.last_len,
             causal=False,
             backend=backend,
+            logit_cap=self.logit_cap,
         )
 
 

@@ -120,7 +120,7 @@ def run_forward(cluster, plans: Plans, chunks: Mapping, model: LayerModel) -> tu
     """Execute ``plans`` for ``chunks`` (by request id) with ``model``, layer by layer.
 
     ``cluster.engine(i)`` gives instance ``i``'s engine; ``cluster.backend`` the kernel
-    backend. Returns ``(batch, state)``: the iteration's :class:`RowBatch` (chunks in the
+    backend, ``cluster.logit_cap`` the pool's attention soft cap. Returns ``(batch, state)``: the iteration's :class:`RowBatch` (chunks in the
     order of ``chunks``, those the plans run) and the model's state after the last layer.
     """
     planned = {rid for qp in plans.query_plans for rid in qp.request_ids}
@@ -142,7 +142,9 @@ def run_forward(cluster, plans: Plans, chunks: Mapping, model: LayerModel) -> tu
         prefix_lse = q.new_full((n, q.shape[1]), -math.inf, dtype=torch.float32)
         for sub in subs:
             sub.query(q, layer, prefix_o, prefix_lse)
-        o, lse = attend_with_prefix(q, k, v, indptr, prefix_o, prefix_lse, backend=backend)
+        o, lse = attend_with_prefix(
+            q, k, v, indptr, prefix_o, prefix_lse, backend=backend, logit_cap=cluster.logit_cap
+        )
         model.absorb(state, layer, o, lse)
     sync = getattr(cluster, "synchronize", None)
     if sync is not None:  # an asynchronous data plane: every put lands before commit

@@ -58,6 +58,7 @@ class Configure:
     max_q_rows: int
     max_kv_rows: int
     backend: str  # "" = by device
+    logit_cap: float = 0.0  # the model's attention soft cap (ModelShape.logit_cap)
 
 
 @dataclass(frozen=True)

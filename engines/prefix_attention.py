@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from tokenlake import kernels
+from tokenlake.config import check_logit_cap
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.validate import check_tensor
 
@@ -23,6 +24,7 @@ def attend_with_prefix(
     kv_indptr: torch.Tensor | None = None,
     sm_scale: float | None = None,
     backend: str | None = None,
+    logit_cap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge the prefix partial of a ragged batch with causal attention over its new tokens.
 
@@ -39,6 +41,8 @@ def attend_with_prefix(
             so a request may have more new keys than q rows (a chunk split across instances).
         sm_scale: softmax scale, default ``1 / sqrt(D)``.
         backend: kernel backend (``"torch"``, ``"cpu"``, ``"flashinfer"``; ``None`` by device).
+        logit_cap: the attention soft cap (0: none; see :func:`tokenlake.kernels.partial_attention`),
+            the same the prefix partial was computed with.
     Returns:
         ``(o, lse)``: ``o`` ``[T_q, H_q, D]`` float32, attention of every row over its whole
         sequence (prefix and new tokens up to itself); ``lse`` ``[T_q, H_q]`` float32, natural log.
@@ -48,20 +52,22 @@ def attend_with_prefix(
     check_tensor("prefix_o", prefix_o, shape=(t_q, h_q, d), dtype=torch.float32, device=q.device)
     check_tensor("prefix_lse", prefix_lse, shape=(t_q, h_q), dtype=torch.float32, device=q.device)
     check_tensor("q_indptr", q_indptr, shape=(None,), dtype=torch.int32, device=q.device)
+    logit_cap = check_logit_cap("logit_cap", logit_cap)
     if kv_indptr is None and k.shape[0] == t_q and t_q == q_indptr.shape[0] - 1:
-        o_s, lse_s = _one_token_each(q, k, v, sm_scale)  # all decode steps
+        o_s, lse_s = _one_token_each(q, k, v, sm_scale, logit_cap)  # all decode steps
     else:
         o_s, lse_s = kernels.self_attention(
-            q, k, v, q_indptr, sm_scale=sm_scale, backend=backend, kv_indptr=kv_indptr
-        )
+            q, k, v, q_indptr, sm_scale=sm_scale, backend=backend, kv_indptr=kv_indptr,
+            logit_cap=logit_cap,
+        )  # fmt: skip
     return kernels.merge(prefix_o.contiguous(), prefix_lse.contiguous(), o_s, lse_s, backend)
 
 
 def _one_token_each(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None, logit_cap: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every request has one new token: its only key is itself, so ``o = v`` exactly and
-    ``lse`` is the single score."""
+    ``lse`` is the single (soft-capped) score."""
     check_tensor("k", k, shape=(q.shape[0], None, q.shape[2]), dtype=q.dtype, device=q.device)
     check_tensor("v", v, shape=tuple(k.shape), dtype=q.dtype, device=q.device)
     h_q, h_kv, d = q.shape[1], k.shape[1], q.shape[2]
@@ -71,5 +77,7 @@ def _one_token_each(
     scale = d**-0.5 if sm_scale is None else sm_scale
     qf = q.float().view(q.shape[0], h_kv, group, d)
     lse = (qf * k.float().unsqueeze(2)).sum(-1).mul_(scale).reshape(q.shape[0], h_q)
+    if logit_cap:
+        lse = logit_cap * torch.tanh(lse / logit_cap)
     o = v.float().repeat_interleave(group, dim=1)
     return o, lse

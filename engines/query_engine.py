@@ -58,11 +58,12 @@ class QueryEngine(EngineBase):
             "last_len", check_array("last_len", m.last_len, num_reqs), 1, lim.segment_len + 1
         )
         part = HolderPart(self.instance_id, rows, m.q_indptr, m.kv_indptr, m.kv_indices, m.last_len)
+        kernel = dict(planner=self.planner, logit_cap=self.layout.model.logit_cap)
         binding = _QueryBinding(
             m.epoch,
             offset,
-            BoundPart.from_part(part, self.device, planner=self.planner),
-            BoundPart.from_part(part, self.device, packed=True, planner=self.planner),
+            BoundPart.from_part(part, self.device, **kernel),
+            BoundPart.from_part(part, self.device, packed=True, **kernel),
         )
         self.add_binding(m.origin, m.epoch, m.binding, binding)
 

@@ -49,7 +49,8 @@ class SyntheticModel:
         pos = np.arange(end)
         kv = self.kv(token_ids[:end], pos, layer)
         q = self.q(token_ids[first:end], pos[first:end], layer)
-        return attend(q, kv[:, 0], kv[:, 1], causal=True, sm_scale=self.model.head_dim**-0.5)
+        scale, cap = self.model.head_dim**-0.5, self.model.logit_cap
+        return attend(q, kv[:, 0], kv[:, 1], causal=True, sm_scale=scale, logit_cap=cap)
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,11 @@ class Harness:
         backend: str | None = "torch",
         hasher: tl.SegmentHasher | None = None,
         balancer=None,
+        logit_cap: float = 0.0,
     ) -> None:
-        self.shape = tl.ModelShape(num_layers, num_q_heads, num_kv_heads, head_dim, dtype)
+        self.shape = tl.ModelShape(
+            num_layers, num_q_heads, num_kv_heads, head_dim, dtype, logit_cap=logit_cap
+        )
         self.config = tl.PoolConfig(self.shape, num_instances, num_slots, segment_len)
         self.pool = tl.Pool(self.config, hasher, balancer=balancer)
         self.cluster = LocalCluster(self.pool, backend=backend)

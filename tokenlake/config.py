@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.validate import check_int, check_str, fail
+from tokenlake.validate import check_float, check_int, check_str, fail
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +28,22 @@ MAX_INSTANCES = 2**16
 MAX_SLOTS = 2**31 - 1  # slot ids are int32 in plans
 MAX_SEGMENT_LEN = 2**20  # token offsets are int32 in plans
 MAX_SEGMENT_BYTES = 2**40
+# Attention logit soft caps besides 0 (no cap); the C++ kernel checks the same bounds.
+LOGIT_CAP_RANGE = (1e-6, 1e6)
+
+
+def check_logit_cap(name: str, value: object) -> float:
+    """An attention logit soft cap: ``0`` (no cap, the default of SGLang's ``logit_cap`` and
+    FlashInfer's ``logits_soft_cap``) or a finite number in :data:`LOGIT_CAP_RANGE`; scores
+    ``s`` then become ``cap * tanh(s / cap)`` before the softmax. Returns a Python float."""
+    allowed = f"0 (no cap) or a finite number in [{LOGIT_CAP_RANGE[0]:g}, {LOGIT_CAP_RANGE[1]:g}]"
+    try:
+        cap = check_float(name, value, low=0.0, high=LOGIT_CAP_RANGE[1])
+    except InvalidArgumentError:
+        raise fail(name, allowed, value) from None
+    if 0.0 < cap < LOGIT_CAP_RANGE[0]:
+        raise fail(name, allowed, value)
+    return cap if cap else 0.0  # -0.0 too
 
 
 def _ints(owner: str, obj: object, bounds: dict[str, int]) -> None:
@@ -42,6 +58,8 @@ class ModelShape:
     """The attention shape of a model, i.e. what one token's KV looks like.
 
     ``dtype`` is the KV storage dtype name: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+    ``logit_cap`` soft-caps the attention scores (:func:`check_logit_cap`; 0: no cap), a
+    per-model constant every partial of the pool applies (Gemma-2, Grok).
     """
 
     num_layers: int
@@ -49,6 +67,7 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     dtype: str = "float32"
+    logit_cap: float = 0.0
 
     def __post_init__(self) -> None:
         _ints(
@@ -68,6 +87,9 @@ class ModelShape:
             )
         if type(self.dtype) is not str or self.dtype not in _DTYPE_BYTES:
             raise fail("ModelShape.dtype", f"one of {sorted(_DTYPE_BYTES)}", self.dtype)
+        object.__setattr__(
+            self, "logit_cap", check_logit_cap("ModelShape.logit_cap", self.logit_cap)
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:

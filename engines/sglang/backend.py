@@ -153,7 +153,8 @@ class TokenLakeAttnBackend(AttentionBackend):
             rows[m.backfill_plan_rows, 0] = kv.get_key_buffer(layer.layer_id)[m.backfill_slots]
             rows[m.backfill_plan_rows, 1] = kv.get_value_buffer(layer.layer_id)[m.backfill_slots]
         self.runtime.put(it, li)
-        # the pool's kernels use 1/sqrt(D); fold the layer's own scaling into q
+        # the pool's kernels use 1/sqrt(D); fold the layer's own scaling into q (the soft cap
+        # applies to the scaled score, as in SGLang: cap * tanh(scaling * q.k / cap))
         q3 = q.reshape(-1, shape.num_q_heads, shape.head_dim)
         it.q_buf[m.new_plan_rows] = (q3.float() * (layer.scaling * math.sqrt(shape.head_dim))).to(
             it.q_buf.dtype
@@ -168,6 +169,7 @@ class TokenLakeAttnBackend(AttentionBackend):
             lse_p[m.plan_new_rows],
             kv_indptr=m.kv_indptr if m.num_backfill else None,
             backend=self.runtime.kernel_backend,
+            logit_cap=shape.logit_cap,
         )
         out = q3.new_empty((q3.shape[0], shape.num_q_heads, shape.head_dim))
         out[m.plan_src_rows] = o_plan.to(q.dtype)

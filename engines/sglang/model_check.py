@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from tokenlake.config import ModelShape
-from tokenlake.errors import TokenLakeError
+from tokenlake.config import ModelShape, check_logit_cap
+from tokenlake.errors import InvalidArgumentError, TokenLakeError
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -49,10 +49,10 @@ def check_model(model_runner, layers: Sequence) -> ModelShape:
             raise _refuse(f"{layer.attn_type} attention", f"{name} is not causal decoder attention")
         if layer.sliding_window_size not in (None, -1):
             raise _refuse("sliding-window attention", f"{name} has a window")
-        if layer.logit_cap and layer.logit_cap > 0:
+        method = getattr(layer, "logit_capping_method", "tanh")
+        if _logit_cap(layer) and method != "tanh":
             raise _refuse(
-                "logit soft-capping (logit_cap)",
-                f"{name} has logit_cap={layer.logit_cap}; the pool's kernels compute plain softmax",
+                f"logit capping method {method!r}", f"{name}: the pool's kernels cap with tanh"
             )
         if layer.qk_head_dim != layer.v_head_dim:
             raise _refuse("different K and V head dims", f"{name}")
@@ -69,7 +69,21 @@ def check_model(model_runner, layers: Sequence) -> ModelShape:
         for layer in layers
     ):
         raise _refuse("layers of different attention shapes", "the pool has one shape")
+    caps = sorted({_logit_cap(layer) for layer in layers})
+    if len(caps) > 1:
+        raise _refuse("layers of different logit caps", f"{caps}: the pool has one cap")
+    try:
+        cap = check_logit_cap("logit_cap", caps[0])
+    except InvalidArgumentError as e:
+        raise _refuse("this logit soft cap", str(e)) from None
     dtype = _DTYPE_NAMES.get(kv.dtype)
     if dtype is None:
         raise _refuse(f"a {kv.dtype} KV cache", "the pool stores float32, bfloat16 or float16")
-    return ModelShape(kv.layer_num, first.tp_q_head_num, kv.head_num, kv.head_dim, dtype)
+    return ModelShape(kv.layer_num, first.tp_q_head_num, kv.head_num, kv.head_dim, dtype, cap)
+
+
+def _logit_cap(layer) -> float:
+    """SGLang's soft cap of a ``RadixAttention`` layer: ``logit_cap > 0`` enables it (as in its
+    triton and flashinfer backends); 0, None or a negative value mean none."""
+    cap = layer.logit_cap
+    return float(cap) if cap is not None and cap > 0 else 0.0

@@ -31,7 +31,7 @@ class KillAt:
     """A cluster whose engines SIGKILL ``pid`` just before the ``at``-th data-plane call."""
 
     def __init__(self, cluster, pid: int, at: int) -> None:
-        self.cluster, self.backend = cluster, cluster.backend
+        self.cluster, self.backend, self.logit_cap = cluster, cluster.backend, cluster.logit_cap
         self.pid, self.at, self.calls = pid, at, 0
         self.killed_at: float | None = None
 

@@ -49,7 +49,8 @@ def test_lse_base_conversion():
 @needs_gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("rows_per_req", [1, 5])
-def test_flashinfer_matches_reference(causal, rows_per_req):
+@pytest.mark.parametrize("logit_cap", [0.0, 2.0])
+def test_flashinfer_matches_reference(causal, rows_per_req, logit_cap):
     pytest.importorskip("flashinfer")
     gen = torch.Generator().manual_seed(0)
     num_slots, c, h_kv, h_q, d = 16, 16, 2, 8, 64
@@ -66,8 +67,9 @@ def test_flashinfer_matches_reference(causal, rows_per_req):
         i32(last).cuda(),
     )
     q = torch.randn((int(q_indptr[-1]), h_q, d), generator=gen).to("cuda", torch.bfloat16)
-    o, lse = fb.partial_attention(q, *args, causal=causal)
-    o_ref, lse_ref = partial_attention(q, *args, causal=causal, backend="torch")
+    kw = dict(causal=causal, logit_cap=logit_cap)
+    o, lse = partial_attention(q, *args, backend="flashinfer", **kw)
+    o_ref, lse_ref = partial_attention(q, *args, backend="torch", **kw)
     assert o.dtype == lse.dtype == torch.float32
     assert torch.isneginf(lse[:rows_per_req]).all() and o[:rows_per_req].eq(0).all()
     finite = torch.isfinite(lse_ref)

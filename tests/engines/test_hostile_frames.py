@@ -93,6 +93,8 @@ def _templates(rng: np.random.Generator, max_rows: int):
             messages.Configure(1, **{**cfg, "dtype": "int8"})))),
         ("out_of_range", "transfer", ("sealed", messages.encode(
             messages.Configure(1, **{**cfg, "backend": "evil"})))),
+        ("out_of_range", "query", ("sealed", messages.encode(
+            messages.Configure(1, **{**cfg, "logit_cap": rng.choice([np.nan, -1.0, 1e9])})))),
     ]  # fmt: skip
 
 

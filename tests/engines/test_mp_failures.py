@@ -29,7 +29,7 @@ class Sabotage:
     so the request is in flight when the peer fails."""
 
     def __init__(self, cluster, method: str, pid: int, kill: bool) -> None:
-        self.cluster, self.backend = cluster, cluster.backend
+        self.cluster, self.backend, self.logit_cap = cluster, cluster.backend, cluster.logit_cap
         self.method, self.pid, self.kill = method, pid, kill
         self.armed_at: float | None = None
         self.returned_early = False

@@ -160,7 +160,9 @@ def run_hostile(tally: Tally, case: Case, rng: random.Random) -> None:
         tally.changed.append(case.mutation)
 
 
-CORE_CASES = ("kv_indices", "q_indptr", "kv_indptr", "last_len", "sm_scale", "o", "lse", None)
+CORE_CASES = (
+    "kv_indices", "q_indptr", "kv_indptr", "last_len", "sm_scale", "logit_cap", "o", "lse", None,
+)  # fmt: skip
 
 
 def run_core(tally: Tally, name: str | None, rng: random.Random, gen: torch.Generator) -> None:
@@ -187,6 +189,9 @@ def run_core(tally: Tally, name: str | None, rng: random.Random, gen: torch.Gene
             has_pages and dict(args, last_len=torch.full_like(args["last_len"], page_len + 1))
         ),
         "sm_scale": lambda: dict(args, sm_scale=rng.choice([math.nan, math.inf, 0.0, -1.0, 1e-45])),
+        "logit_cap": lambda: dict(
+            args, logit_cap=rng.choice([math.nan, math.inf, -math.inf, -1.0, 1e-7, 1e7])
+        ),
         "o": lambda: q.dtype == torch.float32 and q.numel() > 0 and dict(args, o=q),
         "lse": lambda: (
             lse.numel() > 0 and dict(args, lse=o.view(-1)[: lse.numel()].view(lse.shape))
@@ -197,11 +202,14 @@ def run_core(tally: Tally, name: str | None, rng: random.Random, gen: torch.Gene
         return run_core(tally, name, rng, gen)
     call = {"o": o, "lse": lse, **call, "causal": kw["causal"]}
     call["sm_scale"] = call["sm_scale"] if name == "sm_scale" else scale
+    call["logit_cap"] = call["logit_cap"] if name == "logit_cap" else float(kw["logit_cap"])
     order = ("q", "q_indptr", "pool_layer", "kv_indptr", "kv_indices", "last_len", "o", "lse")
     snap = snapshot(call.values())
     tally.calls["_C"] += 1
     try:
-        _C.partial_attention(*(call[k] for k in order), call["causal"], call["sm_scale"])
+        _C.partial_attention(
+            *(call[k] for k in order), call["causal"], call["sm_scale"], call["logit_cap"]
+        )
     except ValueError as e:
         if name is None:
             tally.crashes.append(f"_C valid call rejected: {e}")

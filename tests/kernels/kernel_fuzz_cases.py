@@ -44,6 +44,11 @@ def random_scale(rng: random.Random):
     return rng.choice([None, None, rng.uniform(0.05, 1.5), 1, np.float32(0.3)])
 
 
+def random_cap(rng: random.Random):
+    """A logit soft cap: mostly none (0), else small enough to bend the scores, or large."""
+    return rng.choice([0.0, 0.0, 0, rng.uniform(0.2, 5.0), 30.0, np.float32(1.5), 1e-6, 1e6])
+
+
 def paged_case(rng: random.Random, gen: torch.Generator) -> Case:
     batch = rng.choice([0, 1, 1, 2, 3, 5])
     page_len = rng.choice([1, 2, 5, 16])
@@ -66,6 +71,7 @@ def paged_case(rng: random.Random, gen: torch.Generator) -> Case:
         last_len=i32(last),
         causal=rng.random() < 0.5,
         sm_scale=random_scale(rng),
+        logit_cap=random_cap(rng),
     )
     if rng.random() < 0.2:
         kwargs["kv_indices"] = strided(kwargs["kv_indices"])
@@ -100,6 +106,7 @@ def self_case(rng: random.Random, gen: torch.Generator) -> Case:
         torch.randn(sum(kv_lens), num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)
     )
     kwargs = dict(q=q, k=k, v=v, indptr=offsets(q_lens), sm_scale=random_scale(rng))
+    kwargs["logit_cap"] = random_cap(rng)
     kwargs["kv_indptr"] = None if same else offsets(kv_lens)
     return Case("self_attention", kwargs)
 
@@ -113,6 +120,9 @@ Mutation = Callable[[dict, random.Random], "tuple[str, dict] | None"]
 BAD_SCALES = [math.nan, math.inf, -math.inf, 0.0, -0.5, True, "0.1", torch.tensor(0.1),
               np.array(0.1), 1e-39, 1e39, complex(1, 0)]  # fmt: skip
 BAD_BOOLS = [1, 0, None, "True", torch.tensor(True), 1.0, np.int8(1)]
+# 0 means no cap; below 1e-6 or above 1e6 is out of range (tokenlake.config.LOGIT_CAP_RANGE)
+BAD_CAPS = [math.nan, math.inf, -math.inf, -1.0, -1e-9, 1e-7, 1e7, True, False, None, "30",
+            torch.tensor(30.0), np.array(30.0), complex(30, 0), np.nan]  # fmt: skip
 BAD_INT_ARRAYS = [
     lambda t: t.long(),
     lambda t: t.float(),
@@ -223,6 +233,7 @@ PAGED_MUTATIONS: list[Mutation] = [
     _poke("last_len", lambda kw: [0, -1, kw["pool_layer"].shape[2] + 1], _paged_has_pages),
     _bad_tensor("last_len", [*BAD_INT_ARRAYS, lambda t: torch.cat([t, i32([1])])]),
     _bad_value("sm_scale", BAD_SCALES),
+    _bad_value("logit_cap", BAD_CAPS),
     _bad_value("causal", BAD_BOOLS),
     _bad_value("backend", ["gpu", "CPU", 1, ["cpu"], "flashinfer"]),
 ]
@@ -268,6 +279,7 @@ SELF_MUTATIONS: list[Mutation] = [
     _given_kv_indptr(lambda t: t.long()),
     _given_kv_indptr(lambda t: torch.cat([t[:-1], t[-1:] + 1])),  # beyond the keys
     _bad_value("sm_scale", BAD_SCALES),
+    _bad_value("logit_cap", BAD_CAPS),
 ]
 
 MUTATIONS = {

@@ -5,6 +5,8 @@ Real: ``ReqToTokenPool``, ``MHATokenToKVPool``, ``RadixAttention``, ``ForwardBat
 ``ForwardMode``, ``SpeculativeAlgorithm`` and the reference ``TorchNativeAttnBackend``.
 Faked: the ``ModelRunner`` (building one needs a checkpoint, a distributed group and a GPU);
 its attributes the backend reads are checked against SGLang's source in test_sglang_api.py.
+SGLang's ``torch_native`` ignores ``RadixAttention.logit_cap``, so soft-capped layers are
+checked against monolithic attention written out here (``reference="plain"``).
 """
 
 from __future__ import annotations
@@ -71,9 +73,22 @@ class Req:
 
 class World:
     """Drives ``TokenLakeAttnBackend`` and SGLang's ``torch_native`` backend over the same
-    real pools with the same batches, layer by layer, and records the largest difference."""
+    real pools with the same batches, layer by layer, and records the largest difference from
+    the reference: ``torch_native``, or with ``reference="plain"`` monolithic attention over
+    every request's whole sequence in float64 with SGLang's soft cap (``cap * tanh(s / cap)``
+    of the scaled score ``s``, when ``logit_cap > 0``); ``native_err`` then keeps the largest
+    difference from ``torch_native``, which ignores the cap."""
 
-    def __init__(self, config: SGLangPoolConfig, seed: int = 0, **runner_kwargs) -> None:
+    def __init__(
+        self,
+        config: SGLangPoolConfig,
+        seed: int = 0,
+        reference: str = "torch_native",
+        **runner_kwargs,
+    ) -> None:
+        assert reference in ("torch_native", "plain")
+        self.plain = reference == "plain"
+        self.native_err = 0.0
         self.runner = make_runner(**runner_kwargs)
         self.allocator = None  # SGLang's slot allocator, when a test sets one
         self.tokenlake = TokenLakeAttnBackend(self.runner, config)
@@ -179,6 +194,9 @@ class World:
             out = self.tokenlake.forward(q, k, v, layer, fb)
             ref = self.reference.forward(q, k, v, layer, fb)
             assert out.shape == ref.shape == (len(ids), layer.tp_q_head_num * layer.head_dim)
+            if self.plain:
+                self.native_err = max(self.native_err, float((out - ref).abs().max()))
+                ref = self._plain(layer, reqs, new_lens, q)
             err = max(err, float((out - ref).abs().max()))
         for req, n in zip(reqs, new_lens, strict=True):
             req.num_cached += n
@@ -186,9 +204,35 @@ class World:
         self.max_err = max(self.max_err, err)
         return err
 
-    def _qkv(self, layer, token_ids, positions):
+    def _plain(self, layer, reqs: list[Req], new_lens: list[int], q: torch.Tensor):
+        """Each request's new rows over its whole sequence (K/V recomputed from the token ids
+        and positions, not read from any cache), causal, float64, soft-capped."""
+        h_q, d = layer.tp_q_head_num, layer.head_dim
+        group = h_q // layer.tp_k_head_num
+        cap = layer.logit_cap or 0.0
+        out, lo = [], 0
+        for req, n in zip(reqs, new_lens, strict=True):
+            end = req.num_cached + n
+            kv = self._kv(layer, torch.tensor(req.tokens[:end]), torch.arange(end)).double()
+            rows = q[lo : lo + n].double().view(n, h_q, d)
+            lo += n
+            o = torch.empty((n, h_q, d), dtype=torch.float64)
+            for h in range(h_q):
+                scores = rows[:, h] @ kv[:, 0, h // group].T * layer.scaling  # [n, end]
+                if cap > 0:
+                    scores = cap * torch.tanh(scores / cap)
+                future = torch.arange(end)[None, :] > req.num_cached + torch.arange(n)[:, None]
+                probs = torch.softmax(scores.masked_fill(future, -math.inf), dim=-1)
+                o[:, h] = probs @ kv[:, 1, h // group]
+            out.append(o.reshape(n, h_q * d))
+        return torch.cat(out).float()
+
+    def _kv(self, layer, token_ids, positions):
         index = (token_ids * 31 + positions * 7) % self._kv_table.shape[1]
-        kv = self._kv_table[layer.layer_id, index]
+        return self._kv_table[layer.layer_id, index]
+
+    def _qkv(self, layer, token_ids, positions):
+        kv = self._kv(layer, token_ids, positions)
         q = torch.randn(
             (len(token_ids), layer.tp_q_head_num * layer.head_dim), generator=self._gen
         ) / math.sqrt(2)

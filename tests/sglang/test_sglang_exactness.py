@@ -24,9 +24,32 @@ def world(num_instances: int, segment_len: int, **kw) -> sgl_world.World:
     "num_instances,segment_len", [(1, 1), (2, 4), (3, 7), (4, 16), (2, 64), (4, 64)]
 )
 def test_serving_session_matches_torch_native(num_instances: int, segment_len: int) -> None:
+    serving_session(world(num_instances, segment_len))
+
+
+@pytest.mark.parametrize(
+    "num_instances,segment_len,logit_cap", [(1, 1, 1.0), (2, 4, 0.5), (3, 7, 2.0), (4, 64, 1.0)]
+)
+def test_soft_capped_session_matches_plain_attention(
+    num_instances: int, segment_len: int, logit_cap: float
+) -> None:
+    """``RadixAttention.logit_cap > 0`` (Gemma-2, Grok) against monolithic soft-capped
+    attention; SGLang's torch_native, which ignores the cap, is far off."""
+    w = world(num_instances, segment_len, reference="plain", logit_cap=logit_cap)
+    assert w.tokenlake.runtime.cluster.logit_cap == logit_cap
+    serving_session(w)
+    assert w.native_err > 100 * TOL, w.native_err
+
+
+def test_plain_reference_is_torch_native_without_a_cap() -> None:
+    w = world(2, 4, reference="plain")
+    serving_session(w)
+    assert w.native_err <= TOL
+
+
+def serving_session(w: sgl_world.World) -> None:
     """Extend without and with a prefix, chunked prefill, decode and mixed batches, a radix
     hit inside another request's open segment (backfill), finish and the next turn."""
-    w = world(num_instances, segment_len)
     doc = tokens(1, 45)
     a = doc + tokens(2, 6)
     w.add("a", a + tokens(3, 8))
@@ -58,6 +81,18 @@ def test_gqa_and_custom_scaling_match() -> None:
     assert w.step({"x": 40, "y": 17}) <= TOL
     w.add("z", w.reqs["x"].tokens[:33] + tokens(12, 4), share_from="x", share=33)
     assert w.step({"x": 1, "y": 1, "z": 4}, mode=ForwardMode.MIXED) <= TOL
+
+
+def test_gqa_custom_scaling_and_soft_cap() -> None:
+    w = world(2, 8, num_q_heads=8, num_kv_heads=2, head_dim=32, scaling=0.3, num_layers=3,
+              logit_cap=0.8, reference="plain")  # fmt: skip
+    w.add("x", tokens(10, 40))
+    w.add("y", tokens(11, 17))
+    assert w.step({"x": 40, "y": 17}) <= TOL
+    w.add("z", w.reqs["x"].tokens[:33] + tokens(12, 4), share_from="x", share=33)
+    assert w.step({"x": 1, "y": 1, "z": 4}, mode=ForwardMode.MIXED) <= TOL
+    assert w.step({"x": 1, "y": 1, "z": 1}) <= TOL
+    assert w.native_err > 100 * TOL
 
 
 def test_pool_keeps_prefixes_sglang_released() -> None:

@@ -93,7 +93,8 @@ def test_bad_config_fails_at_launch(loaded, tmp_path) -> None:
 @pytest.mark.parametrize(
     "runner_kwargs,runner_attrs,feature",
     [
-        ({"logit_cap": 30.0}, {}, "logit soft-capping"),
+        ({"logit_cap": 30.0, "logit_capping_method": "sigmoid"}, {}, "logit capping method"),
+        ({"logit_cap": 1e9}, {}, "this logit soft cap"),
         ({"sliding_window_size": 128}, {}, "sliding-window attention"),
         ({"is_cross_attention": True}, {}, "cross-attention"),
         ({"v_head_dim": 8}, {}, "different K and V head dims"),
@@ -108,6 +109,18 @@ def test_unsupported_features_are_refused_by_name(runner_kwargs, runner_attrs, f
     for name, value in runner_attrs.items():
         setattr(runner, name, value)
     with pytest.raises(UnsupportedFeatureError, match=feature):
+        TokenLakeAttnBackend(runner, SGLangPoolConfig())
+
+
+def test_soft_capped_layers_are_accepted_with_one_cap() -> None:
+    backend = TokenLakeAttnBackend(sgl_world.make_runner(logit_cap=30.0), SGLangPoolConfig())
+    assert backend.shape.logit_cap == 30.0 and backend.runtime.cluster.logit_cap == 30.0
+    for no_cap in (0.0, -1.0, None):  # SGLang caps only when logit_cap > 0
+        backend = TokenLakeAttnBackend(sgl_world.make_runner(logit_cap=no_cap), SGLangPoolConfig())
+        assert backend.shape.logit_cap == 0.0
+    runner = sgl_world.make_runner(logit_cap=30.0)
+    runner.model[1].logit_cap = 50.0
+    with pytest.raises(UnsupportedFeatureError, match=r"layers of different logit caps"):
         TokenLakeAttnBackend(runner, SGLangPoolConfig())
 
 

@@ -6,7 +6,9 @@ partial output with its natural-log LSE; ``merge`` combines two partial states e
 
 Backends: ``"torch"`` (reference, any device, the test oracle), ``"cpu"`` (the C++ kernel in
 ``csrc/``), ``"flashinfer"`` (CUDA). ``backend=None`` picks ``"cpu"`` for CPU tensors and
-``"flashinfer"`` for CUDA tensors. Every call checks all of its arguments first
+``"flashinfer"`` for CUDA tensors. A logit soft cap (``logit_cap > 0``; 0 means none, as in
+SGLang and FlashInfer) replaces every scaled score ``s`` by ``logit_cap * tanh(s / logit_cap)``
+before the softmax, on every backend. Every call checks all of its arguments first
 (:mod:`tokenlake.kernels.inputs`) and raises :class:`~tokenlake.errors.InvalidArgumentError`
 naming the bad one.
 """
@@ -42,6 +44,7 @@ def partial_attention(
     causal: bool = False,
     sm_scale: float | None = None,
     backend: str | None = None,
+    logit_cap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each request's query rows over its pages of one layer's pool.
 
@@ -62,12 +65,14 @@ def partial_attention(
         sm_scale: softmax scale, a finite number in the normal float32 range; default
             ``1 / sqrt(D)``.
         backend: ``"torch"``, ``"cpu"``, ``"flashinfer"`` or ``None`` (by device).
+        logit_cap: soft cap of the scaled scores: 0 (none) or a finite number in
+            :data:`~tokenlake.config.LOGIT_CAP_RANGE`.
     Returns:
         ``o`` ``[num_rows, H_q, D]`` float32 and ``lse`` ``[num_rows, H_q]`` float32, natural log;
         rows that see no keys (an empty prefix) get ``o = 0``, ``lse = -inf``.
     """
     args = PagedAttentionInputs(
-        q, q_indptr, pool_layer, kv_indptr, kv_indices, last_len, causal, sm_scale
+        q, q_indptr, pool_layer, kv_indptr, kv_indices, last_len, causal, sm_scale, logit_cap
     )
     return _run_paged(args, _pick_backend(backend, pool_layer.device))
 
@@ -103,6 +108,7 @@ def self_attention(
     sm_scale: float | None = None,
     backend: str | None = None,
     kv_indptr: torch.Tensor | None = None,
+    logit_cap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of each request's new tokens over themselves.
 
@@ -113,10 +119,11 @@ def self_attention(
         kv_indptr: int32 ``[B + 1]`` key offsets, from 0 to ``T_kv`` (default ``indptr``, then
             ``T_kv == T_q``); request ``b``'s q rows are its last rows (bottom-right causal
             alignment).
+        logit_cap: soft cap of the scaled scores (0: none), as in :func:`partial_attention`.
     Returns:
         ``o`` ``[T_q, H_q, D]`` float32 and ``lse`` ``[T_q, H_q]`` float32 (natural log).
     """
-    args = SelfAttentionInputs(q, k, v, indptr, kv_indptr, sm_scale)
+    args = SelfAttentionInputs(q, k, v, indptr, kv_indptr, sm_scale, logit_cap)
     backend = _pick_backend(backend, q.device)
     if backend == "torch":
         return reference.self_attention(args)
@@ -141,6 +148,7 @@ def self_attention(
         torch.tensor([max(n, 1) for n in lens], **i32),
         causal=True,
         sm_scale=args.sm_scale,
+        logit_cap=args.logit_cap,
     )
     return _run_paged(paged, backend)
 
@@ -150,20 +158,9 @@ def _run_paged(args: PagedAttentionInputs, backend: str) -> tuple[torch.Tensor, 
         return reference.partial_attention(args)
     if backend == "cpu":
         return cpu.partial_attention(args)
-    if args.pool_layer.dtype == torch.float32:  # FlashInfer has no float32 attention
-        return reference.partial_attention(args)
     from tokenlake.kernels import flashinfer_backend
 
-    return flashinfer_backend.partial_attention(
-        args.q,
-        args.q_indptr,
-        args.pool_layer,
-        args.kv_indptr,
-        args.kv_indices,
-        args.last_len,
-        args.causal,
-        args.sm_scale,
-    )
+    return flashinfer_backend.partial_attention(args)
 
 
 def _pick_backend(backend: str | None, device: torch.device) -> str:

@@ -38,6 +38,7 @@ def partial_attention(args: PagedAttentionInputs) -> tuple[torch.Tensor, torch.T
         lse.numpy(),
         args.causal,
         args.sm_scale,
+        args.logit_cap,
     )
     return o, lse
 

@@ -1,15 +1,25 @@
-"""FlashInfer backend of :func:`tokenlake.kernels.partial_attention` (CUDA).
+"""FlashInfer backend of paged partial attention (CUDA): the one FlashInfer implementation.
 
-NOT RUN ON A GPU: no GPU is available to this project; written against FlashInfer's
-documented wrapper API (``BatchPrefillWithPagedKVCacheWrapper`` /
-``BatchDecodeWithPagedKVCacheWrapper``: ``plan(...)`` then ``run(q, paged_kv_cache,
-return_lse=True)``) and tested only where a GPU exists (``@pytest.mark.gpu``).
+NOT RUN ON A GPU: no GPU is available to this project. Written against FlashInfer 0.7.x
+(``BatchDecodeWithPagedKVCacheWrapper`` / ``BatchPrefillWithPagedKVCacheWrapper``: ``plan(...)``
+once, then ``run(q, paged_kv_cache, return_lse=True)``); every call made here is checked
+against the released signatures by ``tests/engines/test_flashinfer_calls.py``, the numerics
+only where a GPU exists (``@pytest.mark.gpu``).
+
+Nothing is global. A :class:`FlashInferPlanner` is caller-held state (the module, the float
+workspace, the attention shape, scale and soft cap): the engines hold one each
+(``engines/flashinfer_attention.make_planner``) and plan every bound part once
+(:class:`FlashInferPart`), then run it every layer. :func:`partial_attention`, behind
+``tokenlake.kernels.partial_attention(backend="flashinfer")``, is the one-shot form: a planner
+of its own per call, whose workspace comes from (and goes back to) torch's caching allocator.
 
 Edges handled here, so every backend returns the same thing:
 
 * FlashInfer's LSE is base 2; TokenLake's is natural log: ``lse_ln = lse_2 * ln 2``.
 * Requests without pages (empty prefix) never reach FlashInfer: their rows get ``o = 0``,
   ``lse = -inf``; so do causal rows that see no key.
+* The soft cap is FlashInfer's ``logits_soft_cap`` (same semantics: ``cap * tanh(s / cap)`` of
+  the scaled score ``s``, 0 for none); its LSE is that of the capped scores, as ours.
 * Outputs are float32 whatever the KV dtype.
 * FlashInfer has no float32 attention; float32 pools use the torch reference instead.
 """
@@ -21,8 +31,19 @@ from dataclasses import dataclass
 
 import torch
 
-_WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split-k workspace
-_wrappers: dict[tuple[torch.device, str], object] = {}
+from tokenlake.kernels import reference
+from tokenlake.kernels.inputs import PagedAttentionInputs
+
+__all__ = [
+    "FlashInferPlanner",
+    "FlashInferPart",
+    "partial_attention",
+    "nonempty_batch",
+    "to_natural_lse",
+    "WORKSPACE_BYTES",
+]
+
+WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split-k workspace
 
 
 @dataclass(frozen=True)
@@ -79,85 +100,126 @@ def to_natural_lse(lse_base2: torch.Tensor) -> torch.Tensor:
     return lse_base2.float() * math.log(2.0)
 
 
-def _wrapper(device: torch.device, kind: str):
-    key = (device, kind)
-    if key not in _wrappers:
-        import flashinfer
+class FlashInferPlanner:
+    """Caller-held FlashInfer state for one attention shape: the ``flashinfer`` module (passed
+    in, so the calls can be checked without a GPU), a float workspace on ``device`` (shared by
+    the parts it plans, which must run one at a time on one stream), ``shape`` = ``(H_q, H_kv,
+    D, page_size)``, the 16-bit ``dtype`` of q and the pool, ``sm_scale`` (default
+    ``1 / sqrt(D)``) and ``logit_cap`` (0: none), both already checked."""
 
-        workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        cls = (
-            flashinfer.BatchDecodeWithPagedKVCacheWrapper
-            if kind == "decode"
-            else flashinfer.BatchPrefillWithPagedKVCacheWrapper
+    def __init__(
+        self,
+        flashinfer,
+        device: torch.device,
+        shape: tuple[int, int, int, int],
+        dtype: torch.dtype,
+        sm_scale: float | None = None,
+        logit_cap: float = 0.0,
+        workspace_bytes: int = WORKSPACE_BYTES,
+    ) -> None:
+        self.flashinfer, self.shape, self.dtype = flashinfer, shape, dtype
+        self.sm_scale = 1.0 / math.sqrt(shape[2]) if sm_scale is None else float(sm_scale)
+        self.logit_cap = float(logit_cap)
+        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+
+    def plan(
+        self,
+        q_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        last_len: torch.Tensor,
+        causal: bool = False,
+    ) -> FlashInferPart:
+        """Plan one batch (int32 CSR as in :func:`tokenlake.kernels.partial_attention`, any
+        device): the CSR goes to the device once, here."""
+        return FlashInferPart(self, q_indptr, kv_indptr, kv_indices, last_len, causal)
+
+
+class FlashInferPart:
+    """One batch planned on FlashInfer: the decode wrapper when every request has one row
+    (bottom-right causal then sees every key, so it is causal too), the prefill wrapper
+    otherwise. :meth:`run` returns float32 ``o`` ``[num_rows, H_q, D]`` and natural-log
+    ``lse`` ``[num_rows, H_q]`` for the batch's rows of ``q``."""
+
+    def __init__(
+        self,
+        planner: FlashInferPlanner,
+        q_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        last_len: torch.Tensor,
+        causal: bool,
+    ) -> None:
+        num_q_heads, num_kv_heads, head_dim, page_size = planner.shape
+        workspace = planner.workspace
+        device = workspace.device
+        self.num_rows, self.shape = int(q_indptr[-1]), planner.shape
+        batch = nonempty_batch(
+            q_indptr.cpu(), kv_indptr.cpu(), kv_indices.cpu(), last_len.cpu(), page_size, causal
         )
-        _wrappers[key] = cls(workspace, "NHD")
-    return _wrappers[key]
-
-
-def partial_attention(
-    q: torch.Tensor,
-    q_indptr: torch.Tensor,
-    pool_layer: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    last_len: torch.Tensor,
-    causal: bool = False,
-    sm_scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`tokenlake.kernels.partial_attention` (inputs already validated): ``q``
-    ``[num_rows, H_q, D]``, ``pool_layer`` ``[num_slots, 2, C, H_kv, D]`` (NHD pages of
-    ``C`` tokens), int32 CSR ``q_indptr``/``kv_indptr``/``kv_indices``/``last_len``.
-    Returns float32 ``o`` ``[num_rows, H_q, D]`` and natural-log ``lse`` ``[num_rows, H_q]``."""
-    if pool_layer.dtype == torch.float32:
-        from tokenlake.kernels import reference
-
-        return reference.partial_attention(
-            q, q_indptr, pool_layer, kv_indptr, kv_indices, last_len, causal, sm_scale
+        self.rows = batch.rows.to(device)
+        hidden = ~batch.visible
+        self.hidden = hidden.to(device) if bool(hidden.any()) else None
+        self.wrapper = None
+        if batch.rows.numel() == 0:
+            return
+        kv = (batch.kv_indptr.to(device), batch.kv_indices.to(device), batch.last_len.to(device))
+        common = dict(
+            sm_scale=planner.sm_scale,
+            logits_soft_cap=planner.logit_cap,
+            q_data_type=planner.dtype,
+            kv_data_type=planner.dtype,
         )
-    device = q.device
-    num_rows, num_q_heads, head_dim = q.shape
-    _, _, page_size, num_kv_heads, _ = pool_layer.shape
-    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    o = torch.zeros((num_rows, num_q_heads, head_dim), dtype=torch.float32, device=device)
-    lse = torch.full((num_rows, num_q_heads), -math.inf, dtype=torch.float32, device=device)
-    batch = nonempty_batch(
-        q_indptr.cpu(), kv_indptr.cpu(), kv_indices.cpu(), last_len.cpu(), page_size, causal
-    )
-    if batch.rows.numel() == 0:
+        fi = planner.flashinfer
+        self.decode = bool((batch.q_indptr[1:] - batch.q_indptr[:-1]).eq(1).all())
+        if self.decode:
+            self.wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+            self.wrapper.plan(*kv, num_q_heads, num_kv_heads, head_dim, page_size, **common)
+        else:
+            self.wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+            self.wrapper.plan(
+                batch.q_indptr.to(device), *kv, num_q_heads, num_kv_heads, head_dim, page_size,
+                causal=causal, **common,
+            )  # fmt: skip
+
+    def run(self, q: torch.Tensor, pool_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q`` ``[num_rows, H_q, D]``, ``pool_layer`` ``[num_slots, 2, C, H_kv, D]`` (NHD pages
+        of ``C`` tokens), both of the planner's dtype and device."""
+        num_q_heads, _, head_dim, _ = self.shape
+        o = torch.zeros(
+            (self.num_rows, num_q_heads, head_dim), dtype=torch.float32, device=q.device
+        )
+        lse = torch.full(
+            (self.num_rows, num_q_heads), -math.inf, dtype=torch.float32, device=q.device
+        )
+        if self.wrapper is None:
+            return o, lse
+        q_sub = q.index_select(0, self.rows).contiguous()
+        if self.decode:
+            o_sub, lse_sub = self.wrapper.run(q_sub, pool_layer, return_lse=True)
+            lse_sub = to_natural_lse(lse_sub)
+        else:
+            o_sub, lse_sub = self.wrapper.run(q_sub, pool_layer, return_lse=True, lse_base="ln")
+        o_sub, lse_sub = o_sub.float(), lse_sub.float()
+        if self.hidden is not None:  # causal rows that see no key: exactly empty, never NaN
+            o_sub[self.hidden] = 0.0
+            lse_sub[self.hidden] = -math.inf
+        o.index_copy_(0, self.rows, o_sub)
+        lse.index_copy_(0, self.rows, lse_sub)
         return o, lse
-    rows = batch.rows.to(device)
-    q_sub = q.index_select(0, rows).contiguous()
-    kv_args = (
-        batch.kv_indptr.to(device),
-        batch.kv_indices.to(device),
-        batch.last_len.to(device),
+
+
+def partial_attention(args: PagedAttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call of :func:`tokenlake.kernels.partial_attention` on FlashInfer (shapes there),
+    planned and run at once; float32 pools go to the torch reference."""
+    if args.pool_layer.dtype == torch.float32:  # FlashInfer has no float32 attention
+        return reference.partial_attention(args)
+    import flashinfer
+
+    _, _, page_size, num_kv_heads, head_dim = args.pool_layer.shape
+    shape = (args.q.shape[1], num_kv_heads, head_dim, page_size)
+    planner = FlashInferPlanner(
+        flashinfer, args.q.device, shape, args.q.dtype, args.sm_scale, args.logit_cap
     )
-    dtypes = dict(q_data_type=q.dtype, kv_data_type=pool_layer.dtype)
-    one_row_each = bool((batch.q_indptr[1:] - batch.q_indptr[:-1]).eq(1).all())
-    if one_row_each and not causal:
-        wrapper = _wrapper(device, "decode")
-        wrapper.plan(
-            *kv_args, num_q_heads, num_kv_heads, head_dim, page_size, sm_scale=scale, **dtypes
-        )
-    else:
-        wrapper = _wrapper(device, "prefill")
-        wrapper.plan(
-            batch.q_indptr.to(device),
-            *kv_args,
-            num_q_heads,
-            num_kv_heads,
-            head_dim,
-            page_size,
-            causal=causal,
-            sm_scale=scale,
-            **dtypes,
-        )
-    o_sub, lse_sub = wrapper.run(q_sub, pool_layer, return_lse=True)
-    o_sub, lse_sub = o_sub.float(), to_natural_lse(lse_sub)
-    hidden = ~batch.visible.to(device)
-    if bool(hidden.any()):  # causal rows that see no key: exactly empty, never NaN
-        o_sub[hidden] = 0.0
-        lse_sub[hidden] = -math.inf
-    o.index_copy_(0, rows, o_sub)
-    lse.index_copy_(0, rows, lse_sub)
-    return o, lse
+    part = planner.plan(args.q_indptr, args.kv_indptr, args.kv_indices, args.last_len, args.causal)
+    return part.run(args.q, args.pool_layer)

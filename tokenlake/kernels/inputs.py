@@ -5,7 +5,8 @@ devices (``cpu`` or ``cuda``, all on one) and contiguity where a kernel needs it
 that start at 0, never decrease and cover exactly the rows and pages given; slot ids within the
 pool; ``last_len`` within the page size where a request has pages; a ``causal`` that is a bool
 (not an int or a tensor); an ``sm_scale`` that is a finite number in the normal float32 range;
-LSE values that are finite or ``-inf``. A failed check raises :class:`~tokenlake.errors.InvalidArgumentError`
+a ``logit_cap`` that is 0 (no cap) or a finite number in
+:data:`~tokenlake.config.LOGIT_CAP_RANGE`; LSE values that are finite or ``-inf``. A failed check raises :class:`~tokenlake.errors.InvalidArgumentError`
 naming the argument, its value and what was allowed. Index arrays are checked in one C++ pass
 (the checks the C++ kernel itself runs; on a host copy for CUDA tensors). The values of ``q``,
 the KV pool and ``o`` are not inspected: that would cost as much as the kernel.
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from tokenlake import _C
+from tokenlake.config import check_logit_cap
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.validate import check_bool, check_float, check_tensor
 
@@ -44,7 +46,8 @@ SCALE_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
 @dataclass(frozen=True)
 class PagedAttentionInputs:
     """The arguments of one :func:`tokenlake.kernels.partial_attention` call (shapes there),
-    checked on construction; ``sm_scale=None`` becomes ``1 / sqrt(D)``."""
+    checked on construction; ``sm_scale=None`` becomes ``1 / sqrt(D)``, ``logit_cap`` a float
+    (0: no soft cap)."""
 
     q: torch.Tensor
     q_indptr: torch.Tensor
@@ -54,9 +57,11 @@ class PagedAttentionInputs:
     last_len: torch.Tensor
     causal: bool = False
     sm_scale: float | None = None
+    logit_cap: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "causal", check_bool("causal", self.causal))
+        object.__setattr__(self, "logit_cap", check_logit_cap("logit_cap", self.logit_cap))
         pool = check_tensor(
             "pool_layer",
             self.pool_layer,
@@ -119,8 +124,8 @@ class MergeInputs:
 @dataclass(frozen=True)
 class SelfAttentionInputs:
     """The arguments of one :func:`tokenlake.kernels.self_attention` call (shapes there),
-    checked on construction; ``kv_indptr=None`` becomes ``indptr`` and ``sm_scale=None``
-    becomes ``1 / sqrt(D)``."""
+    checked on construction; ``kv_indptr=None`` becomes ``indptr``, ``sm_scale=None``
+    becomes ``1 / sqrt(D)`` and ``logit_cap`` a float (0: no soft cap)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -128,10 +133,12 @@ class SelfAttentionInputs:
     indptr: torch.Tensor
     kv_indptr: torch.Tensor | None = None
     sm_scale: float | None = None
+    logit_cap: float = 0.0
 
     def __post_init__(self) -> None:
         q, k, _ = check_dense(self.q, self.k, self.v)
         object.__setattr__(self, "sm_scale", _check_scale(self.sm_scale, q.shape[2]))
+        object.__setattr__(self, "logit_cap", check_logit_cap("logit_cap", self.logit_cap))
         batch_size = _check_indptr_shape("indptr", self.indptr, None, q.device)
         call_core(_C.check_indptr, "indptr", core_array(self.indptr), q.shape[0], "the rows of q")
         if self.kv_indptr is None:

@@ -1,7 +1,9 @@
 """Torch reference kernels: the test oracle for every other backend (any device).
 
 LSE is the natural log of the softmax normaliser, per query row and head. A request with no
-keys (empty prefix, or a causal row that sees nothing) has ``o = 0`` and ``lse = -inf``.
+keys (empty prefix, or a causal row that sees nothing) has ``o = 0`` and ``lse = -inf``. With
+a logit soft cap the scores ``s`` are ``cap * tanh(s / cap)`` before the softmax (and so in the
+LSE), which keeps partial states over disjoint keys mergeable exactly.
 The kernels take checked inputs (:mod:`tokenlake.kernels.inputs`); :func:`attend` checks its
 own.
 """
@@ -12,6 +14,7 @@ import math
 
 import torch
 
+from tokenlake.config import check_logit_cap
 from tokenlake.kernels.inputs import (
     SCALE_RANGE,
     MergeInputs,
@@ -36,7 +39,12 @@ def _gather_kv(
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    sm_scale: float,
+    logit_cap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense attention of one request in fp32.
 
@@ -45,17 +53,24 @@ def attend(
             bfloat16, one dtype and device.
         causal: bottom-right aligned mask (row ``i`` sees keys ``j <= kv_len - n + i``).
         sm_scale: finite softmax scale.
+        logit_cap: soft cap of the scaled scores (0: none), see
+            :func:`~tokenlake.config.check_logit_cap`.
     Returns:
         ``o`` ``[n, H_q, D]`` float32 and ``lse`` ``[n, H_q]`` float32 (natural log).
     """
     check_dense(q, k, v)
     causal = check_bool("causal", causal)
     sm_scale = check_float("sm_scale", sm_scale, low=SCALE_RANGE[0], high=SCALE_RANGE[1])
-    return _attend(q, k, v, causal, sm_scale)
+    return _attend(q, k, v, causal, sm_scale, check_logit_cap("logit_cap", logit_cap))
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    sm_scale: float,
+    logit_cap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n, num_q_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[0], k.shape[1]
@@ -69,6 +84,8 @@ def _attend(
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H_q, kv_len, D]
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = torch.matmul(qf, kf.transpose(1, 2)) * sm_scale  # [H_q, n, kv_len]
+    if logit_cap:
+        scores = logit_cap * torch.tanh(scores / logit_cap)
     if causal:
         rows = torch.arange(n, device=q.device).unsqueeze(1)
         cols = torch.arange(kv_len, device=q.device).unsqueeze(0)
@@ -94,7 +111,7 @@ def partial_attention(args: PagedAttentionInputs) -> tuple[torch.Tensor, torch.T
             continue
         k, v = _gather_kv(args.pool_layer, args.kv_indices[ki[b] : ki[b + 1]], lens[b])
         o[qi[b] : qi[b + 1]], lse[qi[b] : qi[b + 1]] = _attend(
-            q[qi[b] : qi[b + 1]], k, v, args.causal, args.sm_scale
+            q[qi[b] : qi[b + 1]], k, v, args.causal, args.sm_scale, args.logit_cap
         )
     return o, lse
 
@@ -132,5 +149,7 @@ def self_attention(args: SelfAttentionInputs) -> tuple[torch.Tensor, torch.Tenso
         s, e = q_bounds[b], q_bounds[b + 1]
         ks, ke = kv_bounds[b], kv_bounds[b + 1]
         if s < e:
-            o[s:e], lse[s:e] = _attend(q[s:e], k[ks:ke], v[ks:ke], True, args.sm_scale)
+            o[s:e], lse[s:e] = _attend(
+                q[s:e], k[ks:ke], v[ks:ke], True, args.sm_scale, args.logit_cap
+            )
     return o, lse
