@@ -44,7 +44,12 @@ $(VENV)/.deps-ops: $(VENV)/.deps
 	$(PY) -m pip install -q "prometheus-client>=0.17" "tqdm>=4.60"
 	touch $@
 
-$(STAMP): $(VENV)/.deps $(VENV)/.deps-model $(VENV)/.deps-flashinfer $(VENV)/.deps-ops pyproject.toml CMakeLists.txt $(CSRC)
+# Ray for the multi-node launch and tests/ray (the [cluster] extra's version)
+$(VENV)/.deps-cluster: $(VENV)/.deps
+	$(PY) -m pip install -q "ray==2.60.0"
+	touch $@
+
+$(STAMP): $(VENV)/.deps $(VENV)/.deps-model $(VENV)/.deps-flashinfer $(VENV)/.deps-ops $(VENV)/.deps-cluster pyproject.toml CMakeLists.txt $(CSRC)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 

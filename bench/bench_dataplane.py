@@ -197,15 +197,20 @@ def run_instances(n: int, args, rng: np.random.Generator, gen: torch.Generator) 
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--instances", type=int, nargs="+", default=[1, 2])
+def add_shape_arguments(p: argparse.ArgumentParser) -> None:
+    """The model shape and segment length options (shared with bench_cross_node)."""
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--q-heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--segment-len", type=int, default=256)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--instances", type=int, nargs="+", default=[1, 2])
+    add_shape_arguments(p)
     p.add_argument(
         "--prefixes", type=int, nargs="+", default=[1024, 4096], help="decode prefix lengths"
     )

@@ -76,6 +76,11 @@ BENCHES: dict[str, Command] = {
     "dataplane": Command(
         "tokenlake.bench.bench_dataplane", "engine query latency vs in-process kernel; put"
     ),
+    "cross-node": Command(
+        "tokenlake.bench.bench_cross_node",
+        "query/put across nodes (gloo) vs inside one; Ray launch time",
+        needs="cluster",
+    ),
     "scheduler": Command("tokenlake.bench.bench_scheduler", "the scheduler DP's latency"),
     "model": Command(
         "tokenlake.bench.bench_model",

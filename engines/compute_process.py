@@ -30,14 +30,15 @@ import torch
 import zmq
 
 from tokenlake import plan_wire, wire
-from tokenlake.engines import messages
+from tokenlake.engines import messages, process_group
 from tokenlake.engines.auth import AuthError, ClusterSecret, FrameAuth
 from tokenlake.engines.cluster_base import ClusterBase
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
 from tokenlake.engines.driver import Driver
 from tokenlake.engines.launcher import process_context, stop_processes
+from tokenlake.engines.process_group import GroupSpec
 from tokenlake.engines.shared_buffers import InstanceBuffers, Layout
-from tokenlake.engines.transport import LauncherId, Requester, Server, bind_random
+from tokenlake.engines.transport import LauncherId, LinkMonitor, Requester, Server, bind_random
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.plans import Chunk, Plans
 from tokenlake.wire import WireError
@@ -60,6 +61,8 @@ class ComputeSpec:
     make_program: Callable[[], Callable]
     ready_endpoint: str
     launcher: LauncherId
+    group: GroupSpec | None = None  # with compute_clients: this process is a rank
+    hosts: tuple[str, ...] | None = None  # the host of every instance (see Driver)
 
 
 class ComputeClients(ClusterBase):
@@ -73,22 +76,60 @@ class ComputeClients(ClusterBase):
 
 
 class _Worker:
-    def __init__(self, spec: ComputeSpec, ctx: zmq.Context, auth: FrameAuth) -> None:
+    def __init__(
+        self, spec: ComputeSpec, ctx: zmq.Context, auth: FrameAuth, secret: ClusterSecret
+    ) -> None:
         n = spec.layout.num_instances
-        requester = Requester(
-            ctx, spec.config.timeout_s, spec.config.poll_interval_s, lambda key: True, auth
+        self.links = LinkMonitor(ctx)  # a peer that died is failed at once, not at the timeout
+        self.requester = Requester(
+            ctx, spec.config.timeout_s, spec.config.poll_interval_s, self.links.is_alive, auth
         )
         for key, endpoint in spec.endpoints.items():
             if key[1] not in spec.lost:
-                requester.connect(key, endpoint)
-        driver = Driver(spec.config, n, requester)
+                self._connect(key, endpoint)
+        self.membership, group = None, None
+        if spec.group is not None:
+            if not spec.group.compute_clients or len(spec.instance_ids) != 1:
+                raise InvalidArgumentError("group: a compute rank drives exactly one instance")
+            rank = process_group.rank_of("compute", spec.instance_ids[0], n)
+            store = process_group.make_store(spec.group, secret)
+            self.membership = process_group.Membership(spec.group, store, rank)
+            group = self.membership.join()
+        driver = Driver(spec.config, n, self.requester, group, hosts=spec.hosts)
         driver.set_layout(spec.layout, spec.backend)
-        driver.views = {i: b.views(spec.layout) for i, b in enumerate(spec.buffers)}
+        driver.views = {
+            i: b.views(spec.layout) for i, b in enumerate(spec.buffers) if b is not None
+        }
         driver.lost = set(spec.lost)
+        self.driver = driver
         self.clients = ComputeClients(driver, n)
         self.spec = spec
         self.limits = plan_wire.PlanLimits(n, spec.layout.num_slots, spec.layout.segment_len)
         self.program = spec.make_program()
+
+    def _connect(self, key, endpoint: str) -> None:
+        self.requester.disconnect(key)
+        self.requester.connect(key, endpoint)
+        self.links.watch(key, endpoint)
+
+    def regroup(self, m: messages.Regroup) -> None:
+        """Restarted instances rejoined: talk to their new engines, re-form the group."""
+        ids = plan_wire.check_array("instance_ids", m.instance_ids)
+        plan_wire.check_values("instance_ids", ids, 0, self.spec.layout.num_instances)
+        if not len(ids) == len(m.query_endpoints) == len(m.transfer_endpoints):
+            raise InvalidArgumentError("endpoints: one query and one transfer endpoint per id")
+        for i, q_ep, t_ep in zip(
+            ids.tolist(), m.query_endpoints, m.transfer_endpoints, strict=True
+        ):
+            for key, ep in ((("query", i), q_ep), (("transfer", i), t_ep)):
+                if not ep.startswith("tcp://"):
+                    raise InvalidArgumentError(f"endpoints: expected tcp://, got {ep!r}")
+                self._connect(key, ep)
+            self.driver.lost.discard(i)
+        if self.membership is not None:
+            group = self.membership.join(m.generation)
+            process_group.shutdown(self.driver.group)
+            self.driver.group = group
 
     def handle(self, m) -> bytes | None:
         if isinstance(m, messages.RunStep):
@@ -102,6 +143,11 @@ class _Worker:
         if isinstance(m, messages.Retire):
             self.clients.retire(m.epoch)
             return None
+        if isinstance(m, messages.Regroup):
+            self.regroup(m)
+            return None
+        if isinstance(m, messages.Stats):
+            return wire.packb(dict(self.clients.stats))
         if isinstance(m, messages.Stop):
             return None
         raise InvalidArgumentError(f"message: a compute process does not handle {type(m).__name__}")
@@ -110,13 +156,14 @@ class _Worker:
 def main(spec: ComputeSpec) -> None:
     """Entry point of a compute process (``multiprocessing`` spawn target)."""
     torch.set_num_threads(1)
-    auth = FrameAuth(ClusterSecret.from_file(spec.secret_path))
+    secret = ClusterSecret.from_file(spec.secret_path)
+    auth = FrameAuth(secret)
     ctx = zmq.Context()
     server = Server(ctx, spec.config.host, auth)
     ready = ctx.socket(zmq.PUSH)
     ready.setsockopt(zmq.LINGER, 1000)
     try:
-        worker = _Worker(spec, ctx, auth)
+        worker = _Worker(spec, ctx, auth, secret)
         ready.connect(spec.ready_endpoint)
         ready.send(
             auth.seal(
@@ -134,6 +181,47 @@ def main(spec: ComputeSpec) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_steps(
+    requester: Requester,
+    plans: Plans,
+    chunks: Mapping[int | str, Chunk],
+    owner: Mapping[int, int],
+    num_processes: int,
+) -> list:
+    """Run one iteration on compute processes ``("compute", k)`` of ``requester``: process
+    ``owner[i]`` runs the sub-batches whose origin is instance ``i``. Returns each process's
+    decoded result (``None`` for those without work)."""
+    parts: dict[int, list[int]] = {}
+    for s, qp in enumerate(plans.query_plans):
+        k = owner.get(qp.origin)
+        if k is None:
+            raise InvalidArgumentError(f"plans: instance {qp.origin} has no compute process")
+        parts.setdefault(k, []).append(s)
+    for group in plans.groups:
+        if len({owner.get(i) for i in group}) > 1:
+            raise InvalidArgumentError(f"plans: batch group {group} spans compute processes")
+    tickets = {}
+    for k, subs in sorted(parts.items()):
+        part = Plans(
+            plans.epoch,
+            tuple(plans.query_plans[s] for s in subs),
+            tuple(plans.transfer_plans[s] for s in subs),
+            plans.groups,
+        )
+        ids = {rid for s in subs for rid in plans.query_plans[s].request_ids}
+        encoded_plans = plan_wire.encode(part)
+        encoded = [plan_wire.encode(chunks[rid]) for rid in ids]
+        tickets[k] = requester.request(
+            ("compute", k),
+            lambda seq, p=encoded_plans, c=encoded: messages.RunStep(seq, p, c),
+        )
+    payloads = requester.wait(list(tickets.values()), f"iteration {plans.epoch}")
+    out: list = [None] * num_processes
+    for k, payload in zip(tickets, payloads, strict=True):
+        out[k] = wire.unpackb(payload, _MAX_RESULT_BYTES)
+    return out
 
 
 class ComputeProcesses:
@@ -209,35 +297,7 @@ class ComputeProcesses:
     def run(self, plans: Plans, chunks: Mapping[int | str, Chunk]) -> list:
         """Send every process its sub-batches of ``plans`` (with their chunks), wait for all,
         return each process's decoded result (processes without work return ``None``)."""
-        parts: dict[int, list[int]] = {}
-        for s, qp in enumerate(plans.query_plans):
-            k = self._owner.get(qp.origin)
-            if k is None:
-                raise InvalidArgumentError(f"plans: instance {qp.origin} has no compute process")
-            parts.setdefault(k, []).append(s)
-        for group in plans.groups:
-            if len({self._owner.get(i) for i in group}) > 1:
-                raise InvalidArgumentError(f"plans: batch group {group} spans compute processes")
-        tickets = {}
-        for k, subs in sorted(parts.items()):
-            part = Plans(
-                plans.epoch,
-                tuple(plans.query_plans[s] for s in subs),
-                tuple(plans.transfer_plans[s] for s in subs),
-                plans.groups,
-            )
-            ids = {rid for s in subs for rid in plans.query_plans[s].request_ids}
-            encoded_plans = plan_wire.encode(part)
-            encoded = [plan_wire.encode(chunks[rid]) for rid in ids]
-            tickets[k] = self._requester.request(
-                ("compute", k),
-                lambda seq, p=encoded_plans, c=encoded: messages.RunStep(seq, p, c),
-            )
-        payloads = self._requester.wait(list(tickets.values()), f"iteration {plans.epoch}")
-        out: list = [None] * len(self._procs)
-        for k, payload in zip(tickets, payloads, strict=True):
-            out[k] = wire.unpackb(payload, _MAX_RESULT_BYTES)
-        return out
+        return run_steps(self._requester, plans, chunks, self._owner, len(self._procs))
 
     def retire(self, epoch: int) -> None:
         """Tell every process the control plane committed or aborted ``epoch``."""

@@ -33,7 +33,9 @@ class Driver:
 
     ``channel`` is a :class:`~tokenlake.engines.transport.Requester` or a
     :class:`~tokenlake.engines.transport.LocalChannel`; ``views`` holds every instance whose
-    buffers this process maps (on another host: only its own are used).
+    buffers this process maps (on another host: only its own are used). ``hosts[i]`` names
+    the host (node) of instance ``i`` when instances span several (``None``: one host, or
+    one per instance with ``config.separate_hosts``).
     """
 
     def __init__(
@@ -43,11 +45,15 @@ class Driver:
         channel,
         group=None,
         events=None,
+        hosts: tuple[str, ...] | None = None,
     ) -> None:
+        if hosts is not None and len(hosts) != num_instances:
+            raise ValueError(f"hosts: expected {num_instances} entries, got {len(hosts)}")
         self.config = config
         self.num_instances = num_instances
         self.channel = channel
         self.group = group
+        self.hosts = hosts
         self.events = events  # client-side interprocess CUDA events (GPU only)
         self.layout: Layout | None = None
         self.views: dict[int, InstanceViews] = {}
@@ -68,7 +74,11 @@ class Driver:
 
     # ---- topology ------------------------------------------------------------------------
     def same_host(self, a: int, b: int) -> bool:
-        return a == b or not self.config.separate_hosts
+        if a == b:
+            return True
+        if self.config.separate_hosts:
+            return False
+        return self.hosts is None or self.hosts[a] == self.hosts[b]
 
     def rank(self, role: str, instance_id: int) -> int:
         return process_group.rank_of(role, instance_id, self.num_instances)

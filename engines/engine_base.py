@@ -45,10 +45,11 @@ class EngineBase:
 
     role = ""
 
-    def __init__(self, host: EngineHost, group=None) -> None:
+    def __init__(self, host: EngineHost, group=None, membership=None) -> None:
         self.host = host
         self.instance_id = host.instance_id
         self.group = group
+        self.membership = membership  # process_group.Membership: client ranks, re-forming
         self.layout: Layout | None = None
         self.views: dict[int, InstanceViews] = {}
         self.backend: str | None = None
@@ -64,6 +65,7 @@ class EngineBase:
         self.handlers: dict[type, Callable[[object], bytes | None]] = {
             messages.Configure: self.configure,
             messages.Stats: lambda m: wire.packb(dict(self.stats)),
+            messages.Regroup: self.regroup,
             messages.Stop: lambda m: None,
         }
 
@@ -102,16 +104,38 @@ class EngineBase:
             model, self.host.num_instances, m.num_slots, m.segment_len, m.max_q_rows, m.max_kv_rows
         )
         views = {i: b.views(layout) for i, b in self.host.buffers.items()}  # checks the fit
+        self._make_staging(layout)
+        self.views, self.layout = views, layout
+        self.backend = m.backend or None
+        self.planner = make_planner(layout, self.backend, self.device)
+        self.bindings.clear()
+
+    def _make_staging(self, layout: Layout) -> None:
         if self.group is not None:
             if hasattr(self.staging, "close"):
                 self.staging.close()
             self.staging = process_group.make_staging(
                 self.group, self.host.group_backend, _staging_bytes(layout), self.device
             )
-        self.views, self.layout = views, layout
-        self.backend = m.backend or None
-        self.planner = make_planner(layout, self.backend, self.device)
-        self.bindings.clear()
+
+    def regroup(self, m: messages.Regroup) -> None:
+        """Re-form the point-to-point group under generation ``m.generation`` with restarted
+        peers (every live process of the cluster is told at once); no-op without a group."""
+        check_id("generation", m.generation, 1 << 40)
+        if self.membership is None:
+            return
+        group = self.membership.join(m.generation)
+        process_group.shutdown(self.group)
+        self.group = group
+        if self.layout is not None:
+            self._make_staging(self.layout)
+
+    def client_rank(self, origin: int) -> int:
+        """The rank a cross-host ``origin``'s queries and puts come from."""
+        check_id("origin", origin, self.host.num_instances)
+        if self.membership is None:
+            return process_group.DRIVER_RANK
+        return self.membership.client_rank(origin)
 
     # ---- checks of message fields against this engine's geometry --------------------------
     def peer_views(self, origin: int) -> InstanceViews:

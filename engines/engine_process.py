@@ -67,11 +67,13 @@ def main(spec: EngineSpec) -> None:
                 spec.ready_endpoint.encode(),
             )
         )
+        membership = None
         if spec.group is not None:
             rank = process_group.rank_of(spec.role, instance_id, spec.host.num_instances)
             store = process_group.make_store(spec.group, secret)
-            group = process_group.connect(spec.group, store, rank)
-        engine = engine_cls(spec.host, group)
+            membership = process_group.Membership(spec.group, store, rank)
+            group = membership.join()
+        engine = engine_cls(spec.host, group, membership)
         server.serve(engine.handle, spec.launcher, engine.stats)
     finally:
         process_group.shutdown(group)

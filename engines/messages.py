@@ -185,9 +185,22 @@ class Retire:
     epoch: int
 
 
+@dataclass(frozen=True)
+class Regroup:
+    """Restarted processes of ``instance_ids`` rejoined, their engines serving at
+    ``query_endpoints[k]`` / ``transfer_endpoints[k]``: compute processes reconnect to them,
+    and every process re-forms the point-to-point group (if any) under ``generation``."""
+
+    seq: int
+    generation: int
+    instance_ids: np.ndarray
+    query_endpoints: tuple[str, ...]
+    transfer_endpoints: tuple[str, ...]
+
+
 MESSAGES = (
     Ready, Reply, Configure, BindQuery, RunQuery, BindPut, Put, CopyLocal, CopyRemote, Stats,
-    Stop, RunStep, Retire,
+    Stop, RunStep, Retire, Regroup,
 )  # fmt: skip
 CODEC = Codec("message", VERSION, MESSAGES, max_bytes=MAX_FRAME_BYTES)
 

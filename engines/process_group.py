@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -23,21 +23,37 @@ DRIVER_RANK = 0
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """Where the group's TCP store listens and how big the group is."""
+    """Where the group's store listens and how big the group is.
+
+    ``compute_clients``: every instance's engine client lives in a compute process of its
+    own (rank ``1 + 2N + i``, e.g. on the instance's node) instead of all in the driver
+    (rank 0). ``generation``: the group is re-formed under a new generation when restarted
+    processes rejoin (a process group cannot admit new ranks).
+    """
 
     backend: str  # "gloo" or "nccl"
     host: str
     store_endpoint: str  # the launcher's authenticated store (engines/auth_store.py)
     num_instances: int
     timeout_s: float
+    compute_clients: bool = False
+    generation: int = 0
 
     @property
     def world_size(self) -> int:
-        return 1 + 2 * self.num_instances
+        return 1 + (3 if self.compute_clients else 2) * self.num_instances
+
+    def client_rank(self, origin: int) -> int:
+        """The rank holding instance ``origin``'s engine client (the origin's side of its
+        cross-host queries and puts)."""
+        if self.compute_clients:
+            return rank_of("compute", origin, self.num_instances)
+        return DRIVER_RANK
 
 
 def rank_of(role: str, instance_id: int, num_instances: int) -> int:
-    return 1 + instance_id + (num_instances if role == "transfer" else 0)
+    offset = {"query": 0, "transfer": num_instances, "compute": 2 * num_instances}[role]
+    return 1 + offset + instance_id
 
 
 def peer_of(rank: int, num_instances: int) -> tuple[str, int]:
@@ -45,7 +61,11 @@ def peer_of(rank: int, num_instances: int) -> tuple[str, int]:
     if rank == DRIVER_RANK:
         return ("driver", -1)
     i = rank - 1
-    return ("query", i) if i < num_instances else ("transfer", i - num_instances)
+    if i < num_instances:
+        return ("query", i)
+    if i < 2 * num_instances:
+        return ("transfer", i - num_instances)
+    return ("compute", i - 2 * num_instances)
 
 
 def make_store(spec: GroupSpec, secret) -> dist.Store:
@@ -58,6 +78,8 @@ def make_store(spec: GroupSpec, secret) -> dist.Store:
 def connect(spec: GroupSpec, store: dist.Store, rank: int) -> dist.ProcessGroup:
     """Join the group (blocks until every rank joined, at most ``spec.timeout_s``)."""
     timeout = datetime.timedelta(seconds=spec.timeout_s)
+    if spec.generation:
+        store = dist.PrefixStore(f"generation{spec.generation}", store)
     if spec.backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
@@ -68,6 +90,23 @@ def connect(spec: GroupSpec, store: dist.Store, rank: int) -> dist.ProcessGroup:
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, spec.world_size, opts)
     raise ValueError(f"spec.backend: expected 'gloo' or 'nccl', got {spec.backend!r}")
+
+
+@dataclass(frozen=True)
+class Membership:
+    """A process's place in the group: what it joined with, so that it can :meth:`join`
+    again under a new generation when restarted peers rejoin."""
+
+    spec: GroupSpec
+    store: dist.Store
+    rank: int
+
+    def client_rank(self, origin: int) -> int:
+        return self.spec.client_rank(origin)
+
+    def join(self, generation: int | None = None) -> dist.ProcessGroup:
+        spec = self.spec if generation is None else replace(self.spec, generation=generation)
+        return connect(spec, self.store, self.rank)
 
 
 def shutdown(group: dist.ProcessGroup | None) -> None:

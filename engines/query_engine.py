@@ -35,8 +35,8 @@ class _QueryBinding:
 class QueryEngine(EngineBase):
     role = "query"
 
-    def __init__(self, host: EngineHost, group=None) -> None:
-        super().__init__(host, group)
+    def __init__(self, host: EngineHost, group=None, membership=None) -> None:
+        super().__init__(host, group, membership)
         self.handlers[messages.BindQuery] = self.bind
         self.handlers[messages.RunQuery] = self.run
 
@@ -88,24 +88,23 @@ class QueryEngine(EngineBase):
         model = self.layout.model
         self.staging.reset()
         q = self.staging.empty((b.num_rows, model.num_q_heads, model.head_dim), model.torch_dtype)
-        self._wait([process_group.recv(self.group, q, process_group.DRIVER_RANK, m.tag)], "q rows")
+        client = self.client_rank(m.origin)
+        self._wait([process_group.recv(self.group, q, client, m.tag)], client, "q rows")
         o, lse = b.packed.attend(q, pool_layer, self.backend)
         o, lse = o.contiguous(), lse.contiguous()
         if self.sync is not None:
             self.sync.finish()
         self._wait(
             [
-                process_group.send(self.group, o, process_group.DRIVER_RANK, m.tag + 1),
-                process_group.send(self.group, lse, process_group.DRIVER_RANK, m.tag + 2),
+                process_group.send(self.group, o, client, m.tag + 1),
+                process_group.send(self.group, lse, client, m.tag + 2),
             ],
+            client,
             "(o, lse)",
         )
         self.stats["query_bytes"] += q.numel() * q.element_size() + (o.numel() + lse.numel()) * 4
 
-    def _wait(self, works: list, what: str) -> None:
+    def _wait(self, works: list, peer: int, what: str) -> None:
         process_group.wait_works(
-            [(w, process_group.DRIVER_RANK) for w in works],
-            self.host.num_instances,
-            self.host.timeout_s,
-            what,
+            [(w, peer) for w in works], self.host.num_instances, self.host.timeout_s, what
         )

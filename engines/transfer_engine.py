@@ -28,8 +28,8 @@ class _PutBinding:
 class TransferEngine(EngineBase):
     role = "transfer"
 
-    def __init__(self, host: EngineHost, group=None) -> None:
-        super().__init__(host, group)
+    def __init__(self, host: EngineHost, group=None, membership=None) -> None:
+        super().__init__(host, group, membership)
         self.handlers[messages.BindPut] = self.bind
         self.handlers[messages.Put] = self.put
         self.handlers[messages.CopyLocal] = self.copy_local
@@ -57,8 +57,9 @@ class TransferEngine(EngineBase):
         rows = self.staging.empty(
             (b.num_rows, 2, model.num_kv_heads, model.head_dim), model.torch_dtype
         )
-        work = process_group.recv(self.group, rows, process_group.DRIVER_RANK, m.tag)
-        self._wait([(work, process_group.DRIVER_RANK)], "put rows")
+        client = self.client_rank(m.origin)
+        work = process_group.recv(self.group, rows, client, m.tag)
+        self._wait([(work, client)], "put rows")
         executor.write_runs(self.own.pool, b.runs, rows, layer)
         if self.sync is not None:
             self.sync.finish()

@@ -57,6 +57,62 @@ def bind_random(sock: zmq.Socket, host: str) -> str:
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
+class LinkMonitor:
+    """Whether peer processes are still there, from the connections to them: a process
+    that dies (killed, crashed) has its sockets closed by the kernel, which a ZeroMQ socket
+    monitor reports at once, long before any timeout (a lost host is seen by the timeout).
+
+    One silent DEALER per watched peer; a peer whose connection dropped stays down. Use
+    from one thread."""
+
+    _EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self._ctx = ctx
+        self._links: dict[PeerKey, tuple[zmq.Socket, zmq.Socket]] = {}
+        self._down: set[PeerKey] = set()
+
+    def watch(self, key: PeerKey, endpoint: str) -> None:
+        self.forget(key)
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(self._EVENTS)
+        sock.connect(endpoint)
+        self._links[key] = (sock, monitor)
+
+    def forget(self, key: PeerKey) -> None:
+        link = self._links.pop(key, None)
+        if link is not None:
+            sock, monitor = link
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+        self._down.discard(key)
+
+    def is_alive(self, key: PeerKey) -> bool:
+        """False once ``key``'s connection dropped (unwatched keys are alive)."""
+        self.poll()
+        return key not in self._down
+
+    def poll(self) -> set[PeerKey]:
+        """Read pending events; returns every peer seen down so far."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        for key, (_, monitor) in self._links.items():
+            while key not in self._down:
+                try:
+                    event = recv_monitor_message(monitor, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._down.add(key)
+        return set(self._down)
+
+    def close(self) -> None:
+        for key in list(self._links):
+            self.forget(key)
+
+
 class Requester:
     """The caller's sockets to every engine: one DEALER per engine, replies matched by ``seq``.
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,9 +43,11 @@ class Served:
     config: ServeConfig
 
 
-def build(config: ServeConfig) -> Served:
+def build(config: ServeConfig, engine_factory: Callable | None = None) -> Served:
     """Load, compose and start everything ``config`` describes (the caller closes
-    ``served.runtime``)."""
+    ``served.runtime``). ``engine_factory(model, pool, closers)`` replaces the engine over a
+    local data plane (the Ray launch runs compute in the instances' own processes); what it
+    appends to ``closers`` runs when the runtime closes."""
     closers = []
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
@@ -58,10 +61,15 @@ def build(config: ServeConfig) -> Served:
         )  # fmt: skip
         max_len = _max_model_len(config, model, pool_config)
         pool = tl.Pool(pool_config)
-        cluster = _cluster(config, pool, closers)
-        engine = ModelEngine(model, cluster)
+        if engine_factory is None:
+            engine = ModelEngine(model, _cluster(config, pool, closers))
+        else:
+            engine = engine_factory(model, pool, closers)
         sched_config = SchedulerConfig(
-            config.num_instances, config.segment_len, chunk_len=config.chunk_len
+            config.num_instances,
+            config.segment_len,
+            mode=config.scheduler_mode,
+            chunk_len=config.chunk_len,
         )
         latency = _latency_model(config, model)
         scheduler = ElasticScheduler(sched_config, latency, pool)

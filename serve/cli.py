@@ -22,12 +22,13 @@ from tokenlake.serve.config import DATA_PLANES, ServeConfig
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     d = ServeConfig()
     p = argparse.ArgumentParser(
         prog="python -m tokenlake.serve",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=add_help,
     )
     m = p.add_argument_group("model")
     m.add_argument(

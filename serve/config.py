@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from tokenlake.errors import InvalidArgumentError
 
 DATA_PLANES = ("local", "mp")
+SCHEDULER_MODES = ("elastic", "colocated")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class ServeConfig:
         host, port: where the HTTP API listens (loopback by default).
         seed: seed of ``tiny-random`` and of unseeded sampling.
         profile: measure the scheduler's latency model on the model at start-up.
+        scheduler_mode: ``"elastic"`` (prefill batches of DoP 1..N) or ``"colocated"`` (DoP
+            1; the Ray launch's, where each instance's compute runs in its own process).
     """
 
     model: str = "tiny-random"
@@ -46,6 +49,7 @@ class ServeConfig:
     seed: int = 0
     profile: bool = True
     torch_threads: int = 0
+    scheduler_mode: str = "elastic"
 
     def __post_init__(self) -> None:
         for name in ("num_instances", "segment_len", "num_slots", "chunk_len", "max_num_seqs"):
@@ -68,6 +72,10 @@ class ServeConfig:
             raise InvalidArgumentError(
                 f"chunk_len: expected a multiple of segment_len={self.segment_len}, "
                 f"got {self.chunk_len}"
+            )
+        if self.scheduler_mode not in SCHEDULER_MODES:
+            raise InvalidArgumentError(
+                f"scheduler_mode: expected one of {SCHEDULER_MODES}, got {self.scheduler_mode!r}"
             )
         if self.data_plane not in DATA_PLANES:
             raise InvalidArgumentError(

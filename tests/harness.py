@@ -81,6 +81,25 @@ class Harness:
         return failed
 
 
+def program_error(model: SyntheticModel, results: list, chunks: dict) -> float:
+    """Largest |difference| of compute processes' ``SyntheticProgram`` results (one list per
+    process, ``None`` without work) from monolithic attention; checks every new row of every
+    layer came back exactly once."""
+    import torch
+
+    err, rows = 0.0, {}
+    for result in results:
+        for rid, first, end, layer, o, lse in result or []:
+            ref_o, ref_lse = model.reference(chunks[rid].token_ids, first, end, layer)
+            o = torch.from_numpy(o.copy()).view(ref_o.shape)
+            lse = torch.from_numpy(lse.copy()).view(ref_lse.shape)
+            err = max(err, float((o - ref_o).abs().max()), float((lse - ref_lse).abs().max()))
+            rows[rid] = rows.get(rid, 0) + end - first
+    for rid, chunk in chunks.items():
+        assert rows[rid] == chunk.num_new_tokens * model.model.num_layers
+    return err
+
+
 def tokens(seed: int, n: int, vocab: int = 1000) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
 

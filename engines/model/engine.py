@@ -30,6 +30,12 @@ class ModelEngine:
         logits = self.model.logits(state, rows)
         return {batch.request_ids[b]: logits[i] for i, b in enumerate(wanted)}
 
+    def mark_lost(self, instance_id: int) -> None:
+        """An instance died: the data plane stops using it (a local cluster has no failures)."""
+        mark = getattr(self.cluster, "mark_lost", None)
+        if mark is not None:
+            mark(instance_id)
+
     def retire(self, plans: Plans) -> None:
         """The control plane committed or aborted ``plans``: the data plane may drop them."""
         retire = getattr(self.cluster, "retire", None)

@@ -10,9 +10,8 @@ from functools import partial
 
 import numpy as np
 import pytest
-import torch
 from conftest import SHAPE, child_pids
-from harness import tokens
+from harness import program_error, tokens
 
 import tokenlake as tl
 from tokenlake.engines.compute_process import ComputeProcesses
@@ -43,17 +42,7 @@ def _step(pool, compute, batches, dops=None) -> float:
     pool.commit(plans)
     compute.retire(plans.epoch)
     model = SyntheticModel(SHAPE, seed=1)  # the reference, in the scheduler process
-    err, rows = 0.0, {}
-    for result in results:
-        for rid, first, end, layer, o, lse in result or []:
-            ref_o, ref_lse = model.reference(chunks[rid].token_ids, first, end, layer)
-            o = torch.from_numpy(o.copy()).view(ref_o.shape)
-            lse = torch.from_numpy(lse.copy()).view(ref_lse.shape)
-            err = max(err, float((o - ref_o).abs().max()), float((lse - ref_lse).abs().max()))
-            rows[rid] = rows.get(rid, 0) + end - first
-    for rid, chunk in chunks.items():
-        assert rows[rid] == chunk.num_new_tokens * SHAPE.num_layers
-    return err
+    return program_error(model, results, chunks)
 
 
 def test_compute_processes_are_exact(setup):

@@ -27,6 +27,8 @@ def _sample(cls) -> object:
             values.append(np.array([3, -1, 7], dtype=np.int32))
         elif kind == "bytes":
             values.append(b"\x00x")
+        elif kind.startswith("tuple[str"):
+            values.append(("a", "bc"))
         elif kind.startswith("tuple"):
             values.append((b"a", b"bc"))
         elif kind == "str":
