@@ -272,6 +272,22 @@ def test_cli_detached_launch_serves_and_stops_by_name(ray_cluster, reference):
     assert again.returncode == 2 and "no running launch 'tlcli'" in again.stderr
 
 
+def test_lost_node_is_detected_and_serving_goes_on(ray_cluster, served, reference):
+    """node2 (instance 2's) is removed from the cluster: the instance is dropped and stays
+    lost (its placement group is pinned there), the others serve exactly."""
+    launch, url, _ = served
+    (node,) = [n for n in ray_cluster.worker_nodes if n.node_id == _node_with("node2")]
+    ray_cluster.remove_node(node)
+    _wait_until(
+        lambda: 2 in ray.get(launch.driver.status.remote(), timeout=60)["lost"],
+        30, "node2's instance marked lost",
+    )  # fmt: skip
+    prompt = list(range(150, 150 + 4 * C))
+    assert _complete(url, prompt, 8)["token_ids"] == reference(prompt, 8)
+    status = ray.get(launch.driver.status.remote(), timeout=60)
+    assert status["live"] == [0, 1] and status["serving"]
+
+
 def test_shutdown_leaves_nothing_behind(served):
     launch, _, _ = served
     status = ray.get(launch.driver.status.remote(), timeout=60)
