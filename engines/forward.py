@@ -109,11 +109,27 @@ class _SubBatch:
         self.kv_buf[layer, :, 1] = v[self.rows]
         self.engine.put(self.kv_buf, layer)
 
-    def query(self, q: torch.Tensor, layer: int, o: torch.Tensor, lse: torch.Tensor) -> None:
+    def query(self, q: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefix partial ``(o, lse)`` of this sub-batch's rows of ``q``."""
         self.q_buf.copy_(q[self.rows])
-        o_u, lse_u = self.engine.query(self.q_buf, layer)
-        o[self.rows] = o_u
-        lse[self.rows] = lse_u
+        return self.engine.query(self.q_buf, layer)
+
+    def covers(self, num_rows: int) -> bool:
+        """Whether this sub-batch's rows are exactly the iteration's ``0..num_rows-1``."""
+        return self.rows == slice(0, num_rows)
+
+
+def _prefix_partial(subs: list[_SubBatch], q: torch.Tensor, layer: int):
+    """Every row's prefix partial ``(o [T, H_q, D], lse [T, H_q])`` float32, gathered from the
+    sub-batches' queries (one sub-batch holding every row in order: its result as is)."""
+    n = q.shape[0]
+    if len(subs) == 1 and subs[0].covers(n):
+        return subs[0].query(q, layer)
+    o = q.new_zeros((n, q.shape[1], q.shape[2]), dtype=torch.float32)
+    lse = q.new_full((n, q.shape[1]), -math.inf, dtype=torch.float32)
+    for sub in subs:
+        o[sub.rows], lse[sub.rows] = sub.query(q, layer)
+    return o, lse
 
 
 def run_forward(cluster, plans: Plans, chunks: Mapping, model: LayerModel) -> tuple:
@@ -133,15 +149,11 @@ def run_forward(cluster, plans: Plans, chunks: Mapping, model: LayerModel) -> tu
     backend = cluster.backend
     indptr = torch.from_numpy(batch.indptr.astype(np.int32))
     state = model.begin(batch)
-    n = batch.num_rows
     for layer in range(model.num_layers):
         q, k, v = model.project(state, layer)
         for sub in subs:
             sub.put(k, v, layer)
-        prefix_o = q.new_zeros((n, q.shape[1], q.shape[2]), dtype=torch.float32)
-        prefix_lse = q.new_full((n, q.shape[1]), -math.inf, dtype=torch.float32)
-        for sub in subs:
-            sub.query(q, layer, prefix_o, prefix_lse)
+        prefix_o, prefix_lse = _prefix_partial(subs, q, layer)
         o, lse = attend_with_prefix(
             q, k, v, indptr, prefix_o, prefix_lse, backend=backend, logit_cap=cluster.logit_cap
         )

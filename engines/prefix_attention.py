@@ -54,30 +54,42 @@ def attend_with_prefix(
     check_tensor("q_indptr", q_indptr, shape=(None,), dtype=torch.int32, device=q.device)
     logit_cap = check_logit_cap("logit_cap", logit_cap)
     if kv_indptr is None and k.shape[0] == t_q and t_q == q_indptr.shape[0] - 1:
-        o_s, lse_s = _one_token_each(q, k, v, sm_scale, logit_cap)  # all decode steps
-    else:
-        o_s, lse_s = kernels.self_attention(
-            q, k, v, q_indptr, sm_scale=sm_scale, backend=backend, kv_indptr=kv_indptr,
-            logit_cap=logit_cap,
-        )  # fmt: skip
+        return _one_token_each(q, k, v, prefix_o, prefix_lse, sm_scale, logit_cap)
+    o_s, lse_s = kernels.self_attention(
+        q, k, v, q_indptr, sm_scale=sm_scale, backend=backend, kv_indptr=kv_indptr,
+        logit_cap=logit_cap,
+    )  # fmt: skip
     return kernels.merge(prefix_o.contiguous(), prefix_lse.contiguous(), o_s, lse_s, backend)
 
 
 def _one_token_each(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None, logit_cap: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_o: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    sm_scale: float | None,
+    logit_cap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every request has one new token: its only key is itself, so ``o = v`` exactly and
-    ``lse`` is the single (soft-capped) score."""
+    """Every request has one new token: its only key is itself, so its causal partial is
+    ``o = v`` with ``lse`` the single (soft-capped) score ``s``, merged with the prefix
+    partial in a few whole-batch tensor ops (all decode steps: otherwise per-call overhead)."""
     check_tensor("k", k, shape=(q.shape[0], None, q.shape[2]), dtype=q.dtype, device=q.device)
     check_tensor("v", v, shape=tuple(k.shape), dtype=q.dtype, device=q.device)
-    h_q, h_kv, d = q.shape[1], k.shape[1], q.shape[2]
+    t, h_q, h_kv, d = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
     if h_q % h_kv:
         raise InvalidArgumentError(f"k: expected H_kv dividing H_q={h_q}, got {h_kv}")
     group = h_q // h_kv
     scale = d**-0.5 if sm_scale is None else sm_scale
-    qf = q.float().view(q.shape[0], h_kv, group, d)
-    lse = (qf * k.float().unsqueeze(2)).sum(-1).mul_(scale).reshape(q.shape[0], h_q)
+    qf = q.float().view(t, h_kv, group, d)
+    score = (qf * k.float().unsqueeze(2)).sum(-1).mul_(scale)  # [T, H_kv, group]
     if logit_cap:
-        lse = logit_cap * torch.tanh(lse / logit_cap)
-    o = v.float().repeat_interleave(group, dim=1)
-    return o, lse
+        score = logit_cap * torch.tanh(score / logit_cap)
+    lse = torch.logaddexp(prefix_lse.reshape(t, h_kv, group), score)
+    # exp(-inf) = 0: a row without a prefix keeps exactly v
+    o = (
+        prefix_o.reshape(t, h_kv, group, d)
+        * (prefix_lse.reshape(t, h_kv, group) - lse).exp_()[..., None]
+    )
+    o.addcmul_(v.float().unsqueeze(2), (score - lse).exp_()[..., None])
+    return o.view(t, h_q, d), lse.view(t, h_q)

@@ -162,21 +162,19 @@ class LlamaModel:
         qkv = F.linear(x, w.qkv, w.qkv_bias)
         nq, nkv = c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
         t = x.shape[0]
-        q = qkv[:, :nq].view(t, c.num_q_heads, c.head_dim)
-        k = qkv[:, nq : nq + nkv].view(t, c.num_kv_heads, c.head_dim)
+        # q and k heads side by side: one rotation for both
+        qk = rope.apply(qkv[:, : nq + nkv].view(t, -1, c.head_dim), state.cos, state.sin)
         v = qkv[:, nq + nkv :].reshape(t, c.num_kv_heads, c.head_dim)
-        q = rope.apply(q, state.cos, state.sin)
-        k = rope.apply(k, state.cos, state.sin)
-        return q, k, v
+        return qk[:, : c.num_q_heads], qk[:, c.num_q_heads :], v
 
     def absorb(self, state: ForwardState, layer: int, o: torch.Tensor, lse: torch.Tensor) -> None:
         """Finish layer ``layer`` from its attention output ``o`` ``[T, H_q, D]`` float32."""
         w = self.layers[layer]
         attn = o.to(self.torch_dtype).reshape(o.shape[0], -1)
-        hidden = state.hidden + F.linear(attn, w.o, w.o_bias)
+        hidden = state.hidden.add_(F.linear(attn, w.o, w.o_bias))
         x = self._rms_norm(hidden, w.post_norm)
         gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-        state.hidden = hidden + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        hidden.add_(F.linear(F.silu(gate).mul_(up), w.down, w.down_bias))
 
     def logits(self, state: ForwardState, rows: torch.Tensor) -> torch.Tensor:
         """``[len(rows), vocab]`` float32 next-token logits of ``rows`` (int64)."""

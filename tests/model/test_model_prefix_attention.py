@@ -22,26 +22,30 @@ def case(prefix_lens, new_lens, h_q=4, h_kv=2, d=16, seed=0):
     return seqs
 
 
+@pytest.mark.parametrize("logit_cap", [0.0, 2.5])
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize(
     "prefix_lens, new_lens",
     [([0, 5, 17], [3, 1, 8]), ([4, 0, 9], [1, 1, 1]), ([0], [1]), ([30, 2], [12, 5])],
 )
-def test_equals_monolithic_attention(backend, prefix_lens, new_lens):
+def test_equals_monolithic_attention(backend, prefix_lens, new_lens, logit_cap):
+    """Ragged prefill chunks, and all-decode batches (one new token each, with and without a
+    prefix: the whole-batch merge path), soft-capped or not."""
     seqs = case(prefix_lens, new_lens)
     qs, ks, vs, pos, plse, refs = [], [], [], [], [], []
     for p, _n, q, k, v in seqs:
         qs.append(q[p:])
         ks.append(k[p:])
         vs.append(v[p:])
-        o_p, lse_p = attend(q[p:], k[:p], v[:p], causal=False, sm_scale=16**-0.5)
+        scale = dict(sm_scale=16**-0.5, logit_cap=logit_cap)
+        o_p, lse_p = attend(q[p:], k[:p], v[:p], causal=False, **scale)
         pos.append(o_p)
         plse.append(lse_p)
-        refs.append(attend(q[p:], k, v, causal=True, sm_scale=16**-0.5))
+        refs.append(attend(q[p:], k, v, causal=True, **scale))
     indptr = torch.tensor([0] + list(torch.tensor(new_lens).cumsum(0)), dtype=torch.int32)
     o, lse = attend_with_prefix(
         torch.cat(qs), torch.cat(ks), torch.cat(vs), indptr, torch.cat(pos), torch.cat(plse),
-        backend=backend,
+        backend=backend, logit_cap=logit_cap,
     )  # fmt: skip
     assert float((o - torch.cat([r[0] for r in refs])).abs().max()) <= 1e-5
     assert float((lse - torch.cat([r[1] for r in refs])).abs().max()) <= 1e-5
