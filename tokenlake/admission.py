@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
+from tokenlake.chunk_set import ChunkSet
 from tokenlake.dispatch import hungarian_dispatch
 from tokenlake.errors import InvalidArgumentError, IterationStateError
 from tokenlake.plans import Chunk
@@ -14,26 +17,29 @@ from tokenlake.validate import check_int, check_sequence, fail, is_int
 
 
 def check_batches(batches, dops, num_live: int) -> list[int]:
-    """Shape of ``batches``/``dops``; returns the dops (default 1 each)."""
+    """Shape of ``batches``/``dops``; returns the dops (default 1 each). Each chunk is checked
+    by :func:`scan_chunks`, ``dops[b]`` against batch ``b``'s rows by :func:`check_dops`."""
     check_sequence("batches", batches, min_len=1)
     for b, batch in enumerate(batches):
         check_sequence(f"batches[{b}]", batch, min_len=1)
-        for i, chunk in enumerate(batch):
-            if not isinstance(chunk, Chunk):
-                raise fail(f"batches[{b}][{i}]", "a Chunk", chunk)
     if dops is None:
-        dops = [1] * len(batches)
+        return [1] * len(batches)
     check_sequence("dops", dops, length=len(batches))
-    out = []
-    for b, (dop, batch) in enumerate(zip(dops, batches, strict=True)):
-        rows = sum(c.num_new_tokens for c in batch)
-        out.append(check_int(f"dops[{b}]", dop, low=1, high=min(rows, num_live) + 1))
+    out = [check_int(f"dops[{b}]", dop, low=1, high=num_live + 1) for b, dop in enumerate(dops)]
     if sum(out) > num_live:
         raise InvalidArgumentError(
             f"dops: expected at most {num_live} sub-batches in all (the live instances), "
             f"got {sum(out)} ({out})"
         )
     return out
+
+
+def check_dops(dops: list[int], cs: ChunkSet) -> None:
+    """A sub-batch has at least one row: ``dops[b]`` is at most batch ``b``'s new tokens."""
+    rows = np.bincount(cs.batch, weights=cs.end - cs.start, minlength=len(dops))
+    for b, dop in enumerate(dops):
+        if dop > rows[b]:
+            raise fail(f"dops[{b}]", f"an int in [1, {int(rows[b]) + 1}) (its rows)", dop)
 
 
 def check_instances(instances, batches, dops: list[int], live, busy) -> None:
@@ -78,44 +84,68 @@ def check_instances(instances, batches, dops: list[int], live, busy) -> None:
     hungarian_dispatch(np.zeros(allowed.shape), free, allowed)
 
 
-def check_not_in_flight(batches, busy_requests: dict) -> None:
-    """No request may be in two iterations in flight at once."""
+def scan_chunks(
+    batches, requests: dict, busy_requests: dict, tree: PrefixTree
+) -> tuple[ChunkSet, dict]:
+    """Check every chunk against the pool before anything changes, and sort them into a
+    :class:`ChunkSet`: in place (a running request's chunk inside its open tail), running
+    (one that fills or starts a segment) or new. Returns it and each new request's match.
+    One pass, no per-chunk calls: a decode batch of thousands of requests goes through here."""
+    cs, matches = ChunkSet(), {}
+    seg = tree.segment_len
+    entries, cols, get = cs.entries, cs.cols, requests.get
     for b, batch in enumerate(batches):
         for c in batch:
-            epoch = busy_requests.get(c.request_id)
-            if epoch is not None:
-                raise IterationStateError(
-                    f"batches[{b}]: request {c.request_id!r} is in iteration {epoch} in flight"
-                )
-
-
-def check_chunks(batches, requests: dict, tree: PrefixTree) -> dict:
-    """Per-chunk checks; returns the prefix match of every new request."""
-    seen, matches = set(), {}
-    for batch in batches:
-        for c in batch:
-            rid = c.request_id  # Chunk checked its own fields when it was built
-            if rid in seen:
-                raise InvalidArgumentError(
-                    f"batches: expected each request at most once, got {rid!r} twice"
-                )
-            seen.add(rid)
-            state = requests.get(rid)
+            if type(c) is not Chunk and not isinstance(c, Chunk):
+                raise fail(f"batches[{b}][{list(batch).index(c)}]", "a Chunk", c)
+            rid, start, end = c.request_id, c.start, c.end  # Chunk checked its own fields
+            state = get(rid)
+            pc = None
             if state is not None:
-                if c.start != state.num_tokens:
+                if start != state.num_tokens:
                     raise InvalidArgumentError(
                         f"Chunk.start: request {rid!r} has {state.num_tokens} tokens in the "
-                        f"pool, got start={c.start}"
+                        f"pool, got start={start}"
                     )
-                continue
-            m = tree.match(c.token_ids[: c.start])
-            if m.num_tokens < c.start:
-                raise InvalidArgumentError(
-                    f"Chunk.start: new request {rid!r} has only {m.num_tokens} cached tokens, "
-                    f"got start={c.start}"
-                )
-            matches[rid] = m
-    return matches
+                op = state.open
+                if op is None:
+                    pc = PlannedChunk(state, start, end, c.token_ids, False)
+                    cols += (b, start, end, -1, -1, 0)
+                else:
+                    num_open, loc = len(op.tokens), op.location
+                    if end - start + num_open >= seg:  # fills its open tail: planned
+                        pc = PlannedChunk(state, start, end, c.token_ids, False)
+                    cols += (b, start, end, loc[0], loc[1], num_open)
+            else:
+                if rid in matches:
+                    _twice(rid)
+                m = tree.match(c.token_ids[:start])
+                if m.num_tokens < start:
+                    raise InvalidArgumentError(
+                        f"Chunk.start: new request {rid!r} has only {m.num_tokens} cached "
+                        f"tokens, got start={start}"
+                    )
+                matches[rid] = m
+                cs.new.append((len(entries), c))
+                cols += (b, start, end, -1, -1, 0)
+            entries.append((rid, state, c.token_ids, pc))
+    cs.finish()
+    ids = cs.request_ids
+    if len(set(ids)) != len(ids):
+        _twice(next(r for r, n in Counter(ids).items() if n > 1))
+    if busy_requests and not busy_requests.keys().isdisjoint(ids):
+        for b, batch in enumerate(batches):
+            for c in batch:
+                if c.request_id in busy_requests:
+                    raise IterationStateError(
+                        f"batches[{b}]: request {c.request_id!r} is in iteration "
+                        f"{busy_requests[c.request_id]} in flight"
+                    )
+    return cs, matches
+
+
+def _twice(rid) -> None:
+    raise InvalidArgumentError(f"batches: expected each request at most once, got {rid!r} twice")
 
 
 def admit(chunk: Chunk, match: PrefixMatch, tree: PrefixTree) -> PlannedChunk:

@@ -4,7 +4,6 @@ from the root, and replication orders that move load off overloaded instances.""
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -151,32 +150,19 @@ class AccessStats:
 
 
 def heavy_hitters(tree: PrefixTree, k: int) -> list[Node]:
-    """The ``k`` most accessed segments, best first.
+    """The ``k`` most accessed segments in the tree, best first (ties: lower table row first).
 
-    A request that reads a segment reads its whole prefix, so counts never grow from parent
-    to child: a best-first search from the root that expands only the ``k`` best children
-    of each popped node finds the exact top ``k`` while touching ``O(k · fan-out)`` nodes.
+    One vectorized pass over the segment table's access counts (a partial sort), which beats
+    walking the tree in Python once ``k`` is in the hundreds (``k·N·ln N`` at 64 instances
+    is over 1,000).
     """
-    access = tree.table.access
-    out: list[Node] = []
-    heap: list[tuple[float, int, Node]] = []
-    tie = 0
-
-    def push_children(node: Node) -> None:
-        nonlocal tie
-        best = heapq.nlargest(k, node.children.values(), key=lambda c: access[c.idx])
-        for child in best:
-            tie += 1
-            heapq.heappush(heap, (-float(access[child.idx]), tie, child))
-
-    push_children(tree.root)
-    while heap and len(out) < k:
-        neg, _, node = heapq.heappop(heap)
-        if neg == 0.0:
-            break
-        out.append(node)
-        push_children(node)
-    return out
+    table = tree.table
+    rows = np.flatnonzero(table.in_tree & (table.access > 0))
+    if len(rows) > k:
+        top = np.argpartition(-table.access[rows], k - 1)[:k]
+        rows = rows[top]
+    rows = rows[np.lexsort((rows, -table.access[rows]))]
+    return [tree.node_at(i) for i in rows.tolist()]
 
 
 class ReplicationOrder(NamedTuple):
@@ -215,29 +201,38 @@ def plan_replications(
     if not over or stats.total_access_tokens <= 0:
         return []
     hot = heavy_hitters(tree, config.num_heavy_hitters(len(live)))
-    est = load.astype(np.float64)
+    if not hot:
+        return []
+    table = tree.table
+    idx = np.array([n.idx for n in hot], dtype=np.int64)
+    num_rep = table.num_replicas[idx]
+    rep_inst = table.rep_inst[idx]  # [k, max_replicas], -1 past num_rep
+    tokens = np.array([len(n.tokens) for n in hot], dtype=np.float64)
     total = float(load[live].sum())
-    live_set = set(live)
+    node_loads = (table.access[idx] * tokens / stats.total_access_tokens * total).tolist()
+    est = load.astype(np.float64)
+    dead = np.ones(len(est), dtype=bool)
+    dead[live] = False
     orders: list[ReplicationOrder] = []
-    planned: dict[int, set[int]] = {}  # node key -> destinations ordered this iteration
+    planned = np.zeros((len(hot), len(est)), dtype=bool)  # destinations ordered this time
     for src in over:
-        for node in hot:
+        for h in np.flatnonzero((rep_inst == src).any(axis=1)).tolist():
             if len(orders) >= budget or est[src] <= threshold:
                 break
-            holders = {r.instance_id for r in node.replicas} | planned.get(node.key, set())
-            source = next((r for r in node.replicas if r.instance_id == src), None)
-            free = list(live_set - holders)
-            if source is None or not free:
+            n = int(num_rep[h])
+            taken = dead | planned[h]
+            taken[rep_inst[h, :n]] = True
+            if taken.all():
                 continue
-            share = tree.table.access[node.idx] * len(node.tokens) / stats.total_access_tokens
-            node_load = share * total
-            n = len(node.replicas)
-            dst = min(free, key=lambda i: est[i])
+            node_load = node_loads[h]
+            dst = int(np.argmin(np.where(taken, np.inf, est)))
             gain = node_load / n - node_load / (n + 1)
             if est[dst] + node_load / (n + 1) >= est[src] - gain:
                 continue  # the copy would not lower the maximum
-            orders.append(ReplicationOrder(node, source, dst))
-            planned.setdefault(node.key, set()).add(dst)
+            r = int(np.flatnonzero(rep_inst[h, :n] == src)[0])
+            source = Location(int(src), int(table.rep_slot[idx[h], r]))
+            orders.append(ReplicationOrder(hot[h], source, dst))
+            planned[h, dst] = True
             est[src] -= gain
             est[dst] += node_load / (n + 1)
     return orders

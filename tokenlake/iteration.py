@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tokenlake.chunk_set import ChunkSet
 from tokenlake.page_gather import Gathered
 from tokenlake.plan_builder import Traffic
 from tokenlake.plans import Plans
@@ -25,22 +26,18 @@ from tokenlake.requests import PlannedChunk
 @dataclass(eq=False)
 class Iteration:
     epoch: int
-    batches: list[list[PlannedChunk]] = field(default_factory=list)
+    chunk_set: ChunkSet  # every chunk, in batch order
+    chunks: list[PlannedChunk] = field(default_factory=list)  # those not in place
     new_chunks: list[PlannedChunk] = field(default_factory=list)  # requests it admitted
     victims: list[Evicted] = field(default_factory=list)  # tentative evictions, in order
     replications: list[tuple[Node, Location, Location]] = field(default_factory=list)
-    replication_pins: list[Node] = field(default_factory=list)  # sources' paths
     read_idx: list[np.ndarray] = field(default_factory=list)  # table rows it reads
-    decided_replication: int | None = None  # committed iterations when it decided
+    decided_replication: bool = False
     plans: Plans | None = None
     traffic: Traffic | None = None
     gathered: Gathered | None = None
     instances: frozenset[int] = frozenset()  # every instance the plans touch
     gen_plans_s: float = 0.0  # how long gen_plans took (a histogram at commit)
-
-    @property
-    def chunks(self) -> list[PlannedChunk]:
-        return [pc for batch in self.batches for pc in batch]
 
     @property
     def origins(self) -> frozenset[int]:
@@ -52,8 +49,8 @@ class Iteration:
         return out + [dst for _, _, dst in self.replications]
 
     def pinned_nodes(self) -> list[Node]:
-        """Nodes pinned for this iteration alone (new requests keep theirs at commit)."""
-        out = list(self.replication_pins)
+        """Nodes pinned by the requests it admitted (kept by them at commit)."""
+        out = []
         for pc in self.new_chunks:
             out.extend(pc.state.tree_nodes)
             if pc.source is not None:

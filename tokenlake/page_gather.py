@@ -4,37 +4,15 @@ which every plan's CSR arrays are slices."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from tokenlake import _C
+from tokenlake.chunk_set import ChunkSet, Pieces
 from tokenlake.plans import read_only
-from tokenlake.requests import PlannedChunk
 from tokenlake.segment_table import SegmentTable
-
-Piece = tuple[int, int, int]  # (chunk index in batch, first row, end row) within the chunk
-
-
-def split_rows(chunks: Sequence[PlannedChunk], dop: int) -> list[list[Piece]]:
-    """Split a batch's rows into ``dop`` contiguous, near-equal sub-batches."""
-    if dop == 1:
-        return [[(ci, 0, pc.end - pc.start) for ci, pc in enumerate(chunks)]]
-    sizes = [pc.end - pc.start for pc in chunks]
-    total = sum(sizes)
-    bounds = [round(total * j / dop) for j in range(dop + 1)]
-    subs: list[list[Piece]] = []
-    for j in range(dop):
-        lo_row, hi_row, pieces, base = bounds[j], bounds[j + 1], [], 0
-        for ci, size in enumerate(sizes):
-            a, b = max(lo_row, base), min(hi_row, base + size)
-            if a < b:
-                pieces.append((ci, a - base, b - base))
-            base += size
-        subs.append(pieces)
-    return subs
 
 
 @dataclass(frozen=True)
@@ -81,36 +59,38 @@ class PageGatherer:
         self.segment_len = segment_len
         self.num_instances = num_instances
 
-    def gather(self, pieces, piece_rows, base_load: np.ndarray, seed: int) -> Gathered:
+    def gather(self, cs: ChunkSet, pieces: Pieces, base_load: np.ndarray, seed: int) -> Gathered:
         """Every prefix page of every piece, a replica chosen for each (power of two choices
         on ``base_load`` plus this iteration's own load, seeded by ``seed``)."""
         seg, table = self.segment_len, self.table
-        page_lists = [pc.state.page_idx for pc, _, _ in pieces]
-        sources, fixed = [], []  # partial last pages: a shared source node, or an open tail
-        for p, (pc, _, _) in enumerate(pieces):
+        chunk = pieces.chunk
+        states = cs.states
+        page_lists = [states[i].page_idx for i in chunk.tolist()]
+        sources = []  # a new request's partial last page: a shared source node
+        for p in np.flatnonzero(~cs.in_place[chunk]).tolist():
+            pc = cs.planned[int(chunk[p])]
             if pc.source is not None:
                 sources.append((pc.source.idx, p, pc.source_len))
-            elif pc.state.open is not None and len(pc.state.open.tokens):
-                loc = pc.state.open.location
-                fixed.append((loc.instance_id, loc.slot_id, len(pc.state.open.tokens), p))
         lens = np.fromiter(map(len, page_lists), dtype=np.int64, count=len(page_lists))
         src = np.asarray(sources, dtype=np.int64).reshape(-1, 3)
         idx = np.concatenate([*page_lists, src[:, 0]]).astype(np.int64, copy=False)
-        node_piece = np.concatenate([np.repeat(np.arange(len(pieces)), lens), src[:, 1]])
+        node_piece = np.concatenate([np.repeat(np.arange(len(chunk)), lens), src[:, 1]])
         node_tokens = np.concatenate([np.full(int(lens.sum()), float(seg)), src[:, 2]])
         inst = table.rep_inst[idx, 0].astype(np.int64)
         slot = table.rep_slot[idx, 0].astype(np.int64)
+        piece_rows = pieces.rows.astype(np.float64)
         rows = piece_rows[node_piece]
         chosen_idx, chosen_inst = self._choose_replicas(
             idx, inst, slot, node_tokens * rows, base_load, seed
         )
-        f = np.asarray(fixed, dtype=np.int64).reshape(-1, 4)
-        tokens = np.concatenate([node_tokens, f[:, 2]])
+        tail = np.flatnonzero(cs.open_len[chunk] > 0)  # the open tail a running request reads
+        tail_chunk = chunk[tail]
+        tokens = np.concatenate([node_tokens, cs.open_len[tail_chunk]])
         return Gathered(
-            inst=np.concatenate([inst, f[:, 0]]),
-            slot=np.concatenate([slot, f[:, 1]]),
+            inst=np.concatenate([inst, cs.open_inst[tail_chunk]]),
+            slot=np.concatenate([slot, cs.open_slot[tail_chunk]]),
             tokens=tokens,
-            piece_of=np.concatenate([node_piece, f[:, 3]]),
+            piece_of=np.concatenate([node_piece, tail]),
             partial=(tokens < seg).astype(np.int64),
             node_idx=idx,
             node_rows=rows,

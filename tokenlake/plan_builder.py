@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tokenlake.chunk_set import ChunkSet
 from tokenlake.dispatch import hungarian_dispatch, traffic_cost
-from tokenlake.page_gather import Gathered, PageGatherer, PageIndex, split_rows
-from tokenlake.plans import Plans, QueryPlan, TransferPlan, frozen_i32, read_only
+from tokenlake.page_gather import Gathered, PageGatherer, PageIndex
+from tokenlake.plans import Plans, QueryPlan, TransferPlan, read_only
 from tokenlake.prefix_tree import Location, Node
-from tokenlake.requests import PlannedChunk
 from tokenlake.segment_table import SegmentTable
 
 
@@ -56,7 +56,7 @@ class PlanBuilder:
     def build(
         self,
         ids: tuple[str, int],
-        batches: Sequence[Sequence[PlannedChunk]],
+        cs: ChunkSet,
         dops: Sequence[int],
         candidates: Sequence[int],
         replications: Sequence[tuple[Node, Location, Location]],
@@ -69,42 +69,33 @@ class PlanBuilder:
         on ``base_load`` (see :meth:`PageGatherer.gather`)."""
         pool_id, epoch = ids
         n_inst = self.num_instances
-        subs = [
-            (b, j, [(batch[ci], lo, hi) for ci, lo, hi in pieces])
-            for b, (batch, dop) in enumerate(zip(batches, dops, strict=True))
-            for j, pieces in enumerate(split_rows(batch, dop))
-        ]
-        piece_sub, piece_rows, pieces = [], [], []
-        for u, (_, _, sub_pieces) in enumerate(subs):
-            for piece in sub_pieces:
-                piece_sub.append(u)
-                piece_rows.append(piece[2] - piece[1])
-                pieces.append(piece)
-        piece_sub = np.asarray(piece_sub, dtype=np.int64)
-        piece_rows = np.asarray(piece_rows, dtype=np.float64)
-        acc = self.pages.gather(pieces, piece_rows, base_load, seed)
-        inst, tokens, piece_of = acc.inst, acc.tokens, acc.piece_of
-        load = np.bincount(inst, weights=tokens * piece_rows[piece_of], minlength=n_inst)
-        index = self.pages.index(acc, piece_sub)
+        pieces = cs.pieces(dops)
+        subs, num_subs = pieces.subs, len(pieces.subs)
+        piece_rows = pieces.rows.astype(np.float64)
+        acc = self.pages.gather(cs, pieces, base_load, seed)
+        load = np.bincount(
+            acc.inst, weights=acc.tokens * piece_rows[acc.piece_of], minlength=n_inst
+        )
+        index = self.pages.index(acc, pieces.sub)
         # traffic matrices for dispatch: rows to each holder once per request, tokens to homes
-        query_rows = np.zeros((len(subs), n_inst))
+        query_rows = np.zeros((num_subs, n_inst))
         np.add.at(query_rows, (index.e_sub, index.e_inst), piece_rows[index.e_piece])
-        runs, copies = self._runs(pieces, piece_sub)
-        put_tokens = np.zeros((len(subs), n_inst))
+        runs, copies = cs.runs(pieces)
+        put_tokens = np.zeros((num_subs, n_inst))
         if len(runs):
             np.add.at(put_tokens, (runs[:, 0], runs[:, 1]), runs[:, 3])
         cost = traffic_cost(query_rows, put_tokens, self.q_row_bytes, self.kv_token_bytes)
         allowed = None
         if instances is not None and any(i is not None for i in instances):
-            allowed = np.ones((len(subs), n_inst), dtype=bool)
-            for u, (b, _, _) in enumerate(subs):
+            allowed = np.ones((num_subs, n_inst), dtype=bool)
+            for u, (b, _) in enumerate(subs):
                 if instances[b] is not None:
                     allowed[u] = False
-                    allowed[u, list(instances[b])] = True
+                    allowed[u, [int(i) for i in instances[b]]] = True
         origins = hungarian_dispatch(cost, candidates, allowed)
         copies += self._replication_copies(replications, origins)
 
-        local = np.arange(len(subs))
+        local = np.arange(num_subs)
         remote_rows = float((query_rows.sum(axis=1) - query_rows[local, origins]).sum())
         remote_tokens = float((put_tokens.sum(axis=1) - put_tokens[local, origins]).sum())
         traffic = Traffic(
@@ -114,16 +105,15 @@ class PlanBuilder:
             num_replications=len(replications),
             load=load,
         )
-        first_piece = np.searchsorted(piece_sub, np.arange(len(subs) + 1))
-        rids = [pc.state.request_id for pc, _, _ in pieces]
-        starts = np.fromiter((pc.start for pc, _, _ in pieces), dtype=np.int64, count=len(pieces))
-        lows = np.fromiter((lo for _, lo, _ in pieces), dtype=np.int64, count=len(pieces))
-        heads = _PieceInfo(first_piece, rids, piece_rows.astype(np.int64), starts, starts + lows)
+        first_piece = np.searchsorted(pieces.sub, np.arange(num_subs + 1))
+        rids = [cs.request_ids[i] for i in pieces.chunk.tolist()]
+        starts = cs.start[pieces.chunk]
+        heads = _PieceInfo(first_piece, rids, pieces.rows, starts, starts + pieces.lo)
         query_plans = self._query_plans(epoch, subs, origins, heads, index)
         transfer_plans = self._transfer_plans(epoch, subs, origins, runs, copies, heads)
-        groups: list[list[int]] = [[] for _ in batches]
-        for (b, _, _), origin in zip(subs, origins, strict=True):
-            groups[b].append(int(origin))
+        groups: list[list[int]] = [[] for _ in dops]
+        for (b, _), origin in zip(subs, origins.tolist(), strict=True):
+            groups[b].append(origin)
         plans = Plans(
             epoch,
             tuple(query_plans),
@@ -132,52 +122,6 @@ class PlanBuilder:
             pool_id=pool_id,
         )
         return plans, traffic, acc
-
-    def _runs(self, pieces, piece_sub):
-        """Put runs ``[sub, dst_inst, src_row, len, slot, offset]`` and copy-on-extend orders."""
-        runs, copies = [], []
-        row_base, prev_sub = 0, -1
-        for p, (pc, lo, hi) in enumerate(pieces):
-            u = int(piece_sub[p])
-            if u != prev_sub:
-                row_base, prev_sub = 0, u
-            whole = lo == 0 and hi == pc.end - pc.start
-            for w in pc.writes:
-                loc = w.location
-                if whole:  # the common case: the sub-batch has every row of the chunk
-                    n_new = len(w.tokens) - w.num_before
-                    runs.append(
-                        (
-                            u,
-                            loc.instance_id,
-                            row_base + w.chunk_offset,
-                            n_new,
-                            loc.slot_id,
-                            w.num_before,
-                        )
-                    )
-                else:
-                    w_lo = w.chunk_offset
-                    a, z = max(lo, w_lo), min(hi, w_lo + w.num_new)
-                    if a < z:
-                        offset = w.num_before + a - w_lo
-                        runs.append(
-                            (u, loc.instance_id, row_base + a - lo, z - a, loc.slot_id, offset)
-                        )
-                if lo == 0 and w.copy_from is not None:
-                    src = w.copy_from
-                    copies.append(
-                        (
-                            u,
-                            src.instance_id,
-                            src.slot_id,
-                            loc.instance_id,
-                            loc.slot_id,
-                            w.num_before,
-                        )
-                    )
-            row_base += hi - lo
-        return np.asarray(runs, dtype=np.int64).reshape(-1, 6), copies
 
     def _replication_copies(self, replications, origins) -> list[tuple]:
         """Attach each replication order to the sub-batch running on its destination (else
@@ -194,19 +138,24 @@ class PlanBuilder:
     def _query_plans(
         self, epoch, subs, origins, heads: _PieceInfo, index: PageIndex
     ) -> list[QueryPlan]:
+        """Every sub-batch's query plan: slices of global arrays (read-only views) and a few
+        small offset arrays, so the per-sub-batch cost is a handful of numpy calls."""
         num = np.arange(len(subs) + 1)
-        a_bounds = np.searchsorted(index.a_sub, num)
-        e_bounds = np.searchsorted(index.e_sub, num)
-        h_bounds = np.searchsorted(index.h_sub, num)
-        fp = heads.first_piece
-        e_req = read_only((index.e_piece - fp[index.e_sub]).astype(np.int32))
+        a_bounds = np.searchsorted(index.a_sub, num).tolist()
+        e_bounds = np.searchsorted(index.e_sub, num).tolist()
+        h_bounds = np.searchsorted(index.h_sub, num).tolist()
+        fp = heads.first_piece.tolist()
+        e_req = read_only((index.e_piece - heads.first_piece[index.e_sub]).astype(np.int32))
         h_inst = read_only(index.e_inst[index.h_start].astype(np.int32))
-        h_indptr = (index.h_start - e_bounds[index.h_sub]).astype(np.int32)
-        kv_indptr = (index.e_start - a_bounds[index.e_sub]).astype(np.int32)
+        # offsets with their end sentinel: a sub-batch's indptr is a slice minus its base
+        h_ext = np.append(index.h_start, len(index.e_start)).astype(np.int32)
+        e_ext = np.append(index.e_start, len(index.slot)).astype(np.int32)
+        q_ext = np.concatenate([[0], np.cumsum(heads.rows)]).astype(np.int32)
         positions = read_only(heads.positions.astype(np.int32))
         prefix_lens = read_only(heads.starts.astype(np.int32))
+        request_ids, origins = heads.request_ids, origins.tolist()
         plans = []
-        for u, (b, j, _) in enumerate(subs):
+        for u, (b, j) in enumerate(subs):
             a_lo, a_hi = a_bounds[u], a_bounds[u + 1]
             e_lo, e_hi, h_lo, h_hi = e_bounds[u], e_bounds[u + 1], h_bounds[u], h_bounds[u + 1]
             p_lo, p_hi = fp[u], fp[u + 1]
@@ -215,17 +164,17 @@ class PlanBuilder:
                     epoch=epoch,
                     batch_index=b,
                     sub_batch_index=j,
-                    origin=int(origins[u]),
-                    request_ids=tuple(heads.request_ids[p_lo:p_hi]),
-                    q_indptr=frozen_i32(np.concatenate([[0], np.cumsum(heads.rows[p_lo:p_hi])])),
-                    positions=frozen_i32(positions[p_lo:p_hi]),
-                    prefix_lens=frozen_i32(prefix_lens[p_lo:p_hi]),
-                    holder_ids=frozen_i32(h_inst[h_lo:h_hi]),
-                    holder_indptr=frozen_i32(np.append(h_indptr[h_lo:h_hi], e_hi - e_lo)),
-                    entry_req=frozen_i32(e_req[e_lo:e_hi]),
-                    kv_indptr=frozen_i32(np.append(kv_indptr[e_lo:e_hi], a_hi - a_lo)),
-                    kv_indices=frozen_i32(index.slot[a_lo:a_hi]),
-                    last_len=frozen_i32(index.e_last[e_lo:e_hi]),
+                    origin=origins[u],
+                    request_ids=tuple(request_ids[p_lo:p_hi]),
+                    q_indptr=read_only(q_ext[p_lo : p_hi + 1] - q_ext[p_lo]),
+                    positions=positions[p_lo:p_hi],
+                    prefix_lens=prefix_lens[p_lo:p_hi],
+                    holder_ids=h_inst[h_lo:h_hi],
+                    holder_indptr=read_only(h_ext[h_lo : h_hi + 1] - e_lo),
+                    entry_req=e_req[e_lo:e_hi],
+                    kv_indptr=read_only(e_ext[e_lo : e_hi + 1] - a_lo),
+                    kv_indices=index.slot[a_lo:a_hi],
+                    last_len=index.e_last[e_lo:e_hi],
                 )
             )
         return plans
@@ -241,37 +190,40 @@ class PlanBuilder:
         new_dst[1:] = (runs[1:, 0] != runs[:-1, 0]) | (runs[1:, 1] != runs[:-1, 1])
         d_start = np.flatnonzero(new_dst)
         num = np.arange(len(subs) + 1)
-        r_bounds = np.searchsorted(runs[:, 0], num)
-        d_bounds = np.searchsorted(runs[d_start, 0], num)
-        d_indptr = (d_start - r_bounds[runs[d_start, 0]]).astype(np.int32)
+        r_bounds = np.searchsorted(runs[:, 0], num).tolist()
+        d_bounds = np.searchsorted(runs[d_start, 0], num).tolist()
+        d_ext = np.append(d_start, n).astype(np.int32)
         d_ids = read_only(runs[d_start, 1])
         c = np.asarray(copies, dtype=np.int32).reshape(-1, 6)
         c = c[np.argsort(c[:, 0], kind="stable")]
-        c_bounds = np.searchsorted(c[:, 0], num)
+        c_cols = [read_only(np.ascontiguousarray(c[:, k])) for k in range(6)]
+        c_bounds = np.searchsorted(c[:, 0], num).tolist()
+        rows = np.concatenate([[0], np.cumsum(heads.rows)]).tolist()
+        fp, request_ids, origins = heads.first_piece.tolist(), heads.request_ids, origins.tolist()
         plans = []
-        for u, (b, j, _) in enumerate(subs):
+        for u, (b, j) in enumerate(subs):
             r_lo, r_hi, d_lo, d_hi = r_bounds[u], r_bounds[u + 1], d_bounds[u], d_bounds[u + 1]
-            cu = c[c_bounds[u] : c_bounds[u + 1]]
-            p_lo, p_hi = heads.first_piece[u], heads.first_piece[u + 1]
+            c_lo, c_hi = c_bounds[u], c_bounds[u + 1]
+            p_lo, p_hi = fp[u], fp[u + 1]
             plans.append(
                 TransferPlan(
                     epoch=epoch,
                     batch_index=b,
                     sub_batch_index=j,
-                    origin=int(origins[u]),
-                    request_ids=tuple(heads.request_ids[p_lo:p_hi]),
-                    num_rows=int(heads.rows[p_lo:p_hi].sum()),
-                    dst_ids=frozen_i32(d_ids[d_lo:d_hi]),
-                    dst_indptr=frozen_i32(np.append(d_indptr[d_lo:d_hi], r_hi - r_lo)),
-                    run_src_row=frozen_i32(cols[2][r_lo:r_hi]),
-                    run_len=frozen_i32(cols[3][r_lo:r_hi]),
-                    run_dst_slot=frozen_i32(cols[4][r_lo:r_hi]),
-                    run_dst_offset=frozen_i32(cols[5][r_lo:r_hi]),
-                    copy_src_instance=frozen_i32(cu[:, 1]),
-                    copy_src_slot=frozen_i32(cu[:, 2]),
-                    copy_dst_instance=frozen_i32(cu[:, 3]),
-                    copy_dst_slot=frozen_i32(cu[:, 4]),
-                    copy_len=frozen_i32(cu[:, 5]),
+                    origin=origins[u],
+                    request_ids=tuple(request_ids[p_lo:p_hi]),
+                    num_rows=rows[p_hi] - rows[p_lo],
+                    dst_ids=d_ids[d_lo:d_hi],
+                    dst_indptr=read_only(d_ext[d_lo : d_hi + 1] - r_lo),
+                    run_src_row=cols[2][r_lo:r_hi],
+                    run_len=cols[3][r_lo:r_hi],
+                    run_dst_slot=cols[4][r_lo:r_hi],
+                    run_dst_offset=cols[5][r_lo:r_hi],
+                    copy_src_instance=c_cols[1][c_lo:c_hi],
+                    copy_src_slot=c_cols[2][c_lo:c_hi],
+                    copy_dst_instance=c_cols[3][c_lo:c_hi],
+                    copy_dst_slot=c_cols[4][c_lo:c_hi],
+                    copy_len=c_cols[5][c_lo:c_hi],
                 )
             )
         return plans

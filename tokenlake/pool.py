@@ -29,7 +29,7 @@ from tokenlake.plans import Chunk, Plans
 from tokenlake.pool_checks import check_pool_invariants
 from tokenlake.pool_view import PrefixTreeView
 from tokenlake.prefix_tree import PrefixTree
-from tokenlake.requests import PlannedChunk, RequestState
+from tokenlake.requests import RequestState
 from tokenlake.sealing import seal_chunk
 from tokenlake.segment_planner import SegmentPlanner
 from tokenlake.slots import SlotAllocator
@@ -98,7 +98,6 @@ class Pool:
         self._inflight: dict[int, Iteration] = {}  # in planning order
         self._busy_requests: dict[int | str, int] = {}  # request id -> epoch in flight
         # committed iterations when the last committed replication decision was planned
-        self._replicated_at = -self.balancer.interval
 
     # ---- reading ---------------------------------------------------------------------------
     def get_prefix_tree(self) -> PrefixTreeView:
@@ -202,18 +201,17 @@ class Pool:
         dops = admission.check_batches(batches, dops, len(live))
         busy = self.busy_instances
         admission.check_instances(instances, batches, dops, live, busy)
-        admission.check_not_in_flight(batches, self._busy_requests)
-        matches = admission.check_chunks(batches, self.requests, self.tree)
-        it = Iteration(self._epoch + 1)
+        cs, matches = admission.scan_chunks(batches, self.requests, self._busy_requests, self.tree)
+        admission.check_dops(dops, cs)
+        it = Iteration(self._epoch + 1, cs)
         try:
-            self._plan(it, batches, dops, instances, matches, busy)
+            self._plan(it, dops, instances, matches, busy)
         except BaseException:
             self._release(it, executed=False)
             raise
         self._epoch = it.epoch
         self._inflight[it.epoch] = it
-        for pc in it.chunks:
-            self._busy_requests[pc.state.request_id] = it.epoch
+        self._busy_requests.update(dict.fromkeys(cs.request_ids, it.epoch))
         it.gen_plans_s = time.perf_counter() - t0  # booked at commit, like every counter
         return it.plans
 
@@ -234,19 +232,16 @@ class Pool:
         for pc in it.chunks:
             self.stats.record_writes(pc.writes)
             seal_chunk(pc, tree, self.allocators, self.stats)
-        for node, _, dst in it.replications:  # the node is pinned: it is still in the tree
+        self.stats.num_put_tokens += it.chunk_set.commit_in_place()
+        for node, _, dst in it.replications:  # the node is read: it is still in the tree
             if any(r.instance_id == dst.instance_id for r in node.replicas):
                 self.allocators[dst.instance_id].free(dst.slot_id)  # a restored copy won
             else:
                 tree.add_replica(node, dst)
         tree.add_readers(it.all_read_idx(), -1)
-        for node in it.replication_pins:
-            tree.unpin(node)
         self.access.record_load(it.traffic.load, list(self.live_instances))
         self.stats.record_iteration(it.traffic, it.new_chunks, len(it.victims))
         self.stats.record_gen_plans(it.gen_plans_s)
-        if it.decided_replication is not None:
-            self._replicated_at = it.decided_replication
 
     def abort(self, plans: Plans, executed: bool = True) -> None:
         """Undo an iteration: free its new slots, forget its new requests, reservations,
@@ -349,22 +344,15 @@ class Pool:
         check_pool_invariants(self)
 
     # ---- internals -----------------------------------------------------------------------
-    def _plan(self, it: Iteration, batches, dops, instances, matches, busy) -> None:
-        tree, planner = self.tree, self.planner
-        for batch in batches:
-            row = []
-            for c in batch:
-                state = self.requests.get(c.request_id)
-                if state is None:
-                    pc = admission.admit(c, matches[c.request_id], tree)
-                    self.requests[c.request_id] = pc.state
-                    it.new_chunks.append(pc)
-                else:  # running: usually a decode step that stays inside its open tail
-                    pc = PlannedChunk(state, c.start, c.end, c.token_ids, False)
-                    planner.write_open_tail(pc)
-                row.append(pc)
-            it.batches.append(row)
-        rest = [pc for pc in it.chunks if not pc.writes]
+    def _plan(self, it: Iteration, dops, instances, matches, busy) -> None:
+        tree, planner, cs = self.tree, self.planner, it.chunk_set
+        for i, c in cs.new:
+            pc = admission.admit(c, matches[c.request_id], tree)
+            self.requests[c.request_id] = pc.state
+            cs.admitted(i, pc)
+            it.new_chunks.append(pc)
+        it.chunks = cs.planned_chunks
+        rest = it.chunks
         needed = sum(planner.num_new_slots(pc) for pc in rest)
         if needed > planner.free_capacity():
             raise PoolFullError(
@@ -385,7 +373,7 @@ class Pool:
             base_load += other.traffic.load
         plans, traffic, gathered = self.builder.build(
             (self.pool_id, it.epoch),
-            it.batches,
+            cs,
             dops,
             free,
             it.replications,
@@ -403,32 +391,29 @@ class Pool:
         it.read_idx.append(idx)
 
     def _reserve_replications(self, it: Iteration) -> None:
-        """Replication orders, decided every ``interval`` committed iterations with at most
-        one decision in flight; each source is pinned (with its path) and read for the
-        iteration, then a slot is reserved on its destination."""
-        committed = self.stats.num_iterations
-        due = committed - self._replicated_at >= self.balancer.interval
-        if not due or any(
-            other.decided_replication is not None for other in self._inflight.values()
+        """Replication orders, decided every ``interval`` epochs with at most one decision
+        in flight. Each source's whole path is read by the iteration (so no copy of it is
+        evicted, and readers stay closed under ancestors), then a slot is reserved on the
+        destination."""
+        if (it.epoch - 1) % self.balancer.interval or any(
+            other.decided_replication for other in self._inflight.values()
         ):
             return
-        it.decided_replication = committed
+        it.decided_replication = True
         capacity = self.config.num_slots * len(self.placement.live)
         orders = plan_replications(
             self.tree, self.access, list(self.live_instances), self.balancer, capacity
         )
-        for node, src, dst in orders:
-            path = []
-            while node is not self.tree.root:
-                path.append(node)
+        paths = []
+        for node, _, _ in orders:
+            while node is not self.tree.root and node.idx >= 0:
+                paths.append(node.idx)
                 node = node.parent
-            for n in path:
-                self.tree.pin(n)
-            it.replication_pins.extend(path)
-            self._add_readers(it, [path[0].idx])
+        self._add_readers(it, paths)
+        for node, src, dst in orders:
             loc = self.planner.reserve_replica(dst, it.victims)
             if loc is not None:
-                it.replications.append((path[0], src, loc))
+                it.replications.append((node, src, loc))
 
     def _release(self, it: Iteration, executed: bool) -> None:
         """Undo everything ``gen_plans`` reserved for ``it`` (see :meth:`abort`)."""
@@ -438,8 +423,6 @@ class Pool:
                 if w.pending is not None and w.pending.state == "reserved":
                     tree.abort(w.pending)
         tree.add_readers(it.all_read_idx(), -1)
-        for node in it.replication_pins:
-            tree.unpin(node)
         admission.release(it.new_chunks, self.requests, tree)
         restored = set()
         if not executed and it.victims:
@@ -468,8 +451,9 @@ class Pool:
                 f"plans: not the Plans object gen_plans returned for epoch {plans.epoch}"
             )
         del self._inflight[plans.epoch]
-        for pc in it.chunks:
-            del self._busy_requests[pc.state.request_id]
+        busy = self._busy_requests
+        for rid in it.chunk_set.request_ids:
+            del busy[rid]
         return it
 
     def _check_view(self, tree) -> None:

@@ -51,22 +51,22 @@ def check_pool_invariants(pool: Pool) -> None:
     seen_requests: set = set()
     seen_origins: set[int] = set()
     for it in iterations:
-        rids = {pc.state.request_id for pc in it.chunks}
+        rids = set(it.chunk_set.request_ids)
+        assert len(rids) == len(it.chunk_set), "a request twice in one iteration"
         assert not rids & seen_requests, "a request is in two iterations in flight"
         assert not it.origins & seen_origins, "two iterations in flight run on one instance"
         seen_requests |= rids
         seen_origins |= it.origins
         assert it.instances <= live, "an iteration in flight uses a dead instance"
+        for rid, state in zip(it.chunk_set.request_ids, it.chunk_set.states, strict=True):
+            assert pool.in_flight_epoch(rid) == it.epoch, "busy table drifted"
+            assert pool.requests.get(rid) is state, "in-flight request lost"
         for pc in it.chunks:
-            assert pool.in_flight_epoch(pc.state.request_id) == it.epoch, "busy table drifted"
-            assert pool.requests.get(pc.state.request_id) is pc.state, "in-flight request lost"
             if pc.source is not None:
                 expected_pins[pc.source.key] += 1
             for w in pc.writes:
                 if w.new_slot:
                     owners[w.location] += 1
-        for node in it.replication_pins:
-            expected_pins[node.key] += 1
         for _, _, dst in it.replications:
             owners[dst] += 1
         np.add.at(readers, it.all_read_idx(), 1)
@@ -78,6 +78,10 @@ def check_pool_invariants(pool: Pool) -> None:
     assert used == len(owners), f"{used - len(owners)} used slots have no owner (leak)"
     assert tree.table.num_live == tree.num_nodes + num_private, "segment table rows leaked"
     assert np.array_equal(readers, tree.table.readers), "readers differ from iterations in flight"
+    num_busy = sum(len(it.chunk_set) for it in iterations)
+    assert sum(pool.in_flight_epoch(r) is not None for r in pool.requests) == num_busy, (
+        "a request marked in flight belongs to no iteration"
+    )
     for node in tree.nodes():
         assert node.pin_count == expected_pins[node.key], (
             f"{node!r}: pin_count {node.pin_count}, expected {expected_pins[node.key]}"

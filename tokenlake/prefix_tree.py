@@ -106,6 +106,10 @@ class PrefixTree:
     def get(self, key: int) -> Node | None:
         return self._nodes.get(key)
 
+    def node_at(self, idx: int) -> Node:
+        """The node in segment-table row ``idx``."""
+        return self._by_idx[idx]
+
     def nodes(self) -> Iterator[Node]:
         return iter(self._nodes.values())
 
@@ -431,8 +435,12 @@ class PrefixTree:
                 assert child.key == self.hasher.key(node.key, child.tokens), "key mismatch"
                 assert child in node.by_first[int(child.tokens[0])], "first-token index missing"
                 assert child.replicas, "node without replicas"
-                if child.pin_count or table.readers[child.idx]:
+                if child.pin_count:
                     assert node is self.root or node.pin_count, "pins not closed under parents"
+                if table.readers[child.idx]:
+                    assert node is self.root or table.readers[node.idx] or node.pin_count, (
+                        "readers not closed under parents"
+                    )
                 insts = [r.instance_id for r in child.replicas]
                 assert len(set(insts)) == len(insts), "two replicas on one instance"
                 for loc in child.replicas:

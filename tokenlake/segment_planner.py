@@ -51,19 +51,6 @@ class SegmentPlanner:
             raise PoolFullError("batches: no free or evictable slot left in the pool")
         return evicted[1]
 
-    def write_open_tail(self, pc: PlannedChunk) -> bool:
-        """The common decode step: a running request's new tokens fit in its open tail, so
-        nothing is allocated or sealed. Adds that write and returns True, else False."""
-        open_ = pc.state.open
-        if open_ is None or pc.end - pc.start + len(open_.tokens) >= self.segment_len:
-            return False
-        num_before = len(open_.tokens)
-        tokens = pc.token_ids[pc.start - num_before : pc.end]
-        pc.writes.append(
-            SegmentWrite(open_.location, open_.parent_key, tokens, num_before, 0, False)
-        )
-        return True
-
     def plan_writes(self, pc: PlannedChunk, journal: list[Evicted]) -> None:
         """Fill ``pc.writes`` for tokens ``pc.start:pc.end``, allocating slots as needed."""
         seg, tree, state = self.segment_len, self.tree, pc.state

@@ -8,9 +8,10 @@ of walking Python objects, and an iteration registers its readers with one vecto
 **Evictable replicas.** ``num_evictable`` counts the replicas that repeated LRU eviction can
 free without touching anything in use: every replica of a row in the tree, except none of a
 row an in-flight iteration reads (``readers > 0``) and except the last copy of a pinned row.
-It is exact because pins and readers are closed under ancestors (a request pins its whole
-prefix; an iteration reads only pinned rows), so an unpinned row never has a pinned
-descendant and its whole subtree can go leaf by leaf.
+It is exact because "pinned or read" is closed under ancestors (a request pins and reads
+its whole prefix, a copy-on-extend source is pinned with its path, a replication source is
+read with its whole path), so a row neither pinned nor read never has a pinned or read
+descendant, and its whole subtree can go leaf by leaf.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tokenlake.errors import InvalidArgumentError
 
 class SegmentTable:
     """``rep_inst[idx, r]`` / ``rep_slot[idx, r]``: replica ``r`` of segment ``idx`` (``-1``
-    past ``num_replicas[idx]``); ``pins[idx]``: running requests (and iterations) pinning it;
+    past ``num_replicas[idx]``); ``pins[idx]``: running requests pinning it;
     ``readers[idx]``: in-flight iterations reading it; ``access[idx] / access_scale``: its
     decayed access count (see :class:`tokenlake.balancer.AccessStats`)."""
 
@@ -78,6 +79,7 @@ class SegmentTable:
             raise InvalidArgumentError(f"idx: segment {idx} is pinned or read")
         self.num_evictable -= int(self.evictable[idx])
         self._live[idx] = False
+        self.in_tree[idx] = False
         self.num_replicas[idx] = 0
         self.evictable[idx] = 0
         self._free.append(idx)
