@@ -54,7 +54,7 @@ $(STAMP): $(VENV)/.deps $(VENV)/.deps-model $(VENV)/.deps-flashinfer $(VENV)/.de
 	touch $@
 
 demo: $(STAMP)
-	$(PY) -m tokenlake.bench.demo $(ARGS)
+	$(VENV)/bin/tokenlake demo $(ARGS)
 
 test: $(STAMP) $(VENV)/.sglang
 	$(PY) -m ruff check .

@@ -64,9 +64,9 @@ TARGET_CASE = (8, 64)
 
 def make_items(num_prefill: int, num_decode: int, rng: np.random.Generator) -> list[WorkItem]:
     items = []
-    # the DP reads lengths only and gen_plans is not called; read-only int32 like the
-    # scheduler's token views, so Chunk takes it without a copy
-    dummy = np.zeros(1, dtype=np.int32)
+    # the DP reads lengths only and gen_plans is not called; one read-only int32 buffer long
+    # enough for every item (a Chunk checks its end against its tokens), shared without a copy
+    dummy = np.zeros(64 * SEGMENT + CHUNK + 200_001, dtype=np.int32)
     dummy.flags.writeable = False
     for i in range(num_prefill):
         prefix = int(rng.integers(0, 64)) * SEGMENT

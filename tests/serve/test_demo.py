@@ -1,4 +1,4 @@
-"""``make demo`` end to end on a small replay: server process, HTTP streaming, the
+"""``make demo`` (``tokenlake demo``) end to end on a small replay: server process, HTTP streaming, the
 transformers check."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_demo_runs_and_matches_transformers():
     out = subprocess.run(
-        [sys.executable, "-m", "tokenlake.bench.demo", "--sessions", "3", "--max-output", "4",
+        [str(Path(sys.executable).with_name("tokenlake")), "demo", "--sessions", "3", "--max-output", "4",
          "--verify", "2", "--speedup", "1000"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip

@@ -1,0 +1,281 @@
+"""Every command the README shows is run here with tiny arguments, or names the test that runs
+it, or says why it cannot run on this machine. The table below must list exactly the README's
+commands: a README edit without a matching table edit fails :func:`test_table_matches_readme`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tokenlake.bench.traces import CONVERSATION_TRACE
+
+ROOT = Path(__file__).parents[1]
+README = ROOT / "README.md"
+BIN = Path(sys.executable).parent
+
+
+@dataclass(frozen=True)
+class Tiny:
+    """Run the README command, with ``extra`` arguments appended (later options win), in a
+    scratch directory holding ``my_trace.jsonl.gz``."""
+
+    extra: str = ""
+    timeout_s: float = 300
+
+
+@dataclass(frozen=True)
+class Served:
+    """Run against ``tokenlake serve`` started with tiny arguments on a free port."""
+
+
+@dataclass(frozen=True)
+class Covered:
+    """Run by another test (``path::name``, which must exist)."""
+
+    test: str
+
+
+@dataclass(frozen=True)
+class NotHere:
+    """Cannot run on this machine; why."""
+
+    reason: str
+
+
+RAY_MACHINES = (
+    "needs machines reachable over SSH; tests/ray/test_deploy_config.py validates "
+    "deploy/ray-cluster.yaml against Ray's own schema"
+)
+# the launch detached, a completion from it, the stop: on a 3-node Ray cluster on 127.0.0.1
+RAY_CLI = "tests/ray/test_ray_launch.py::test_cli_detached_launch_serves_and_stops_by_name"
+GOODPUT_TINY = "--requests 6 --max-evals 1 --seeds 1 --prefill-tokens 2048 --wall-budget 120"
+COMMANDS = {
+    "make demo": Covered("tests/serve/test_demo.py::test_demo_runs_and_matches_transformers"),
+    "make test": NotHere("the test command itself (CI runs it)"),
+    ".venv/bin/tokenlake --help": Tiny(),
+    ".venv/bin/tokenlake trace my_trace.jsonl.gz": Tiny(),
+    ".venv/bin/tokenlake goodput --trace my_trace.jsonl.gz --time-scale 1 "
+    "--systems tokenlake,router": Tiny("--seeds 1"),
+    ".venv/bin/tokenlake goodput --trace my_trace.jsonl.gz --goodput "
+    "--out results/goodput/mine": Tiny("--systems tokenlake,router --seeds 1 --max-evals 1 "
+                                       "--prefill-tokens 2048"),
+    ".venv/bin/tokenlake serve --model tiny-random --num-instances 4": Served(),
+    "curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
+    '-d \'{"prompt": "Hello", "max_tokens": 16, "temperature": 0}\'': Served(),
+    "curl http://127.0.0.1:8000/metrics": Served(),
+    "pip install .": Covered("tests/packaging/test_wheel.py::"
+                             "test_wheel_installs_and_runs_outside_the_repository"),
+    'pip install ".[serve,model]"': Covered("tests/packaging/test_wheel.py::"
+                                            "test_wheel_installs_and_runs_outside_the_repository"),
+    'pip install ".[sglang]"': NotHere("SGLang's CUDA torch; tests/sglang use SGLang without it"),
+    "echo '{\"num_instances\": 4, \"num_slots\": 4096, \"segment_len\": 64}' > tokenlake.json":
+        Tiny(),
+    "python -m sglang.launch_server --model-path Qwen/Qwen2.5-0.5B-Instruct "
+    "--attention-backend tokenlake --tokenlake-config tokenlake.json":
+        NotHere("SGLang's server needs a GPU (../shared/notes/ecosystem.md); tests/sglang run "
+                "the backend on SGLang's own objects"),
+    'pip install "ray==2.60.0"': NotHere("a workstation's Ray for `ray up`; make test installs "
+                                         "the same version"),
+    "ray up deploy/ray-cluster.yaml": NotHere(RAY_MACHINES),
+    "ray attach deploy/ray-cluster.yaml": NotHere(RAY_MACHINES),
+    "cd ~/tokenlake && python3 -m tokenlake.serve.launch --address auto --instances 4 --nodes 2 "
+    "--model tiny-random --detach": Covered(RAY_CLI),
+    "curl http://<head>:8000/v1/completions -H 'Content-Type: application/json' "
+    '-d \'{"prompt": "Hello", "max_tokens": 16, "temperature": 0}\'': Covered(RAY_CLI),
+    "python3 -m tokenlake.serve.launch --address auto --stop": Covered(RAY_CLI),
+    "ray down deploy/ray-cluster.yaml": NotHere(RAY_MACHINES),
+    ".venv/bin/tokenlake bench attention": Tiny(
+        "--prefix-lens 512 --repeats 1 --warmup 0 --flush-mib 8 --boundary-prefix-lens 16 "
+        "--boundary-calls 10 --decode-heads 8 2 64 --prefill-heads 4 2 64"
+    ),
+    ".venv/bin/tokenlake bench plans": Tiny("--quick --skip-replay"),
+    ".venv/bin/tokenlake bench dataplane": Tiny("--quick"),
+    ".venv/bin/tokenlake bench cross-node": Tiny("--quick --no-launch --prefixes 256 --reps 2"),
+    ".venv/bin/tokenlake bench scheduler": Tiny("--quick"),
+    ".venv/bin/tokenlake bench model": Tiny("--quick"),
+    ".venv/bin/tokenlake bench real-cluster": Tiny("--quick"),
+    "S=tokenlake,router,mooncake-1p3d,mooncake-3p1d": NotHere("a shell variable for the lines below"),
+    ".venv/bin/tokenlake goodput --workload conversation --offset 1000 --requests 80 --systems "
+    "tokenlake --prefill-tokens 2048 --goodput --lo 0.25 --hi 0.5 --rel-tol 0.3 --max-evals 5 "
+    "--wall-budget 3600 --out results/goodput/conversation_tl": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload conversation --offset 1000 --requests 80 --systems "
+    "router,mooncake-1p3d,mooncake-3p1d --goodput --lo 0.25 --hi 0.5 --rel-tol 0.3 --max-evals 6 "
+    "--out results/goodput/conversation_base": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload conversation --offset 1000 --requests 80 --systems "
+    "router,mooncake-1p3d,mooncake-3p1d --rates 0.5 --prefill-tokens 2048 --seeds 1 --seed 0":
+        Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload loogle --requests 80 --systems $S --goodput --lo 1 "
+    "--hi 2 --rel-tol 0.3 --max-evals 6 --wall-budget 3600 --out results/goodput/loogle":
+        Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload sharegpt --requests 100 --systems $S --goodput --lo 2 "
+    "--hi 4 --rel-tol 0.3 --max-evals 6 --wall-budget 3600 --out results/goodput/sharegpt":
+        Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload sharegpt --requests 300 --systems $S --goodput --lo 4 "
+    "--hi 8 --rel-tol 0.3 --max-evals 6 --wall-budget 3600 --out results/goodput/sharegpt300":
+        Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake bench sim-crosscheck": Tiny(),
+}  # fmt: skip
+
+
+def readme_commands(text: str) -> list[str]:
+    """Commands of the README's ```bash blocks: comments dropped, continuations joined."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        joined = re.sub(r"\\\n\s*", "", block)
+        for line in joined.splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line and not line.startswith("#"):
+                out.append(re.sub(r"\s+", " ", line))
+    return out
+
+
+def test_table_matches_readme():
+    shown = readme_commands(README.read_text())
+    assert len(shown) == len(set(shown)), "a command is shown twice"
+    missing = [c for c in shown if c not in COMMANDS]
+    stale = [c for c in COMMANDS if c not in shown]
+    assert not missing, f"README commands without a test entry here: {missing}"
+    assert not stale, f"entries for commands the README no longer shows: {stale}"
+
+
+def test_covering_tests_exist():
+    for how in COMMANDS.values():
+        if isinstance(how, Covered):
+            path, name = how.test.split("::")
+            assert f"def {name}(" in (ROOT / path).read_text(), how.test
+
+
+def _tiny_trace(path: Path) -> None:
+    rows = []
+    for i in range(10):  # five two-turn sessions over a shared 2-block document
+        n = 1100 + 300 * (i % 2)
+        ids = [7, 8, 100 + i // 2, 200 + i][: -(-n // 512)]
+        rows.append({"timestamp": 400 * i, "input_length": n, "output_length": 6,
+                     "hash_ids": ids, "session_id": i // 2})  # fmt: skip
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def _argv(command: str, extra: str = "") -> list[str]:
+    env_s = "tokenlake,router,mooncake-1p3d,mooncake-3p1d"  # the README's $S
+    argv = shlex.split(command.replace("$S", env_s)) + shlex.split(extra)
+    if argv[0].startswith(".venv/bin/"):
+        argv[0] = str(BIN / argv[0].removeprefix(".venv/bin/"))
+    return argv
+
+
+TINY = [c for c, how in COMMANDS.items() if isinstance(how, Tiny)]
+
+
+@pytest.mark.parametrize("command", TINY, ids=[c[:60] for c in TINY])
+def test_readme_command_runs(command, tmp_path):
+    how = COMMANDS[command]
+    if "--workload conversation" in command and not CONVERSATION_TRACE.exists():
+        pytest.skip(
+            f"needs the full conversation trace {CONVERSATION_TRACE} (../shared, not in a clone)"
+        )
+    _tiny_trace(tmp_path / "my_trace.jsonl.gz")
+    if command.startswith("echo "):  # a shell line: run it in a shell
+        done = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True)
+        assert done.returncode == 0 and json.loads((tmp_path / "tokenlake.json").read_text())
+        return
+    done = subprocess.run(
+        _argv(command, how.extra), cwd=tmp_path, capture_output=True, text=True,
+        timeout=how.timeout_s,
+    )  # fmt: skip
+    assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    assert done.stdout.strip(), "printed nothing"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_readme_serving_commands(tmp_path):
+    pytest.importorskip("fastapi")
+    port = _free_port()
+    serve = next(c for c, how in COMMANDS.items() if isinstance(how, Served) and "serve" in c)
+    tiny = f"--num-slots 64 --segment-len 16 --no-profile --torch-threads 1 --port {port}"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        _argv(serve, tiny), cwd=tmp_path, env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            probe = subprocess.run(
+                ["curl", "-sf", f"http://127.0.0.1:{port}/health"], capture_output=True
+            )
+            if probe.returncode == 0:
+                break
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.5)
+        for command in (c for c, how in COMMANDS.items() if isinstance(how, Served)):
+            if not command.startswith("curl"):
+                continue
+            argv = _argv(command.replace(":8000", f":{port}"))
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+            if "completions" in command:
+                assert json.loads(done.stdout)["usage"]["completion_tokens"] == 16
+            else:
+                assert "tokenlake:pool_hit_tokens_total" in done.stdout
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_readme_metrics_example_runs():
+    """The plain-Python exporter of the README (port 0 instead of 9400), scraped."""
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    import tokenlake as tl
+    from tokenlake.engines.local_cluster import LocalCluster
+
+    code = re.search(r"```python\n(from prometheus_client.*?)```", README.read_text(), re.S)[1]
+    code = code.replace("start_http_server(9400", "server, _ = start_http_server(0")
+    shape = tl.ModelShape(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8)
+    pool = tl.Pool(tl.PoolConfig(shape, num_instances=2, num_slots=16, segment_len=4))
+    scope = {"pool": pool, "cluster": LocalCluster(pool.config)}
+    exec(compile(code, "README.md", "exec"), scope)
+    server = scope["server"]
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=30).read().decode()
+    finally:
+        server.shutdown()
+    assert "tokenlake:pool_segments 0.0" in text
+    assert "tokenlake:engine_latency_seconds" in text
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_links_resolve():
+    """Every ``(#anchor)`` names a heading and every relative link names a file."""
+    text = README.read_text()
+    anchors = {_slug(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+    broken = [a for a in re.findall(r"\]\(#([^)]+)\)", text) if a not in anchors]
+    assert not broken, f"links to no heading: {broken}; headings: {sorted(anchors)}"
+    for target in re.findall(r"\]\((?!#|https?:)([^)#]+)", text):
+        if not target.startswith("../"):  # ../shared is the team's, not in a clone
+            assert (ROOT / target).exists(), target
