@@ -115,3 +115,26 @@ def test_no_bare_print_in_library_code():
                 if line.lstrip().startswith("print("):
                     offenders.append(f"{path.relative_to(root)}:{no}")
     assert not offenders, offenders
+
+
+def test_product_code_never_imports_bench_or_cli():
+    """DESIGN §2: tokenlake/, engines/, scheduler/, serve/ never import the benchmarks
+    (``tokenlake.bench``) nor the command (``tokenlake.cli``); only the command reaches both."""
+    import ast
+
+    root = Path(__file__).parents[2]
+    offenders = []
+    for package in ("tokenlake", "engines", "scheduler", "serve"):
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module]
+                for name in names:
+                    if name.split(".")[:2] in (["tokenlake", "bench"], ["tokenlake", "cli"]):
+                        offenders.append(f"{path.relative_to(root)}: {name}")
+                    if name.split(".")[0] in ("bench", "benchmarks", "cli"):
+                        offenders.append(f"{path.relative_to(root)}: {name}")
+    assert not offenders, offenders
