@@ -2,10 +2,16 @@
 rate against a perfect global LRU of the same capacity.
 
     python -m tokenlake.bench.bench_plans [--quick] [--skip-latency] [--skip-replay]
+        [--baseline DIR]
 
 Latency: N instances × R running requests whose prompts are the first R requests of the
 Mooncake conversation trace (real lengths and sharing, 512-token segments); one decode step
-for all R in N batches is planned, timed, and aborted, many times. Replay: each trace is
+for all R in N batches is planned, timed, and aborted, many times. ``p50_ms`` is wall time,
+``p50_cpu_ms`` the thread's CPU time (steadier on a shared machine). Every ``interval``-th
+call also decides replication (the heavy-hitter search): it shows in ``p99_ms``.
+``--baseline DIR`` times the same cases side by side on another revision's control plane
+(DIR holds its ``tokenlake/``, e.g. ``git archive main tokenlake | tar -x -C DIR``), rounds
+alternating between the two, and reports the ratios. Replay: each trace is
 replayed through the real control plane at 8 instances (one prefill iteration per request,
 8 requests per iteration, then ``finish``), with and without replication. Prints a table and
 one JSON line per case.
@@ -15,6 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import site
+import subprocess
+import sys
 import time
 from collections import OrderedDict
 
@@ -49,10 +58,11 @@ def bench_latency(num_instances: int, num_requests: int, repeats: int, trace, sy
     decode = [tl.Chunk(rid, np.append(p, 1), len(p)) for rid, p in enumerate(prompts)]
     per_batch = -(-len(decode) // num_instances)
     batches = [decode[i : i + per_batch] for i in range(0, len(decode), per_batch)]
-    times = []
+    times, cpu_times = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         plans = pool.gen_plans(batches)
+        cpu_times.append(time.thread_time() - c0)
         times.append(time.perf_counter() - t0)
         pool.abort(plans)
     pool.check_invariants()
@@ -64,7 +74,58 @@ def bench_latency(num_instances: int, num_requests: int, repeats: int, trace, sy
         "num_prefix_segments": pages,
         "p50_ms": 1e3 * float(np.percentile(times, 50)),
         "p99_ms": 1e3 * float(np.percentile(times, 99)),
+        "p50_cpu_ms": 1e3 * float(np.percentile(cpu_times, 50)),
     }
+
+
+# Runs this file's latency cases in a child interpreter whose ``tokenlake`` is another
+# revision's source tree: ``-S`` skips the editable install's import hook, the compiled
+# ``_C`` of this build is preloaded, and ``tokenlake.bench`` is this directory.
+_BASELINE_CHILD = """
+import importlib.util, json, sys
+base, site_dirs, c_path, bench_dir, cases = json.loads(sys.argv[1])
+sys.path[:0] = [base]
+sys.path += site_dirs
+def load(name, path, search=None):
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=search)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+load("tokenlake._C", c_path)
+import tokenlake
+assert tokenlake.__file__.startswith(base), tokenlake.__file__
+load("tokenlake.bench", bench_dir + "/__init__.py", [bench_dir])
+from tokenlake.bench import bench_plans
+print(json.dumps(bench_plans.latency_cases(cases)), flush=True)
+"""
+
+
+def latency_cases(cases: list[list[int]]) -> list[dict]:
+    """``bench_latency`` for each ``[num_instances, num_requests, repeats]``."""
+    synth = TokenSynth(block_size=512)
+    trace = load_trace(CONVERSATION_TRACE, max(r for _, r, _ in cases))
+    return [bench_latency(n, r, k, trace, synth) for n, r, k in cases]
+
+
+def baseline_cases(base: str, cases: list[list[int]]) -> list[dict]:
+    """:func:`latency_cases` on the control plane in ``base`` (see the module docstring)."""
+    from pathlib import Path
+
+    from tokenlake import _C
+
+    base_dir = Path(base).resolve()
+    if not (base_dir / "tokenlake" / "__init__.py").is_file():
+        raise SystemExit(f"--baseline: expected a directory holding tokenlake/, got {base}")
+    bench_dir = str(Path(__file__).resolve().parent)
+    arg = json.dumps([str(base_dir), site.getsitepackages(), _C.__file__, bench_dir, cases])
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", _BASELINE_CHILD, arg],
+        capture_output=True, text=True, check=False, timeout=3600,
+    )  # fmt: skip
+    if out.returncode != 0:
+        raise SystemExit(f"--baseline: the child failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def perfect_lru_hit_rate(trace, capacity_blocks: int, block_len: int) -> float:
@@ -125,6 +186,14 @@ def main(argv=None) -> None:
     p.add_argument("--skip-replay", action="store_true")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="another revision's source tree (DIR/tokenlake) to time side by side",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=2, help="alternating rounds with --baseline (default 2)"
+    )
+    p.add_argument(
         "--capacity-fraction",
         type=float,
         default=0.25,
@@ -134,18 +203,31 @@ def main(argv=None) -> None:
     synth = TokenSynth(block_size=512)
     rows = []
     if not args.skip_latency:
-        trace = load_trace(CONVERSATION_TRACE, 2048)
         sizes = (64, 256) if args.quick else (64, 256, 2048)
-        for n in (8, 16, 64):
-            for r in sizes:
-                res = bench_latency(
-                    n, r, max(5, args.repeats // (4 if r > 256 else 1)), trace, synth
-                )
-                target = {(8, 256): 1.0, (64, 2048): 20.0}.get((n, r))
-                res["target_p50_ms"] = target
-                res["meets_target"] = None if target is None else res["p50_ms"] <= target
-                rows.append(res)
-                print(json.dumps(res), flush=True)
+        cases = [
+            [n, r, max(5, args.repeats // (4 if r > 256 else 1))]
+            for n in (8, 16, 64)
+            for r in sizes
+        ]
+        rounds = [latency_cases(cases)]
+        base_rounds = []
+        for _ in range(args.rounds if args.baseline else 0):  # alternate: base, this, ...
+            base_rounds.append(baseline_cases(args.baseline, cases))
+            rounds.append(latency_cases(cases))
+        for c, (n, r, _) in enumerate(cases):
+            res = dict(rounds[-1][c])
+            for key in ("p50_ms", "p99_ms", "p50_cpu_ms"):  # median over rounds
+                res[key] = float(np.median([rnd[c][key] for rnd in rounds]))
+            if base_rounds:
+                for key in ("p50_ms", "p50_cpu_ms"):
+                    base = float(np.median([rnd[c][key] for rnd in base_rounds]))
+                    res[f"baseline_{key}"] = base
+                    res[f"speedup_{key[:-3]}"] = base / res[key]
+            target = {(8, 256): 1.0, (64, 2048): 20.0}.get((n, r))
+            res["target_p50_ms"] = target
+            res["meets_target"] = None if target is None else res["p50_ms"] <= target
+            rows.append(res)
+            print(json.dumps(res), flush=True)
     if not args.skip_replay:
         for path in (CONVERSATION_TRACE, SYNTHETIC_TRACE):
             trace = load_trace(path, 2000 if args.quick else None)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 from collections import Counter
+from itertools import repeat
+from operator import attrgetter, is_not
 
 import numpy as np
 
@@ -84,56 +86,38 @@ def check_instances(instances, batches, dops: list[int], live, busy) -> None:
     hungarian_dispatch(np.zeros(allowed.shape), free, allowed)
 
 
+_REQUEST_ID, _START, _END = attrgetter("request_id"), attrgetter("start"), attrgetter("end")
+_TOKEN_IDS, _NUM_TOKENS = attrgetter("token_ids"), attrgetter("num_tokens")
+_OPEN_INSTANCE = attrgetter("open.location.instance_id")
+_OPEN_SLOT = attrgetter("open.location.slot_id")
+
+
 def scan_chunks(
     batches, requests: dict, busy_requests: dict, tree: PrefixTree
 ) -> tuple[ChunkSet, dict]:
     """Check every chunk against the pool before anything changes, and sort them into a
     :class:`ChunkSet`: in place (a running request's chunk inside its open tail), running
     (one that fills or starts a segment) or new. Returns it and each new request's match.
-    One pass, no per-chunk calls: a decode batch of thousands of requests goes through here."""
-    cs, matches = ChunkSet(), {}
-    seg = tree.segment_len
-    entries, cols, get = cs.entries, cs.cols, requests.get
-    for b, batch in enumerate(batches):
-        for c in batch:
-            if type(c) is not Chunk and not isinstance(c, Chunk):
-                raise fail(f"batches[{b}][{list(batch).index(c)}]", "a Chunk", c)
-            rid, start, end = c.request_id, c.start, c.end  # Chunk checked its own fields
-            state = get(rid)
-            pc = None
-            if state is not None:
-                if start != state.num_tokens:
-                    raise InvalidArgumentError(
-                        f"Chunk.start: request {rid!r} has {state.num_tokens} tokens in the "
-                        f"pool, got start={start}"
-                    )
-                op = state.open
-                if op is None:
-                    pc = PlannedChunk(state, start, end, c.token_ids, False)
-                    cols += (b, start, end, -1, -1, 0)
-                else:
-                    num_open, loc = len(op.tokens), op.location
-                    if end - start + num_open >= seg:  # fills its open tail: planned
-                        pc = PlannedChunk(state, start, end, c.token_ids, False)
-                    cols += (b, start, end, loc[0], loc[1], num_open)
-            else:
-                if rid in matches:
-                    _twice(rid)
-                m = tree.match(c.token_ids[:start])
-                if m.num_tokens < start:
-                    raise InvalidArgumentError(
-                        f"Chunk.start: new request {rid!r} has only {m.num_tokens} cached "
-                        f"tokens, got start={start}"
-                    )
-                matches[rid] = m
-                cs.new.append((len(entries), c))
-                cols += (b, start, end, -1, -1, 0)
-            entries.append((rid, state, c.token_ids, pc))
-    cs.finish()
-    ids = cs.request_ids
-    if len(set(ids)) != len(ids):
-        _twice(next(r for r, n in Counter(ids).items() if n > 1))
-    if busy_requests and not busy_requests.keys().isdisjoint(ids):
+
+    A decode batch of thousands of requests goes through here, so the running requests are
+    read column by column (``map`` over attribute getters, array arithmetic), with no Python
+    statement per chunk; only new requests (a prefix match each) are handled one by one.
+    A running request's open tail holds ``num_tokens % segment_len`` tokens (an invariant
+    of committed requests; requests of iterations in flight are refused first)."""
+    chunks = [c for batch in batches for c in batch]
+    n = len(chunks)
+    if set(map(type, chunks)) != {Chunk}:
+        for b, batch in enumerate(batches):
+            for i, c in enumerate(batch):
+                if not isinstance(c, Chunk):
+                    raise fail(f"batches[{b}][{i}]", "a Chunk", c)
+    request_ids = list(map(_REQUEST_ID, chunks))  # Chunk checked its own fields
+    if len(set(request_ids)) != n:
+        rid = next(r for r, k in Counter(request_ids).items() if k > 1)
+        raise InvalidArgumentError(
+            f"batches: expected each request at most once, got {rid!r} twice"
+        )
+    if busy_requests and not busy_requests.keys().isdisjoint(request_ids):
         for b, batch in enumerate(batches):
             for c in batch:
                 if c.request_id in busy_requests:
@@ -141,11 +125,50 @@ def scan_chunks(
                         f"batches[{b}]: request {c.request_id!r} is in iteration "
                         f"{busy_requests[c.request_id]} in flight"
                     )
-    return cs, matches
-
-
-def _twice(rid) -> None:
-    raise InvalidArgumentError(f"batches: expected each request at most once, got {rid!r} twice")
+    cols = np.zeros((6, n), dtype=np.int64)  # batch, start, end, open inst, slot, len
+    cols[0] = np.repeat(np.arange(len(batches)), [len(batch) for batch in batches])
+    cols[1] = np.fromiter(map(_START, chunks), dtype=np.int64, count=n)
+    cols[2] = np.fromiter(map(_END, chunks), dtype=np.int64, count=n)
+    token_ids = list(map(_TOKEN_IDS, chunks))
+    states = list(map(requests.get, request_ids))
+    running = np.fromiter(map(is_not, states, repeat(None)), dtype=bool, count=n)
+    r_idx = np.flatnonzero(running)
+    r_states = [states[i] for i in r_idx.tolist()]
+    num_tokens = np.fromiter(map(_NUM_TOKENS, r_states), dtype=np.int64, count=len(r_idx))
+    wrong = np.flatnonzero(num_tokens != cols[1, r_idx])
+    if len(wrong):
+        i = int(r_idx[wrong[0]])
+        raise InvalidArgumentError(
+            f"Chunk.start: request {request_ids[i]!r} has {int(num_tokens[wrong[0]])} tokens "
+            f"in the pool, got start={int(cols[1, i])}"
+        )
+    seg = tree.segment_len
+    open_len = num_tokens % seg
+    with_open = np.flatnonzero(open_len)
+    if len(with_open):
+        opens = [r_states[k] for k in with_open.tolist()]
+        o_idx, m = r_idx[with_open], len(with_open)
+        cols[3, o_idx] = np.fromiter(map(_OPEN_INSTANCE, opens), dtype=np.int64, count=m)
+        cols[4, o_idx] = np.fromiter(map(_OPEN_SLOT, opens), dtype=np.int64, count=m)
+        cols[5, o_idx] = open_len[with_open]
+    fits = (open_len > 0) & (cols[2, r_idx] - cols[1, r_idx] + open_len < seg)
+    in_place = np.zeros(n, dtype=bool)
+    in_place[r_idx[fits]] = True
+    planned: list = [None] * n
+    for i in r_idx[~fits].tolist():  # a running chunk that fills or starts a segment
+        planned[i] = PlannedChunk(states[i], int(cols[1, i]), int(cols[2, i]), token_ids[i], False)
+    new, matches = [], {}
+    for i in np.flatnonzero(~running).tolist():
+        c = chunks[i]
+        m = tree.match(c.token_ids[: c.start])
+        if m.num_tokens < c.start:
+            raise InvalidArgumentError(
+                f"Chunk.start: new request {c.request_id!r} has only {m.num_tokens} cached "
+                f"tokens, got start={c.start}"
+            )
+        matches[c.request_id] = m
+        new.append((i, c))
+    return ChunkSet(request_ids, states, token_ids, planned, cols, in_place, new), matches
 
 
 def admit(chunk: Chunk, match: PrefixMatch, tree: PrefixTree) -> PlannedChunk:

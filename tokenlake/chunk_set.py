@@ -38,28 +38,20 @@ class ChunkSet:
     """Per chunk, in batch order: its request, state, tokens, batch, ``start``/``end``, the
     :class:`PlannedChunk` (``None`` when in place) and the open tail it reads as its last
     prefix page (``open_inst``/``open_slot``/``open_len``, ``open_len == 0`` when none).
-    Filled by :func:`tokenlake.admission.scan_chunks`."""
+    ``new`` lists ``(index, Chunk)`` of the new requests, whose state and planned chunk
+    :meth:`admitted` fills in. Built by :func:`tokenlake.admission.scan_chunks`."""
 
-    def __init__(self) -> None:
-        self.entries: list[tuple] = []  # (request id, state, token ids, planned) per chunk
-        self.new: list[tuple[int, object]] = []  # (index, Chunk) of new requests
-        self.cols: list[int] = []  # flat: batch, start, end, open inst, slot, len per chunk
+    def __init__(self, request_ids: list, states: list, token_ids: list, planned: list,
+                 cols: np.ndarray, in_place: np.ndarray, new: list) -> None:  # fmt: skip
+        self.request_ids, self.states, self.token_ids = request_ids, states, token_ids
+        self.planned, self.in_place, self.new = planned, in_place, new
+        # cols: int64 [6, num_chunks] = batch, start, end, open inst, open slot, open len
+        self.batch, self.start, self.end = cols[0], cols[1], cols[2]
+        self.open_inst, self.open_slot, self.open_len = cols[3], cols[4], cols[5]
 
     def admitted(self, index: int, pc: PlannedChunk) -> None:
         """A new request's chunk, once admitted (its state and planned chunk exist)."""
         self.states[index], self.planned[index] = pc.state, pc
-
-    def finish(self) -> None:
-        """Columns as arrays (call once, after the last chunk was added)."""
-        columns = tuple(map(list, zip(*self.entries, strict=True))) or ([], [], [], [])
-        self.request_ids, self.states, self.token_ids, self.planned = columns
-        cols = np.array(self.cols, dtype=np.int64).reshape(-1, 6)
-        self.batch, self.start, self.end = cols[:, 0], cols[:, 1], cols[:, 2]
-        self.open_inst, self.open_slot, self.open_len = cols[:, 3], cols[:, 4], cols[:, 5]
-        in_place = [pc is None for pc in self.planned]
-        for i, _ in self.new:
-            in_place[i] = False
-        self.in_place = np.array(in_place, dtype=bool)
 
     def __len__(self) -> int:
         return len(self.request_ids)
