@@ -147,10 +147,10 @@ class PlanBuilder:
         fp = heads.first_piece.tolist()
         e_req = read_only((index.e_piece - heads.first_piece[index.e_sub]).astype(np.int32))
         h_inst = read_only(index.e_inst[index.h_start].astype(np.int32))
-        # offsets with their end sentinel: a sub-batch's indptr is a slice minus its base
-        h_ext = np.append(index.h_start, len(index.e_start)).astype(np.int32)
-        e_ext = np.append(index.e_start, len(index.slot)).astype(np.int32)
-        q_ext = np.concatenate([[0], np.cumsum(heads.rows)]).astype(np.int32)
+        q_start = np.cumsum(heads.rows) - heads.rows
+        q_ptr = grouped_indptr(q_start, fp, int(heads.rows.sum()))
+        h_ptr = grouped_indptr(index.h_start, h_bounds, len(index.e_start))
+        kv_ptr = grouped_indptr(index.e_start, e_bounds, len(index.slot))
         positions = read_only(heads.positions.astype(np.int32))
         prefix_lens = read_only(heads.starts.astype(np.int32))
         request_ids, origins = heads.request_ids, origins.tolist()
@@ -166,13 +166,13 @@ class PlanBuilder:
                     sub_batch_index=j,
                     origin=origins[u],
                     request_ids=tuple(request_ids[p_lo:p_hi]),
-                    q_indptr=read_only(q_ext[p_lo : p_hi + 1] - q_ext[p_lo]),
+                    q_indptr=q_ptr[p_lo + u : p_hi + u + 1],
                     positions=positions[p_lo:p_hi],
                     prefix_lens=prefix_lens[p_lo:p_hi],
                     holder_ids=h_inst[h_lo:h_hi],
-                    holder_indptr=read_only(h_ext[h_lo : h_hi + 1] - e_lo),
+                    holder_indptr=h_ptr[h_lo + u : h_hi + u + 1],
                     entry_req=e_req[e_lo:e_hi],
-                    kv_indptr=read_only(e_ext[e_lo : e_hi + 1] - a_lo),
+                    kv_indptr=kv_ptr[e_lo + u : e_hi + u + 1],
                     kv_indices=index.slot[a_lo:a_hi],
                     last_len=index.e_last[e_lo:e_hi],
                 )
@@ -192,7 +192,7 @@ class PlanBuilder:
         num = np.arange(len(subs) + 1)
         r_bounds = np.searchsorted(runs[:, 0], num).tolist()
         d_bounds = np.searchsorted(runs[d_start, 0], num).tolist()
-        d_ext = np.append(d_start, n).astype(np.int32)
+        d_ptr = grouped_indptr(d_start, d_bounds, n)
         d_ids = read_only(runs[d_start, 1])
         c = np.asarray(copies, dtype=np.int32).reshape(-1, 6)
         c = c[np.argsort(c[:, 0], kind="stable")]
@@ -214,7 +214,7 @@ class PlanBuilder:
                     request_ids=tuple(request_ids[p_lo:p_hi]),
                     num_rows=rows[p_hi] - rows[p_lo],
                     dst_ids=d_ids[d_lo:d_hi],
-                    dst_indptr=read_only(d_ext[d_lo : d_hi + 1] - r_lo),
+                    dst_indptr=d_ptr[d_lo + u : d_hi + u + 1],
                     run_src_row=cols[2][r_lo:r_hi],
                     run_len=cols[3][r_lo:r_hi],
                     run_dst_slot=cols[4][r_lo:r_hi],
@@ -227,3 +227,21 @@ class PlanBuilder:
                 )
             )
         return plans
+
+
+def grouped_indptr(starts: np.ndarray, bounds: Sequence[int], total: int) -> np.ndarray:
+    """Every group's CSR offsets in one read-only int32 array, so each group's is a slice.
+
+    Elements ``bounds[g]:bounds[g+1]`` (group ``g``) start at global offsets ``starts[e]``
+    (non-decreasing; the last element ends at ``total``). Group ``g``'s offsets, relative to
+    its first element and with its end appended, are ``out[bounds[g] + g : bounds[g+1] + g + 1]``.
+    """
+    bounds = np.asarray(bounds, dtype=np.int64)
+    num_groups, n = len(bounds) - 1, len(starts)
+    ext = np.append(starts, total)
+    base = ext[bounds[:-1]]
+    group_of = np.repeat(np.arange(num_groups), np.diff(bounds))
+    out = np.empty(n + num_groups, dtype=np.int32)
+    out[np.arange(n) + group_of] = starts - base[group_of]
+    out[bounds[1:] + np.arange(num_groups)] = ext[bounds[1:]] - base
+    return read_only(out)
