@@ -34,7 +34,6 @@ log = logging.getLogger("tokenlake.launch")
 def build_parser() -> argparse.ArgumentParser:
     """The launch's options: the server's (model, pool, HTTP) plus Ray and layout ones."""
     p = argparse.ArgumentParser(
-        prog="tokenlake launch",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         parents=[serve_cli.build_parser(add_help=False)],

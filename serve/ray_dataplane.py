@@ -3,10 +3,8 @@ the instance's placement group), their authenticated sockets, the point-to-point
 membership — a dead process is noticed, its instance marked lost, and the instance rejoins
 empty once Ray has restarted its actors.
 
-Start-up, all rendezvous through Ray (no typed addresses): the actors are created, the
-engines are told to serve and report their sockets on a ready socket bound here (sealed
-with the cluster secret), the compute processes then get every engine's socket; all of them
-and this process (rank 0) join the group through the authenticated store served here.
+Start-up: the actors are created, the engines report their sockets, the compute processes
+get every engine's, all of them and this process join the group (:mod:`.ray_rendezvous`).
 
 Death is seen two ways: the connection this process keeps to every process drops at once
 when the process dies (:class:`~tokenlake.engines.transport.LinkMonitor`), and the actor's
@@ -19,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from dataclasses import dataclass
 
@@ -29,13 +26,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tokenlake import wire
 from tokenlake.engines import compute_process, messages, process_group
-from tokenlake.engines.auth import AuthError, ClusterSecret, FrameAuth
+from tokenlake.engines.auth import ClusterSecret, FrameAuth
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError, RemoteEngineError
 from tokenlake.engines.driver import Driver
 from tokenlake.engines.shared_buffers import Layout
-from tokenlake.engines.transport import LinkMonitor, Requester, bind_random
+from tokenlake.engines.transport import LinkMonitor, Requester
 from tokenlake.serve.ray_actors import ROLES, InstanceActor, ProcessRecipe
-from tokenlake.wire import WireError
+from tokenlake.serve.ray_rendezvous import GroupJoiner, ReadyInbox, error_of, regroup_message
 
 log = logging.getLogger(__name__)
 ENGINE_ROLES = ("query", "transfer")
@@ -93,9 +90,7 @@ class RayDataPlane:
         self.compute = Requester(
             self._ctx, setup.step_timeout_s, cfg.poll_interval_s, self._alive, self._auth
         )
-        self._ready = self._ctx.socket(zmq.PULL)
-        self._ready.setsockopt(zmq.LINGER, 0)
-        self._ready_endpoint = bind_random(self._ready, cfg.host)
+        self._ready = ReadyInbox(self._ctx, cfg.host, self._auth)
         try:
             self._start()
         except BaseException:
@@ -117,7 +112,7 @@ class RayDataPlane:
     def _recipe(self, endpoints: dict) -> ProcessRecipe:
         s = self.setup
         return ProcessRecipe(
-            s.config, s.layout, s.backend, s.hosts, dict(s.secret_paths), self._ready_endpoint,
+            s.config, s.layout, s.backend, s.hosts, dict(s.secret_paths), self._ready.endpoint,
             self.group_spec, endpoints, frozenset(self.lost), s.make_program, dict(s.addresses),
         )  # fmt: skip
 
@@ -161,26 +156,21 @@ class RayDataPlane:
         keys = [(role, i) for i in instances for role in ENGINE_ROLES]
         for key in keys:
             self._serving[key] = self.actors[key].serve.remote(recipe)
-        endpoints = self._await_ready(keys, deadline)
-        everything = {**self._endpoints(), **endpoints}
+        endpoints = self._ready.collect(keys, self._serving, deadline)
+        everything = {**self.endpoints, **endpoints}
         recipe = self._recipe(everything)
         for i in instances:
             self._serving[("compute", i)] = self.actors[("compute", i)].serve.remote(recipe)
-        joiner = self._join_group() if self._store is not None else None
+        joiner = GroupJoiner(self.group_spec, self._secret) if self._store is not None else None
         tickets = []
         if regroup:  # every live process of the others re-forms the group with them
-            ids = sorted(instances)
-            message = (
-                ids, tuple(endpoints[("query", i)] for i in ids),
-                tuple(endpoints[("transfer", i)] for i in ids),
-            )  # fmt: skip
             for key in self._live_keys():
                 if key[1] in instances:
                     continue
-                channel = self.compute if key[0] == "compute" else self.engines
-                tickets.append((channel, channel.request(key, lambda seq, m=message: _regroup(
-                    seq, self._generation, *m))))  # fmt: skip
-        compute = self._await_ready([("compute", i) for i in instances], deadline)
+                channel = self._channel(key)
+                tickets.append((channel, channel.request(key, lambda seq: regroup_message(
+                    seq, self._generation, endpoints, instances))))  # fmt: skip
+        compute = self._ready.collect([("compute", i) for i in instances], self._serving, deadline)
         for channel, ticket in tickets:
             channel.wait([ticket], "regroup")
         if joiner is not None:
@@ -190,7 +180,7 @@ class RayDataPlane:
             old, self._group = self._group, joiner.group
             process_group.shutdown(old)
         for key, ep in {**endpoints, **compute}.items():
-            channel = self.compute if key[0] == "compute" else self.engines
+            channel = self._channel(key)
             channel.connect(key, ep)
             self.monitor.watch(key, ep)
             self._endpoint_of[key] = ep
@@ -198,37 +188,14 @@ class RayDataPlane:
             keys, self.setup.layout, self.setup.backend
         )
 
-    def _endpoints(self) -> dict:
+    @property
+    def endpoints(self) -> dict[tuple[str, int], str]:
+        """Every live process's socket by ``(role, instance_id)`` (bound to its node's cluster
+        address)."""
         return {k: ep for k, ep in self._endpoint_of.items() if k[1] not in self.lost}
 
-    def _await_ready(self, keys: list, deadline: float) -> dict:
-        found = {}
-        audience = self._ready_endpoint.encode()
-        while len(found) < len(keys):
-            for key in keys:
-                ref = self._serving[key]
-                done, _ = ray.wait([ref], timeout=0)
-                if done and key not in found:
-                    err = _error_of(ref)
-                    raise PeerFailedError(key[1], key[0], f"exited at start-up: {err}")
-            if time.monotonic() > deadline:
-                missing = sorted(set(keys) - set(found))
-                raise PeerFailedError(missing[0][1], missing[0][0], "not ready in time")
-            if self._ready.poll(100):
-                try:
-                    msg = messages.decode(self._auth.open(self._ready.recv(), audience))
-                except (AuthError, WireError):
-                    continue  # not one of ours: dropped
-                if (msg.role, msg.instance_id) in keys:
-                    found[(msg.role, msg.instance_id)] = msg.endpoint
-        return found
-
-    def _join_group(self) -> _Joiner:
-        spec = self.group_spec
-        store = process_group.make_store(spec, self._secret)
-        joiner = _Joiner(spec, store)
-        joiner.start()
-        return joiner
+    def _channel(self, key) -> Requester:
+        return self.compute if key[0] == "compute" else self.engines
 
     # ---- iterations -----------------------------------------------------------------------
     def run_step(self, plans, chunks) -> list:
@@ -260,7 +227,7 @@ class RayDataPlane:
         errors, rejected and unauthenticated frames; compute processes: their clients'),
         plus this process's sockets' under ``("client", -1)`` — for ``/metrics``."""
         keys = [k for k in self._live_keys() if self.monitor.is_alive(k)]
-        channels = [self.compute if k[0] == "compute" else self.engines for k in keys]
+        channels = [self._channel(k) for k in keys]
         tickets = [c.request(k, messages.Stats) for c, k in zip(channels, keys, strict=True)]
         out = {}
         for key, channel, ticket in zip(keys, channels, tickets, strict=True):
@@ -298,7 +265,7 @@ class RayDataPlane:
         self.lost_at[instance_id] = time.time()
         for role in ROLES:
             key = (role, instance_id)
-            channel = self.compute if role == "compute" else self.engines
+            channel = self._channel(key)
             channel.disconnect(key)
             running = self.monitor.is_alive(key)
             self.monitor.forget(key)
@@ -315,7 +282,7 @@ class RayDataPlane:
         for _ in range(3):
             pending = []
             for key in self._live_keys():
-                channel = self.compute if key[0] == "compute" else self.engines
+                channel = self._channel(key)
                 pending.append((channel, channel.request(key, messages.Stats)))
             try:
                 for channel, ticket in pending:
@@ -337,7 +304,7 @@ class RayDataPlane:
             done, _ = ray.wait(pings, num_returns=len(pings), timeout=0)
             if len(done) < len(pings):
                 continue
-            errors = [_error_of(r) for r in pings]
+            errors = [error_of(r) for r in pings]
             del self._pings[i]
             if any(isinstance(e, ray.exceptions.ActorDiedError) for e in errors):
                 log.error("instance %d: Ray will not restart it (max_restarts spent)", i)
@@ -372,37 +339,5 @@ class RayDataPlane:
         process_group.shutdown(self._group)
         if self._store is not None:
             self._store.close()
-        self._ready.close(linger=0)
+        self._ready.close()
         self._ctx.destroy(linger=0)
-
-
-def _regroup(seq, generation, ids, query_eps, transfer_eps):
-    import numpy as np
-
-    return messages.Regroup(
-        seq, generation, np.asarray(ids, dtype=np.int32), query_eps, transfer_eps
-    )
-
-
-def _error_of(ref) -> BaseException | None:
-    try:
-        ray.get(ref, timeout=0)
-    except Exception as e:
-        return e
-    return None
-
-
-class _Joiner(threading.Thread):
-    """Joins the group as rank 0 on a thread: the constructor blocks until every rank
-    joined, and the others join only once told to serve."""
-
-    def __init__(self, spec, store) -> None:
-        super().__init__(name="tokenlake-group-join", daemon=True)
-        self.spec, self.store = spec, store
-        self.group = self.error = None
-
-    def run(self) -> None:
-        try:
-            self.group = process_group.connect(self.spec, self.store, process_group.DRIVER_RANK)
-        except Exception as e:  # reported by the caller
-            self.error = e

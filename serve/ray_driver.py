@@ -89,8 +89,8 @@ class DriverActor:
         return self._server.url
 
     def status(self) -> dict:
-        """Instances, their processes and nodes, lost instances (and when each was found
-        dead), and the runtime's counters."""
+        """Instances, their processes, nodes and sockets, lost instances (and when each was
+        found dead), and the runtime's counters."""
         if self._server is None:
             return {"serving": False}
         runtime = self._server.served.runtime
@@ -100,6 +100,7 @@ class DriverActor:
             "url": self._server.url,
             "pids": {f"{role}{i}": pid for (role, i), pid in dp.pids.items()},
             "process_nodes": {f"{role}{i}": node for (role, i), node in dp.nodes.items()},
+            "endpoints": {f"{role}{i}": ep for (role, i), ep in dp.endpoints.items()},
             "nodes": list(self.spec.node_ids),
             "lost": sorted(dp.lost),
             "lost_at": {str(i): t for i, t in dp.lost_at.items()},

@@ -6,6 +6,8 @@
   the third is across the node boundary): placement as asked, greedy tokens identical to
   ``transformers``; a query engine SIGKILLed mid-iteration is detected within a second,
   requests complete with the same tokens, Ray restarts the actor and the instance rejoins;
+  sockets bind the node's address, unauthenticated frames are dropped and counted; a lost
+  node's instance is dropped and the others serve on; the CLI's detach and stop by name;
 * shutdown leaves no process, placement group, shared memory or secret file behind.
 """
 
@@ -26,10 +28,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zmq
 from harness import program_error
 
 import tokenlake as tl
-from tokenlake.engines.auth import ClusterSecret
+from tokenlake.engines import messages
+from tokenlake.engines.auth import ClusterSecret, FrameAuth
 from tokenlake.engines.cluster_base import layout_for
 from tokenlake.engines.dataplane_config import DataPlaneConfig
 from tokenlake.engines.synthetic import SyntheticModel, SyntheticProgram
@@ -199,6 +203,44 @@ def test_tokens_across_nodes_equal_transformers(served, reference):
         ids = out["prompt_token_ids"]
         assert out["token_ids"] == reference(ids, 12), k
     assert len(ids) > 3 * C  # the prompt spans segments on several instances
+
+
+def test_control_is_authenticated_and_bound_to_the_cluster_address(served, reference):
+    """Every process's socket binds its node's cluster address (127.0.0.1 here), never
+    0.0.0.0; frames not sealed with the launch's secret (a bare Stop, one sealed with
+    another secret) are dropped and counted on /metrics, and the engine goes on serving."""
+    _, url, status = served
+    endpoints = status["endpoints"]
+    assert len(endpoints) == 9, endpoints
+    assert all(re.fullmatch(r"tcp://127\.0\.0\.1:\d+", ep) for ep in endpoints.values())
+    target = endpoints["query0"]
+    stop = messages.encode(messages.Stop(1))
+    forged = FrameAuth(ClusterSecret.generate()).seal(stop, target.encode())
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(target)
+        for frame in (stop, forged):
+            sock.send(frame)
+        assert not sock.poll(1000), "an unauthenticated frame was answered"
+    finally:
+        ctx.destroy(linger=0)
+    name = "tokenlake:engine_unauthenticated_frames_total{"
+
+    def counted() -> bool:
+        lines = httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
+        return any(
+            line.startswith(name) and 'role="query"' in line and 'instance="0"' in line
+            and float(line.split()[-1]) >= 2
+            for line in lines
+        )  # fmt: skip
+
+    _wait_until(counted, 30, "two unauthenticated frames counted by query engine 0")
+    prompt = list(range(20, 20 + 3 * C))
+    assert _complete(url, prompt, 6)["token_ids"] == reference(prompt, 6)
+    after = ray.get(served[0].driver.status.remote(), timeout=60)
+    assert after["pids"] == status["pids"] and after["lost"] == []
 
 
 def _stream(url: str, prompt, n: int, got: list, started: threading.Event) -> None:
