@@ -287,16 +287,61 @@ def test_killed_engine_is_detected_requests_complete_and_it_rejoins(served, refe
     assert _complete(url, prompt2, 8)["token_ids"] == reference(prompt2, 8)
 
 
+def _launch_command(address: str, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "tokenlake.serve.launch", "--address", address, "--name", name,
+            "--instances", "1", "--nodes", "node0", "--cpus-per-instance", "0.5",
+            "--segment-len", "16", "--num-slots", "64", "--chunk-len", "64", "--no-profile",
+            "--port", "0", "--host", "127.0.0.1", *extra]  # fmt: skip
+
+
+ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def _launch_files() -> set[str]:
+    return set(glob.glob(f"{ray_buffers.SHM_DIR}/{ray_buffers.PREFIX}*"))
+
+
+def test_cli_launch_serves_until_ctrl_c_then_removes_everything(ray_cluster, reference):
+    """``tokenlake launch`` in the foreground: serves, and Ctrl-C (SIGINT) ends it with
+    exit code 0 and no driver actor, placement group or shared memory left."""
+    groups_before = set(ray.util.placement_group_table())
+    files_before = _launch_files()
+    proc = subprocess.Popen(
+        _launch_command(ray_cluster.address, "tlint", "--log-level", "info"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+    )  # fmt: skip
+    try:
+        lines = []
+        for line in proc.stdout:  # ends if the launch exits; start-up is bounded by itself
+            lines.append(line)
+            if "TokenLake serving" in line:
+                break
+        found = re.search(r"serving tiny-random at (http://\S+)", "".join(lines))
+        assert found, "".join(lines)[-3000:]
+        assert any("launch" in line and "serving at" in line for line in lines)  # the log
+        prompt = list(range(70, 70 + 2 * C))
+        assert _complete(found.group(1), prompt, 6)["token_ids"] == reference(prompt, 6)
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=180)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, rest[-3000:]
+    assert "interrupted; shutting down" in rest
+    with pytest.raises(ValueError):
+        ray.get_actor("tlint-driver", namespace="tokenlake")
+    assert _launch_files() == files_before
+    table = ray.util.placement_group_table()
+    assert all(table[g]["state"] == "REMOVED" for g in set(table) - groups_before)
+
+
 def test_cli_detached_launch_serves_and_stops_by_name(ray_cluster, reference):
     """The command a user types: launch detached (the command returns, the launch keeps
     serving), send a request, stop it by name from another command."""
-    cmd = [sys.executable, "-m", "tokenlake.serve.launch", "--address", ray_cluster.address,
-           "--name", "tlcli", "--detach", "--instances", "1", "--nodes", "node0",
-           "--cpus-per-instance", "0.5", "--segment-len", "16", "--num-slots", "64",
-           "--chunk-len", "64", "--no-profile", "--port", "0", "--host", "127.0.0.1",
-           "--log-level", "warning"]  # fmt: skip
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    shm_before = set(glob.glob(f"{ray_buffers.SHM_DIR}/{ray_buffers.PREFIX}*"))
+    cmd = _launch_command(ray_cluster.address, "tlcli", "--detach", "--log-level", "warning")
+    env = ENV
+    shm_before = _launch_files()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     url = re.search(r"serving tiny-random at (http://\S+)", out.stdout).group(1)
@@ -309,7 +354,7 @@ def test_cli_detached_launch_serves_and_stops_by_name(ray_cluster, reference):
     assert "stopped launch 'tlcli'" in out.stdout
     with pytest.raises(ValueError):
         ray.get_actor("tlcli-driver", namespace="tokenlake")
-    assert set(glob.glob(f"{ray_buffers.SHM_DIR}/{ray_buffers.PREFIX}*")) == shm_before
+    assert _launch_files() == shm_before
     again = subprocess.run(stop, capture_output=True, text=True, timeout=300, env=env)
     assert again.returncode == 2 and "no running launch 'tlcli'" in again.stderr
 
