@@ -76,8 +76,8 @@ def connect(address: str | None) -> bool:
     if ray.is_initialized():
         return False
     quiet = {"logging_level": logging.WARNING, "log_to_driver": False}
-    if address is None:  # loopback: see launch.run
-        ray.init(namespace=NAMESPACE, include_dashboard=False, **quiet)
+    if address is None:  # a new one even if this machine runs one; loopback: see launch.run
+        ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, **quiet)
         return True
     ray.init(address=address, namespace=NAMESPACE, **quiet)
     return False

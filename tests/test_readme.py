@@ -60,6 +60,9 @@ RAY_MACHINES = (
 )
 # the launch detached, a completion from it, the stop: on a 3-node Ray cluster on 127.0.0.1
 RAY_CLI = "tests/ray/test_ray_launch.py::test_cli_detached_launch_serves_and_stops_by_name"
+RAY_FOREGROUND = (
+    "tests/ray/test_ray_launch.py::test_cli_launch_serves_until_ctrl_c_then_removes_everything"
+)
 GOODPUT_TINY = "--requests 6 --max-evals 1 --seeds 1 --prefill-tokens 2048 --wall-budget 120"
 COMMANDS = {
     "make demo": Covered("tests/serve/test_demo.py::test_demo_runs_and_matches_transformers"),
@@ -90,11 +93,15 @@ COMMANDS = {
                                          "the same version"),
     "ray up deploy/ray-cluster.yaml": NotHere(RAY_MACHINES),
     "ray attach deploy/ray-cluster.yaml": NotHere(RAY_MACHINES),
-    "cd ~/tokenlake && python3 -m tokenlake.serve.launch --address auto --instances 4 --nodes 2 "
+    "cd ~/tokenlake && tokenlake launch --address auto --instances 4 --nodes 2 "
     "--model tiny-random --detach": Covered(RAY_CLI),
     "curl http://<head>:8000/v1/completions -H 'Content-Type: application/json' "
     '-d \'{"prompt": "Hello", "max_tokens": 16, "temperature": 0}\'': Covered(RAY_CLI),
-    "python3 -m tokenlake.serve.launch --address auto --stop": Covered(RAY_CLI),
+    "tokenlake launch --address auto --stop": Covered(RAY_CLI),
+    # a foreground launch on a local Ray of its own, a completion from it, Ctrl-C
+    ".venv/bin/tokenlake launch --instances 2 --port 18431": Covered(RAY_FOREGROUND),
+    "curl http://127.0.0.1:18431/v1/completions -H 'Content-Type: application/json' "
+    '-d \'{"prompt": "Hello", "max_tokens": 16, "temperature": 0}\'': Covered(RAY_FOREGROUND),
     "ray down deploy/ray-cluster.yaml": NotHere(RAY_MACHINES),
     ".venv/bin/tokenlake bench attention": Tiny(
         "--prefix-lens 512 --repeats 1 --warmup 0 --flush-mib 8 --boundary-prefix-lens 16 "

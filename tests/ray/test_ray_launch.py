@@ -287,28 +287,49 @@ def test_killed_engine_is_detected_requests_complete_and_it_rejoins(served, refe
     assert _complete(url, prompt2, 8)["token_ids"] == reference(prompt2, 8)
 
 
-def _launch_command(address: str, name: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "tokenlake.serve.launch", "--address", address, "--name", name,
-            "--instances", "1", "--nodes", "node0", "--cpus-per-instance", "0.5",
-            "--segment-len", "16", "--num-slots", "64", "--chunk-len", "64", "--no-profile",
-            "--port", "0", "--host", "127.0.0.1", *extra]  # fmt: skip
+def _launch_command(name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "tokenlake.serve.launch", "--name", name, "--instances", "1",
+            "--cpus-per-instance", "0.5", "--segment-len", "16", "--num-slots", "64",
+            "--chunk-len", "64", "--no-profile", "--port", "0", "--host", "127.0.0.1",
+            *extra]  # fmt: skip
 
 
 ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
-def _launch_files() -> set[str]:
-    return set(glob.glob(f"{ray_buffers.SHM_DIR}/{ray_buffers.PREFIX}*"))
+def _launch_files(launch_id: str) -> list[str]:
+    """A launch's shared memory and secret directories still on this machine."""
+    return glob.glob(f"{ray_buffers.SHM_DIR}/{ray_buffers.PREFIX}{launch_id}-*") + glob.glob(
+        str(Path(ray_buffers.secret_root()) / f"{ray_buffers.PREFIX}{launch_id}-*")
+    )
 
 
-def test_cli_launch_serves_until_ctrl_c_then_removes_everything(ray_cluster, reference):
-    """``tokenlake launch`` in the foreground: serves, and Ctrl-C (SIGINT) ends it with
-    exit code 0 and no driver actor, placement group or shared memory left."""
-    groups_before = set(ray.util.placement_group_table())
-    files_before = _launch_files()
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(stat.split("/")[2]))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def test_cli_launch_serves_until_ctrl_c_then_removes_everything(reference):
+    """``tokenlake launch`` as the README's first try: no ``--address`` (a local Ray of its
+    own, on loopback without being told), in the foreground; serves, and Ctrl-C (SIGINT)
+    ends it with exit code 0, no process of it (Ray's included) and no shared memory left."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}  # fmt: skip
     proc = subprocess.Popen(
-        _launch_command(ray_cluster.address, "tlint", "--log-level", "info"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+        _launch_command("tlint", "--log-level", "info"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
     try:
         lines = []
@@ -316,9 +337,12 @@ def test_cli_launch_serves_until_ctrl_c_then_removes_everything(ray_cluster, ref
             lines.append(line)
             if "TokenLake serving" in line:
                 break
-        found = re.search(r"serving tiny-random at (http://\S+)", "".join(lines))
+        found = re.search(r"serving tiny-random at (http://127\.0\.0\.1:\d+)", "".join(lines))
         assert found, "".join(lines)[-3000:]
-        assert any("launch" in line and "serving at" in line for line in lines)  # the log
+        (launch_id,) = set(re.findall(r"launch (\w+): serving at", "".join(lines)))  # the log
+        assert _launch_files(launch_id)
+        started = _descendants(proc.pid)
+        assert started, "the local Ray's processes"
         prompt = list(range(70, 70 + 2 * C))
         assert _complete(found.group(1), prompt, 6)["token_ids"] == reference(prompt, 6)
         proc.send_signal(signal.SIGINT)
@@ -329,22 +353,22 @@ def test_cli_launch_serves_until_ctrl_c_then_removes_everything(ray_cluster, ref
             proc.wait()
     assert proc.returncode == 0, rest[-3000:]
     assert "interrupted; shutting down" in rest
-    with pytest.raises(ValueError):
-        ray.get_actor("tlint-driver", namespace="tokenlake")
-    assert _launch_files() == files_before
-    table = ray.util.placement_group_table()
-    assert all(table[g]["state"] == "REMOVED" for g in set(table) - groups_before)
+    _wait_until(lambda: all(_gone(p) for p in started), 60, "the launch's processes exit")
+    assert not _launch_files(launch_id)
 
 
 def test_cli_detached_launch_serves_and_stops_by_name(ray_cluster, reference):
     """The command a user types: launch detached (the command returns, the launch keeps
     serving), send a request, stop it by name from another command."""
-    cmd = _launch_command(ray_cluster.address, "tlcli", "--detach", "--log-level", "warning")
+    cmd = _launch_command("tlcli", "--address", ray_cluster.address, "--nodes", "node0",
+                          "--detach", "--log-level", "warning")  # fmt: skip
     env = ENV
-    shm_before = _launch_files()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     url = re.search(r"serving tiny-random at (http://\S+)", out.stdout).group(1)
+    driver = ray.get_actor("tlcli-driver", namespace="tokenlake")
+    launch_id = ray.get(driver.record.remote(), timeout=60)["launch_id"]
+    assert _launch_files(launch_id)
     prompt = list(range(60, 60 + 2 * C))
     assert _complete(url, prompt, 6)["token_ids"] == reference(prompt, 6)
     stop = [sys.executable, "-m", "tokenlake.serve.launch", "--address", ray_cluster.address,
@@ -354,7 +378,7 @@ def test_cli_detached_launch_serves_and_stops_by_name(ray_cluster, reference):
     assert "stopped launch 'tlcli'" in out.stdout
     with pytest.raises(ValueError):
         ray.get_actor("tlcli-driver", namespace="tokenlake")
-    assert _launch_files() == shm_before
+    assert not _launch_files(launch_id)
     again = subprocess.run(stop, capture_output=True, text=True, timeout=300, env=env)
     assert again.returncode == 2 and "no running launch 'tlcli'" in again.stderr
 
@@ -382,10 +406,7 @@ def test_shutdown_leaves_nothing_behind(served):
     removed = launch.shutdown()
     assert any(p.startswith(ray_buffers.SHM_DIR) for p in removed)
     _wait_until(lambda: all(_gone(p) for p in status["pids"].values()), 60, "actor exit")
-    assert not glob.glob(f"{ray_buffers.SHM_DIR}/{ray_buffers.PREFIX}{launch_id}-*")
-    assert not glob.glob(
-        str(Path(ray_buffers.secret_root()) / f"{ray_buffers.PREFIX}{launch_id}-*")
-    )
+    assert not _launch_files(launch_id)
     table = ray.util.placement_group_table()
     assert all(table[pg.id.hex()]["state"] == "REMOVED" for pg in groups)
     launch.shutdown()  # idempotent
