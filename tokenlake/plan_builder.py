@@ -109,8 +109,19 @@ class PlanBuilder:
         rids = [cs.request_ids[i] for i in pieces.chunk.tolist()]
         starts = cs.start[pieces.chunk]
         heads = _PieceInfo(first_piece, rids, pieces.rows, starts, starts + pieces.lo)
-        query_plans = self._query_plans(epoch, subs, origins, heads, index)
-        transfer_plans = self._transfer_plans(epoch, subs, origins, runs, copies, heads)
+        fp, origin_ids = first_piece.tolist(), origins.tolist()
+        headers = [  # the fields a sub-batch's query and transfer plans share
+            dict(
+                epoch=epoch,
+                batch_index=b,
+                sub_batch_index=j,
+                origin=origin_ids[u],
+                request_ids=tuple(rids[fp[u] : fp[u + 1]]),
+            )
+            for u, (b, j) in enumerate(subs)
+        ]
+        query_plans = self._query_plans(headers, heads, index)
+        transfer_plans = self._transfer_plans(headers, runs, copies, heads)
         groups: list[list[int]] = [[] for _ in dops]
         for (b, _), origin in zip(subs, origins.tolist(), strict=True):
             groups[b].append(origin)
@@ -135,12 +146,10 @@ class PlanBuilder:
             )
         return out
 
-    def _query_plans(
-        self, epoch, subs, origins, heads: _PieceInfo, index: PageIndex
-    ) -> list[QueryPlan]:
+    def _query_plans(self, headers, heads: _PieceInfo, index: PageIndex) -> list[QueryPlan]:
         """Every sub-batch's query plan: slices of global arrays (read-only views) and a few
         small offset arrays, so the per-sub-batch cost is a handful of numpy calls."""
-        num = np.arange(len(subs) + 1)
+        num = np.arange(len(headers) + 1)
         a_bounds = np.searchsorted(index.a_sub, num).tolist()
         e_bounds = np.searchsorted(index.e_sub, num).tolist()
         h_bounds = np.searchsorted(index.h_sub, num).tolist()
@@ -153,19 +162,14 @@ class PlanBuilder:
         kv_ptr = grouped_indptr(index.e_start, e_bounds, len(index.slot))
         positions = read_only(heads.positions.astype(np.int32))
         prefix_lens = read_only(heads.starts.astype(np.int32))
-        request_ids, origins = heads.request_ids, origins.tolist()
         plans = []
-        for u, (b, j) in enumerate(subs):
+        for u, head in enumerate(headers):
             a_lo, a_hi = a_bounds[u], a_bounds[u + 1]
             e_lo, e_hi, h_lo, h_hi = e_bounds[u], e_bounds[u + 1], h_bounds[u], h_bounds[u + 1]
             p_lo, p_hi = fp[u], fp[u + 1]
             plans.append(
                 QueryPlan(
-                    epoch=epoch,
-                    batch_index=b,
-                    sub_batch_index=j,
-                    origin=origins[u],
-                    request_ids=tuple(request_ids[p_lo:p_hi]),
+                    **head,
                     q_indptr=q_ptr[p_lo + u : p_hi + u + 1],
                     positions=positions[p_lo:p_hi],
                     prefix_lens=prefix_lens[p_lo:p_hi],
@@ -179,9 +183,7 @@ class PlanBuilder:
             )
         return plans
 
-    def _transfer_plans(
-        self, epoch, subs, origins, runs, copies, heads: _PieceInfo
-    ) -> list[TransferPlan]:
+    def _transfer_plans(self, headers, runs, copies, heads: _PieceInfo) -> list[TransferPlan]:
         runs = runs[np.argsort(runs[:, 0] * self.num_instances + runs[:, 1], kind="stable")]
         runs = runs.astype(np.int32)
         cols = [read_only(np.ascontiguousarray(runs[:, k])) for k in range(6)]
@@ -189,7 +191,7 @@ class PlanBuilder:
         new_dst = np.ones(n, dtype=bool)
         new_dst[1:] = (runs[1:, 0] != runs[:-1, 0]) | (runs[1:, 1] != runs[:-1, 1])
         d_start = np.flatnonzero(new_dst)
-        num = np.arange(len(subs) + 1)
+        num = np.arange(len(headers) + 1)
         r_bounds = np.searchsorted(runs[:, 0], num).tolist()
         d_bounds = np.searchsorted(runs[d_start, 0], num).tolist()
         d_ptr = grouped_indptr(d_start, d_bounds, n)
@@ -199,19 +201,15 @@ class PlanBuilder:
         c_cols = [read_only(np.ascontiguousarray(c[:, k])) for k in range(6)]
         c_bounds = np.searchsorted(c[:, 0], num).tolist()
         rows = np.concatenate([[0], np.cumsum(heads.rows)]).tolist()
-        fp, request_ids, origins = heads.first_piece.tolist(), heads.request_ids, origins.tolist()
+        fp = heads.first_piece.tolist()
         plans = []
-        for u, (b, j) in enumerate(subs):
+        for u, head in enumerate(headers):
             r_lo, r_hi, d_lo, d_hi = r_bounds[u], r_bounds[u + 1], d_bounds[u], d_bounds[u + 1]
             c_lo, c_hi = c_bounds[u], c_bounds[u + 1]
             p_lo, p_hi = fp[u], fp[u + 1]
             plans.append(
                 TransferPlan(
-                    epoch=epoch,
-                    batch_index=b,
-                    sub_batch_index=j,
-                    origin=origins[u],
-                    request_ids=tuple(request_ids[p_lo:p_hi]),
+                    **head,
                     num_rows=rows[p_hi] - rows[p_lo],
                     dst_ids=d_ids[d_lo:d_hi],
                     dst_indptr=d_ptr[d_lo + u : d_hi + u + 1],
