@@ -45,7 +45,10 @@ class SchedulerConfig:
             ``tbt_slo``). False: asynchronous iterations (DESIGN §2.3), one per batch, each on
             its own instances, decided as instances free up (:mod:`tokenlake.scheduler.lanes`).
         lane_tbt_fraction: asynchronous decode lanes are sized so a decode batch takes at most
-            this share of ``tbt_slo`` (the rest covers waiting for a busy lane).
+            this share of ``tbt_slo`` alone on its GPUs. The rest covers waiting for a busy
+            lane and the GPU share taken by other iterations' prefix queries on the same
+            instances (a decode's attention runs on every holder): at 0.5 concurrent prefills
+            tripled lane steps on LooGLE-like and broke the TBT SLO; 0.25 kept it.
         decode_steps: most decode steps one asynchronous decode iteration runs (vLLM's
             multi-step scheduling), fewer when its lane would then make a newly ready decode
             wait past the TBT SLO. Above 1 the steps before the last run on synthetic tokens
@@ -67,7 +70,7 @@ class SchedulerConfig:
     tbt_slo: float = math.inf
     input_token_slo: float = math.inf
     sync_iterations: bool = True
-    lane_tbt_fraction: float = 0.5
+    lane_tbt_fraction: float = 0.25
     decode_steps: int = 1
     kv_watermark: float = 0.01
     output_reserve: float = 1.0

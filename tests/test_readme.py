@@ -114,15 +114,24 @@ COMMANDS = {
     ".venv/bin/tokenlake bench model": Tiny("--quick"),
     ".venv/bin/tokenlake bench real-cluster": Tiny("--quick"),
     "S=tokenlake,router,mooncake-1p3d,mooncake-3p1d": NotHere("a shell variable for the lines below"),
-    ".venv/bin/tokenlake goodput --workload conversation --offset 1000 --requests 80 --systems "
-    "tokenlake --prefill-tokens 2048 --goodput --lo 0.25 --hi 0.5 --rel-tol 0.3 --max-evals 5 "
-    "--wall-budget 3600 --out results/goodput/conversation_tl": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload conversation --offset 1000 --requests 80 --systems "
-    "router,mooncake-1p3d,mooncake-3p1d --goodput --lo 0.25 --hi 0.5 --rel-tol 0.3 --max-evals 6 "
-    "--out results/goodput/conversation_base": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload conversation --offset 1000 --requests 80 --systems "
-    "router,mooncake-1p3d,mooncake-3p1d --rates 0.5 --prefill-tokens 2048 --seeds 1 --seed 0":
+    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems "
+    "router,mooncake-1p3d,mooncake-3p1d --goodput --lo 0.3 --hi 0.8 --rel-tol 0.15 --max-evals 8 "
+    "--out results/goodput/conv1000_base": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.6 --hi 1.0 --rel-tol 0.15 --max-evals 5 "
+    "--wall-budget 3600": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seed 1 --seeds 1 --goodput --lo 1.0 --hi 1.5 --rel-tol 0.15 "
+    "--max-evals 4 --wall-budget 3600": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems tokenlake-3p1d "
+    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.5 --hi 1.0 --rel-tol 0.15 --max-evals 4 "
+    "--wall-budget 3600": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload loogle --requests 80 --systems tokenlake "
+    "--prefill-tokens 2048 --goodput --lo 4 --hi 8 --rel-tol 0.3 --max-evals 6 --wall-budget 3600":
         Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload loogle --requests 80 --systems "
+    "tokenlake-1p3d,tokenlake-3p1d,tokenlake-sync --prefill-tokens 2048 --goodput --lo 1 --hi 2 "
+    "--rel-tol 0.3 --max-evals 6 --wall-budget 3600": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload loogle --requests 80 --systems $S --goodput --lo 1 "
     "--hi 2 --rel-tol 0.3 --max-evals 6 --wall-budget 3600 --out results/goodput/loogle":
         Tiny(GOODPUT_TINY),
@@ -132,6 +141,10 @@ COMMANDS = {
     ".venv/bin/tokenlake goodput --workload sharegpt --requests 300 --systems $S --goodput --lo 4 "
     "--hi 8 --rel-tol 0.3 --max-evals 6 --wall-budget 3600 --out results/goodput/sharegpt300":
         Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload scbench --requests 45 --systems $S --rates 1 "
+    "--prefill-tokens 2048 --seeds 1 --wall-budget 3600": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload agentic --requests 300 --systems $S --rates 2 "
+    "--prefill-tokens 2048 --seeds 1 --wall-budget 3600": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake bench sim-crosscheck": Tiny(),
 }  # fmt: skip
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from harness import tokens
+from scheduler_cases import LATENCY, SHAPE, C
 
 import tokenlake as tl
 from tokenlake.engines.local_cluster import LocalCluster
@@ -14,21 +16,11 @@ from tokenlake.profiles import A100_80G, LLAMA2_7B
 from tokenlake.scheduler import (
     DECODE,
     PREFILL,
-    Coeffs,
     ElasticScheduler,
-    LatencyModel,
     SchedulerConfig,
     fit_latency_model,
 )
 from tokenlake.scheduler.profiler import default_cases, measure_rows
-
-C = 16
-SHAPE = tl.ModelShape(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
-LATENCY = LatencyModel({1: Coeffs(1e-3, 1e-5, 1e-8)}, Coeffs(1e-3, 1e-5, 0.0))
-
-
-def tokens(seed: int, n: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 1000, n).astype(np.int32)
 
 
 def run_workload(mode: str, num_instances: int, load_model=None, **cfg):
