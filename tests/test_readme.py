@@ -299,3 +299,15 @@ def test_readme_links_resolve():
     for target in re.findall(r"\]\((?!#|https?:)([^)#]+)", text):
         if not target.startswith("../"):  # ../shared is the team's, not in a clone
             assert (ROOT / target).exists(), target
+
+
+def test_ci_runs_the_readme_test_command():
+    """CI (``.ci/run``) runs exactly the README's test command, which runs ruff and pytest."""
+    ci = [
+        line.strip()
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert ci[-1] == "make test" and "make test" in readme_commands(README.read_text())
+    recipe = re.search(r"^test:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)[1]
+    assert "ruff check" in recipe and "ruff format --check" in recipe and "pytest" in recipe

@@ -116,7 +116,9 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
     (site / "reuse_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-index", str(wheel)],
+        # with the README's extras: pip resolves them too (against the reused packages)
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-index",
+         f"{wheel}[serve,model]"],
         check=True, timeout=600, env=env, cwd=tmp_path,
     )  # fmt: skip
     outside = tmp_path / "elsewhere"
@@ -127,6 +129,12 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
     )  # fmt: skip
     assert help_out.returncode == 0, help_out.stderr
     assert "goodput" in help_out.stdout and "serve" in help_out.stdout
+    serve_help = subprocess.run(
+        [str(venv / "bin" / "tokenlake"), "serve", "--help"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=outside,
+    )  # fmt: skip
+    assert serve_help.returncode == 0, serve_help.stderr
+    assert "--num-instances" in serve_help.stdout
     run = subprocess.run(
         [str(py), "-c", TINY_POOL],
         capture_output=True,
