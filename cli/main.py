@@ -27,7 +27,6 @@ class Command:
     function: str = "main"
     needs: str = ""  # the pip extra whose packages it imports, named when one is missing
     passes_log_level: bool = False  # the command takes --log-level itself (serve, launch)
-    missing: str = ""  # what to say when the module is not in this installation
 
 
 COMMANDS: dict[str, Command] = {
@@ -42,8 +41,6 @@ COMMANDS: dict[str, Command] = {
         "launch the server on a Ray cluster (multi-node)",
         needs="cluster",
         passes_log_level=True,
-        missing="not available yet: the Ray multi-node launch (tokenlake.serve.launch) is not "
-        "part of this version of TokenLake",
     ),
     "demo": Command(
         "tokenlake.bench.demo",
@@ -157,8 +154,7 @@ def resolve(command: Command, name: str) -> Callable[[list[str]], int | None]:
     except ModuleNotFoundError:
         available = False
     if not available:
-        why = command.missing or f"{command.module} is not in this installation"
-        raise CommandUnavailable(f"tokenlake {name}: {why}")
+        raise CommandUnavailable(f"tokenlake {name}: {command.module} is not in this installation")
     try:
         module = importlib.import_module(command.module)
     except ModuleNotFoundError as e:
