@@ -118,6 +118,11 @@ class PoolCollector(Collector):
             )
 
 
+# engine counters reported for every engine even before they first count (engines count
+# lazily: their stats only hold what happened)
+ALWAYS_REPORTED = ("errors", "peer_failures")
+
+
 class EngineCollector(Collector):
     """Every engine's counters and latency histograms, labelled by ``role`` (query,
     transfer, client = this process's engine clients) and ``instance`` (``source``:
@@ -132,6 +137,8 @@ class EngineCollector(Collector):
         latency = []
         for (role, instance), values in sorted(stats.items()):
             labels = [role, str(instance)]
+            # failure counters exist from the first scrape (0), so rate() and alerts see them
+            values = {**dict.fromkeys(ALWAYS_REPORTED, 0), **values}
             for key, value in sorted(values.items()):
                 if is_histogram_key(key):
                     continue

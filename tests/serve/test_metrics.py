@@ -117,6 +117,14 @@ def test_engine_processes_report_calls_latency_and_errors():
         if name == "tokenlake:engine_latency_seconds_count" and dict(labels)["op"] == "Configure"
     ]  # fmt: skip
     assert sorted(configured) == ["query", "query", "transfer", "transfer"]
+    # no failures here, and the failure counters say so for every engine (0, not absent)
+    for _, labels in engines:
+        for counter in ("errors", "peer_failures"):
+            assert m[(f"tokenlake:engine_{counter}_total", labels_without_op(labels))] == 0
+
+
+def labels_without_op(labels: tuple) -> tuple:
+    return tuple((k, v) for k, v in labels if k != "op")
 
 
 def test_pool_history_stays_bounded():
