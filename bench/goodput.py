@@ -219,7 +219,8 @@ def run(args: argparse.Namespace) -> dict:
     spec = ClusterSpec(args.hardware, args.model, args.instances, args.tp)
     report = GoodputReport(args, spec)
     seeds = list(range(args.seed, args.seed + args.seeds))
-    probe = make_workload(args, 1.0, seeds[0])
+    # what the runs replay: the trace's own timing (a replay) or a rate (the header's note)
+    probe = make_workload(args, None if args.time_scale is not None else 1.0, seeds[0])
     if len(seeds) > 1 and not report.seeds_vary(probe, make_workload(args, 1.0, seeds[1])):
         report.warn(
             "the seeds give identical workloads (a trace without --jitter or "
@@ -264,6 +265,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.time_scale is not None:
         for s in args.systems:
             report.replay(s, [run_one(s, None, seed, report.knob_of(s)) for seed in seeds])
+        report.replay_table()
     if args.rates:
         for s in args.systems:
             for rate in args.rates:

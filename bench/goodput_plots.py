@@ -54,6 +54,18 @@ def plot_all(out: Path, summary: dict) -> list[Path]:
         axes[0][0].set_ylabel("KV tokens read / window")
         fig.suptitle(f"{name}: per-instance cache access load at {r['ref_rate']:.3g} req/s")
         paths.append(_save(fig, out / f"{name}_load.png"))
+    if summary.get("replay"):
+        replay = summary["replay"]
+        fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+        keys = ("slo_attainment", "hit_rate", "load_cv")
+        for ax, key, label in zip(
+            axes, keys, ("SLO attainment", "hit rate", "load CV"), strict=True
+        ):
+            ax.bar(list(replay), [r[key] for r in replay.values()])
+            ax.set_ylabel(label)
+            ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+        fig.suptitle(f"{name}: replay at the trace's own timing")
+        paths.append(_save(fig, out / f"{name}_replay.png"))
     if summary.get("cache"):
         fig, ax = plt.subplots(figsize=(4, 3))
         for s, pts in summary["cache"].items():

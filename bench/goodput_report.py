@@ -186,6 +186,18 @@ class GoodputReport:
             "load_cv": round(statistics.median(r.load.cv() for r in results), 4),
         }
 
+    def replay_table(self) -> None:
+        """One row per system of the replay at the trace's own timing."""
+        print("\nReplay at the trace's own timing (median [min-max] over seeds)")
+        print(f"{'system':16s} {'prefill':>7s} {'SLO attainment':>22s} {'hit':>6s} {'CV':>6s}")
+        for s, r in self.summary["replay"].items():
+            att = f"{r['slo_attainment']:.1%} [{r['slo_attainment_min']:.0%}-"
+            att += f"{r['slo_attainment_max']:.0%}]"
+            print(
+                f"{s:16s} {self.knob_of(s):>7d} {att:>22s} {r['hit_rate']:>6.1%} "
+                f"{r['load_cv']:>6.1%}"
+            )
+
     def sweep_point(self, system: str, rate: float, res: RunResult) -> None:
         ttft, tbt = _latency_ms(res)
         s = res.summary()
