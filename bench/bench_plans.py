@@ -32,7 +32,13 @@ import numpy as np
 import tokenlake as tl
 from tokenlake.balancer import BalancerConfig
 from tokenlake.bench.progress import Progress
-from tokenlake.bench.traces import CONVERSATION_TRACE, SYNTHETIC_TRACE, TokenSynth, load_trace
+from tokenlake.bench.traces import (
+    CONVERSATION_TRACE,
+    SYNTHETIC_TRACE,
+    TokenSynth,
+    conversation_trace,
+    load_trace,
+)
 
 SHAPE = tl.ModelShape(num_layers=32, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 
@@ -104,7 +110,8 @@ print(json.dumps(bench_plans.latency_cases(cases)), flush=True)
 def latency_cases(cases: list[list[int]]) -> list[dict]:
     """``bench_latency`` for each ``[num_instances, num_requests, repeats]``."""
     synth = TokenSynth(block_size=512)
-    trace = load_trace(CONVERSATION_TRACE, max(r for _, r, _ in cases))
+    num_requests = max(r for _, r, _ in cases)  # --quick fits the excerpt bundled for clones
+    trace = load_trace(conversation_trace(num_requests), num_requests)
     return [bench_latency(n, r, k, trace, synth) for n, r, k in cases]
 
 
