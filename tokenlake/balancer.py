@@ -180,11 +180,15 @@ def plan_replications(
     live: list[int],
     config: BalancerConfig,
     capacity_slots: int | None = None,
+    failover: frozenset[int] | set[int] = frozenset(),
 ) -> list[ReplicationOrder]:
     """This iteration's replication orders.
 
-    For each overloaded instance, its heavy hitters (most accessed first) are copied to the
-    least-loaded live instance without a copy, while the estimated load says it helps.
+    Fail-over first: each heavy hitter whose key is in ``failover`` (it lost a replica with
+    a dropped instance) gets one copy on the least-loaded live instance without one, whatever
+    the load. Then, for each overloaded instance, its heavy hitters (most accessed first) are
+    copied to the least-loaded live instance without a copy, while the estimated load says it
+    helps. Both share the budget.
     """
     if not config.replicate or len(live) < 2:
         return []
@@ -198,7 +202,7 @@ def plan_replications(
     mean = float(load[live].mean())
     threshold = config.overload_factor * mean
     over = [i for i in sorted(live, key=lambda i: -load[i]) if load[i] > threshold]
-    if not over or stats.total_access_tokens <= 0:
+    if (not over and not failover) or stats.total_access_tokens <= 0:
         return []
     hot = heavy_hitters(tree, config.num_heavy_hitters(len(live)))
     if not hot:
@@ -215,6 +219,17 @@ def plan_replications(
     dead[live] = False
     orders: list[ReplicationOrder] = []
     planned = np.zeros((len(hot), len(est)), dtype=bool)  # destinations ordered this time
+    for h in [h for h, node in enumerate(hot) if node.key in failover]:
+        n = int(num_rep[h])
+        taken = dead.copy()
+        taken[rep_inst[h, :n]] = True
+        if len(orders) >= budget or taken.all():
+            continue
+        dst = int(np.argmin(np.where(taken, np.inf, est)))
+        orders.append(ReplicationOrder(hot[h], hot[h].replicas[0], dst))
+        planned[h, dst] = True
+        est[rep_inst[h, :n]] -= node_loads[h] / n - node_loads[h] / (n + 1)
+        est[dst] += node_loads[h] / (n + 1)
     for src in over:
         for h in np.flatnonzero((rep_inst == src).any(axis=1)).tolist():
             if len(orders) >= budget or est[src] <= threshold:

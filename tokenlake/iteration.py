@@ -33,6 +33,7 @@ class Iteration:
     replications: list[tuple[Node, Location, Location]] = field(default_factory=list)
     read_idx: list[np.ndarray] = field(default_factory=list)  # table rows it reads
     decided_replication: bool = False
+    failover: tuple[int, frozenset[int]] | None = None  # membership changes, lost-replica keys
     plans: Plans | None = None
     traffic: Traffic | None = None
     gathered: Gathered | None = None

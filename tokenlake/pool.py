@@ -97,6 +97,10 @@ class Pool:
         self._epoch = 0  # the last epoch handed out; epochs are never reused
         self._inflight: dict[int, Iteration] = {}  # in planning order
         self._busy_requests: dict[int | str, int] = {}  # request id -> epoch in flight
+        # fail-over: drops/restores so far, how many a committed decision has seen, and the
+        # keys of segments that lost a replica to a drop (eligible for a copy, see balancer)
+        self._membership_changes = self._replicated_changes = 0
+        self._lost_replica: set[int] = set()
         # committed iterations when the last committed replication decision was planned
 
     # ---- reading ---------------------------------------------------------------------------
@@ -233,6 +237,9 @@ class Pool:
             self.stats.record_writes(pc.writes)
             seal_chunk(pc, tree, self.allocators, self.stats)
         self.stats.num_put_tokens += it.chunk_set.commit_in_place()
+        if it.failover is not None:  # its replication decision saw these drops and keys
+            self._replicated_changes = max(self._replicated_changes, it.failover[0])
+            self._lost_replica -= it.failover[1]
         for node, _, dst in it.replications:  # the node is read: it is still in the tree
             if any(r.instance_id == dst.instance_id for r in node.replicas):
                 self.allocators[dst.instance_id].free(dst.slot_id)  # a restored copy won
@@ -320,6 +327,10 @@ class Pool:
             if state.open is not None and state.open.location.instance_id != instance_id:
                 self.allocators[state.open.location.instance_id].free(state.open.location.slot_id)
             self._free_private(state, skip_instance=instance_id)
+        t = self.tree.table  # survivors with a copy there lose it: re-replicate the hot ones
+        rows = t.in_tree & (t.num_replicas > 1) & (t.rep_inst == instance_id).any(axis=1)
+        self._lost_replica.update(self.tree.node_at(i).key for i in np.flatnonzero(rows).tolist())
+        self._membership_changes += 1  # the next gen_plans decides replications at once
         for loc in self.tree.drop_instance(instance_id):
             self.allocators[loc.instance_id].free(loc.slot_id)
         self.placement.remove(instance_id)
@@ -335,6 +346,7 @@ class Pool:
             raise fail("instance_id", f"a dropped instance (one of {dropped})", instance_id)
         self.allocators[instance_id] = SlotAllocator(self.config.num_slots)
         self.placement.add(instance_id)
+        self._membership_changes += 1
 
     def get_stats(self) -> dict:
         """One plain dict of counters; see :meth:`tokenlake.stats.PoolStats.as_dict`."""
@@ -391,18 +403,26 @@ class Pool:
         it.read_idx.append(idx)
 
     def _reserve_replications(self, it: Iteration) -> None:
-        """Replication orders, decided every ``interval`` epochs with at most one decision
-        in flight. Each source's whole path is read by the iteration (so no copy of it is
-        evicted, and readers stay closed under ancestors), then a slot is reserved on the
-        destination."""
-        if (it.epoch - 1) % self.balancer.interval or any(
+        """Replication orders, decided every ``interval`` epochs, and at once after an
+        instance was dropped or restored (fail-over: segments that lost a replica are
+        eligible), with at most one decision in flight. Each source's whole path is read by
+        the iteration (so no copy of it is evicted, and readers stay closed under
+        ancestors), then a slot is reserved on the destination."""
+        failover = self._membership_changes > self._replicated_changes
+        if ((it.epoch - 1) % self.balancer.interval and not failover) or any(
             other.decided_replication for other in self._inflight.values()
         ):
             return
         it.decided_replication = True
+        it.failover = (self._membership_changes, frozenset(self._lost_replica))
         capacity = self.config.num_slots * len(self.placement.live)
         orders = plan_replications(
-            self.tree, self.access, list(self.live_instances), self.balancer, capacity
+            self.tree,
+            self.access,
+            list(self.live_instances),
+            self.balancer,
+            capacity,
+            failover=it.failover[1],
         )
         paths = []
         for node, _, _ in orders:
