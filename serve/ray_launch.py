@@ -157,6 +157,7 @@ class Launch:
         removed = _teardown(self.driver, self.placement, self.node_ids, self.launch_id)
         self.driver = self.placement = None
         if self._started_ray:
+            log.info("launch %s: stopping the local Ray", self.launch_id)
             ray.shutdown()
         return removed
 
@@ -166,13 +167,17 @@ class Launch:
 
 
 def _teardown(driver, placement, node_ids, launch_id: str, timeout_s: float = 60.0) -> list[str]:
+    # Each step is logged so that a slow teardown shows where it waits.
     if driver is not None:
+        log.info("launch %s: stopping the driver", launch_id)
         try:
             ray.get(driver.shutdown.remote(), timeout=timeout_s)
         except Exception:  # dead already, or stuck: killed below either way
             log.warning("driver shutdown failed", exc_info=True)
         ray.kill(driver, no_restart=True)
+    log.info("launch %s: removing placement groups", launch_id)
     ray_placement.remove(placement)
+    log.info("launch %s: removing shared memory and secret files", launch_id)
     return ray_placement.remove_files(node_ids, launch_id, timeout_s) if node_ids else []
 
 

@@ -346,7 +346,12 @@ def test_cli_launch_serves_until_ctrl_c_then_removes_everything(reference):
         prompt = list(range(70, 70 + 2 * C))
         assert _complete(found.group(1), prompt, 6)["token_ids"] == reference(prompt, 6)
         proc.send_signal(signal.SIGINT)
-        rest = proc.communicate(timeout=180)[0]
+        try:
+            rest = proc.communicate(timeout=180)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rest = proc.communicate()[0]
+            raise AssertionError(f"no exit 180 s after Ctrl-C; its log:\n{rest[-3000:]}") from None
     finally:
         if proc.poll() is None:
             proc.kill()
