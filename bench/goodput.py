@@ -156,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--window", type=float, default=5.0, help="load timeline window (s)")
     r.add_argument("--wall-budget", type=float, default=300.0, help="real seconds per run")
+    r.add_argument(
+        "--horizon",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="simulated seconds after the last arrival before a run stops "
+        "(default: 2x the arrival span + 600)",
+    )
     r.add_argument("--seed", type=int, default=0, help="first seed")
     r.add_argument("--out", default="", help="directory for runs.jsonl, summary.json, plots")
     return p
@@ -172,6 +180,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--time-scale replays the trace's own timing; drop --goodput/--rates")
     if args.time_scale is not None and not args.time_scale > 0:
         p.error(f"--time-scale: expected > 0, got {args.time_scale}")
+    if args.horizon is not None and not args.horizon > 0:
+        p.error(f"--horizon: expected > 0, got {args.horizon}")
     for name in ("requests", "offset", "block_size", "instances", "tp", "segment_len", "seeds"):
         value = getattr(args, name)
         low = 0 if name in ("requests", "offset") else 1
@@ -236,6 +246,7 @@ def run(args: argparse.Namespace) -> dict:
             mixed_chunk=not args.no_mixed_chunk,
             segment_len=args.segment_len,
             wall_budget_s=args.wall_budget,
+            horizon_s=args.horizon,
             window_s=args.window,
             seed=seed,
         )

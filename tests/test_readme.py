@@ -141,10 +141,16 @@ COMMANDS = {
     ".venv/bin/tokenlake goodput --workload sharegpt --requests 300 --systems $S --goodput --lo 4 "
     "--hi 8 --rel-tol 0.3 --max-evals 6 --wall-budget 3600 --out results/goodput/sharegpt300":
         Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload scbench --requests 45 --systems $S --rates 1 "
+    ".venv/bin/tokenlake goodput --workload scbench --requests 45 --systems tokenlake --rates 1 "
     "--prefill-tokens 2048 --seeds 1 --wall-budget 3600": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload agentic --requests 300 --systems $S --rates 2 "
+    ".venv/bin/tokenlake goodput --workload scbench --requests 45 --systems "
+    "router,mooncake-1p3d,mooncake-3p1d --rates 1 --prefill-tokens 2048 --seeds 1 "
+    "--wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload agentic --requests 300 --systems tokenlake --rates 2 "
     "--prefill-tokens 2048 --seeds 1 --wall-budget 3600": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload agentic --requests 300 --systems "
+    "router,mooncake-1p3d,mooncake-3p1d --rates 2 --prefill-tokens 2048 --seeds 1 "
+    "--wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake bench sim-crosscheck": Tiny(),
 }  # fmt: skip
 

@@ -130,3 +130,22 @@ def test_cli_replays_a_users_trace_and_reports_bad_lines(tmp_path, capsys):
     bad = write(tmp_path / "bad.jsonl", [row(0, 1100, [0, 1, 2]), row(1, 5, [1], out=True)])
     assert main(["--trace", str(bad), "--time-scale", "1", "--systems", "router"]) == 2
     assert "bad.jsonl line 2: field 'output_length'" in capsys.readouterr().err
+
+
+def test_cli_horizon_stops_runs_and_is_validated(tmp_path, capsys):
+    good = write(tmp_path / "mine.jsonl", ROWS)
+    args = ["--trace", str(good), "--time-scale", "1", "--systems", "router", "--seeds", "1"]
+
+    def runs(extra):
+        assert main(args + extra) == 0
+        return [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+
+    # a horizon too short for the last request (arrives at 2.5 s): stopped at the horizon
+    (short,) = runs(["--horizon", "0.001"])
+    assert short["stop"] == "horizon" and short["stalled"] > 0
+    (long,) = runs(["--horizon", "20000"])
+    assert long["stop"] == "done" and long["finished"] == 3
+    for bad in ("0", "-5"):
+        with pytest.raises(SystemExit):
+            main(args + ["--horizon", bad])
+        assert f"--horizon: expected > 0, got {float(bad)}" in capsys.readouterr().err
