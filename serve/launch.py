@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from tokenlake.errors import InvalidArgumentError
@@ -169,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
               f"--name {args.name}")  # fmt: skip
         launch.disconnect()
         return 0
+    # A process started with SIGINT ignored (by a shell's `&`, nohup, or a parent that ignores
+    # it) inherits that, and Python then never raises KeyboardInterrupt: Ctrl-C must still stop
+    # a foreground launch and remove what it created.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         launch.wait()
     except KeyboardInterrupt:

@@ -324,12 +324,15 @@ def _descendants(pid: int) -> set[int]:
 def test_cli_launch_serves_until_ctrl_c_then_removes_everything(reference):
     """``tokenlake launch`` as the README's first try: no ``--address`` (a local Ray of its
     own, on loopback without being told), in the foreground; serves, and Ctrl-C (SIGINT)
-    ends it with exit code 0, no process of it (Ray's included) and no shared memory left."""
+    ends it with exit code 0, no process of it (Ray's included) and no shared memory left.
+    Started with SIGINT ignored, as a parent that ignores it (this test process, after some
+    libraries ran) would hand down: Ctrl-C must work all the same."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}  # fmt: skip
     proc = subprocess.Popen(
         _launch_command("tlint", "--log-level", "info"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )  # fmt: skip
     try:
         lines = []
