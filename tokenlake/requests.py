@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tokenlake.prefix_tree import Location, Node, PendingInsert
+from tokenlake.prefix_tree import Location, Node, PendingInsert, PrefixTree
+from tokenlake.slots import SlotAllocator
 
 
 @dataclass(eq=False, slots=True)
@@ -85,3 +86,15 @@ class PlannedChunk:
     source: Node | None = None  # partially used segment for copy-on-extend (pinned)
     source_len: int = 0
     writes: list[SegmentWrite] = field(default_factory=list)
+
+
+def free_private_segments(
+    state: RequestState, tree: PrefixTree, allocators: list[SlotAllocator], skip_instance=None
+) -> None:
+    """Free a released request's private segments (outside the tree) and their slots, except
+    slots on ``skip_instance`` (a lost instance)."""
+    for node in state.private_nodes:
+        loc = node.replicas[0]
+        if loc.instance_id != skip_instance:
+            allocators[loc.instance_id].free(loc.slot_id)
+        tree.free_private(node)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+
+from tokenlake.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from tokenlake.segment_table import SegmentTable
@@ -98,6 +101,32 @@ class PendingInsert:
         self.location: Location = location
         self.result: Node | None = None
         self.state = "reserved"  # then "committed" or "aborted"
+
+
+class PendingInserts:
+    """The live reservations of a tree, by insert id."""
+
+    def __init__(self) -> None:
+        self._live: dict[int, PendingInsert] = {}
+        self._next_id = 0
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self) -> Iterator[PendingInsert]:
+        return iter(self._live.values())
+
+    def add(self, parent: Node | PendingInsert, key: int, tokens, location) -> PendingInsert:
+        pending = PendingInsert(self._next_id, parent, key, tokens, location)
+        self._next_id += 1
+        self._live[pending.insert_id] = pending
+        return pending
+
+    def take(self, pending: PendingInsert) -> PendingInsert:
+        """Remove a live reservation (to commit or abort it)."""
+        if self._live.pop(getattr(pending, "insert_id", None), None) is not pending:
+            raise InvalidArgumentError(f"pending: {pending!r} is not a live reservation")
+        return pending
 
 
 class CommitResult(NamedTuple):

@@ -42,7 +42,7 @@ def pool_state(pool: tl.Pool) -> dict:
         "nodes": nodes,
         "lru": tree.lru_order(),
         "clock": tree.clock,
-        "epoch": pool._epoch,  # a refused gen_plans must not use up an epoch
+        "epoch": pool.inflight.last_epoch,  # a refused gen_plans must not use up an epoch
         "requests": requests,
         "free_slots": [sorted(a.free_slots()) for a in pool.allocators],
         "live": pool.live_instances,

@@ -1,0 +1,124 @@
+"""Taking replicas out of the prefix tree and putting them back: LRU eviction with an undo
+journal, the undo itself, and forgetting a lost instance. Functions over the tree's public
+methods; :class:`tokenlake.prefix_tree.PrefixTree` exposes them as methods."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from tokenlake.errors import InvalidArgumentError
+from tokenlake.tree_types import Location, Node
+
+if TYPE_CHECKING:
+    from tokenlake.prefix_tree import PrefixTree
+
+
+class Evicted(NamedTuple):
+    """Undo record of one eviction: enough to put the replica (and, for a last copy, the
+    node) back exactly where it was, LRU position and access count included."""
+
+    node: Node
+    location: Location
+    stamp: int  # the replica's LRU stamp
+    parent: Node | None  # the node's parent when this was its last copy, else None
+    access: float  # raw (scaled) access count of a node that left the tree
+    access_scale: float  # the table's access scale then
+    position: int  # the replica's index among the node's replicas
+
+
+def evict_lru(
+    tree: PrefixTree, instance_id: int | None = None, journal: list[Evicted] | None = None
+) -> tuple[Node, Location] | None:
+    """Remove the least recently used evictable replica (on ``instance_id`` if given);
+    ``None`` if there is none. Any copy of a segment with several may go (pinned or not); a
+    last copy goes only from an unpinned leaf; no copy of a segment an in-flight iteration
+    reads goes. With ``journal``, an :class:`Evicted` record is appended so :func:`restore`
+    can undo it."""
+    table = tree.table
+    for (key, inst), stamp in tree.lru.items():
+        if instance_id is not None and inst != instance_id:
+            continue
+        node = tree.get(key)
+        idx = node.idx
+        if table.readers[idx]:
+            continue
+        if table.num_replicas[idx] > 1 or (not table.pins[idx] and not node.children):
+            parent = node.parent if table.num_replicas[idx] == 1 else None
+            access = float(table.access[idx]) if parent else 0.0
+            position = int(np.flatnonzero(table.rep_inst[idx] == inst)[0])
+            loc = tree.remove_replica(node, inst)
+            if journal is not None:
+                journal.append(
+                    Evicted(node, loc, stamp, parent, access, table.access_scale, position)
+                )
+            return node, loc
+    return None
+
+
+def restore(tree: PrefixTree, evicted: Sequence[Evicted], live: Iterable[int]) -> list[bool]:
+    """Undo evictions, latest first (so a parent comes back before its child). A victim
+    comes back only if its place is still free: its node (or, for a last copy, its parent)
+    is still in the tree, no node took its key, its instance is in ``live``, and it has no
+    replica there yet. Returns, per record, whether it was restored; the caller frees the
+    slots of the others. Only call this if nothing was written into the victims' slots
+    since they were evicted."""
+    live = set(live)
+    table = tree.table
+    done = [False] * len(evicted)
+    resort = False
+    for i in range(len(evicted) - 1, -1, -1):
+        node, loc, stamp, parent, access, scale, position = evicted[i]
+        if loc.instance_id not in live:
+            continue
+        if parent is not None:  # the node left the tree with this copy
+            attached = parent is tree.root or tree.get(parent.key) is parent
+            if not attached or tree.get(node.key) is not None or node.idx >= 0:
+                continue
+            if scale != table.access_scale:  # decayed since: same count, new scale
+                access *= table.access_scale / scale
+            tree.reattach(node, parent, access)
+        elif tree.get(node.key) is not node or (
+            any(r.instance_id == loc.instance_id for r in node.replicas)
+            or node.num_replicas >= table.max_replicas
+        ):
+            continue
+        resort |= stamp < tree.lru.last_stamp
+        tree.add_replica(node, loc, stamp=stamp, position=position)
+        done[i] = True
+    if resort:  # back to stamp order: an undone eviction returns to its old place
+        tree.lru.resort()
+    return done
+
+
+def drop_instance(tree: PrefixTree, instance_id: int) -> list[Location]:
+    """Forget every replica on a lost instance. A node whose only replica was there goes
+    with its whole subtree (those prefixes are incomplete now); such nodes must be unpinned.
+    Returns the freed locations on other instances."""
+    lost = [n for n in tree.nodes() if all(r.instance_id == instance_id for r in n.replicas)]
+    doomed: list[Node] = []
+    stack = list(lost)
+    while stack:
+        node = stack.pop()
+        doomed.append(node)
+        stack.extend(node.children.values())
+    pinned = [n for n in doomed if n.pin_count]
+    if pinned:
+        raise InvalidArgumentError(
+            f"instance_id: {len(pinned)} pinned segments would be lost; fail their requests first"
+        )
+    doomed_keys = {n.key for n in doomed}
+    for node in list(tree.nodes()):
+        if node.key not in doomed_keys and any(r.instance_id == instance_id for r in node.replicas):
+            tree.remove_replica(node, instance_id)
+    freed: list[Location] = []
+    for node in reversed(doomed):  # descendants were pushed after their ancestors
+        if tree.get(node.key) is not node:
+            continue
+        for loc in list(node.replicas):
+            tree.remove_replica(node, loc.instance_id)
+            if loc.instance_id != instance_id:
+                freed.append(loc)
+    return freed

@@ -1,0 +1,39 @@
+"""Prefix matching: the longest cached prefix of a token sequence in a prefix tree (read-only;
+:meth:`tokenlake.prefix_tree.PrefixTree.match` adds the optional LRU touch)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tokenlake.keys import as_tokens
+from tokenlake.tree_types import PrefixMatch, common_prefix_len
+
+if TYPE_CHECKING:
+    from tokenlake.prefix_tree import PrefixTree
+
+
+def longest_prefix(tree: PrefixTree, token_ids: Iterable[int] | np.ndarray) -> PrefixMatch:
+    """Full segments matched from the root by chained key (tokens compared, so a key
+    collision is no match), then the child continuing the match longest (a tail or a
+    sealed segment, found through its first token)."""
+    tokens = as_tokens(token_ids)
+    seg = tree.segment_len
+    node, nodes, pos = tree.root, [], 0
+    while pos + seg <= len(tokens):
+        chunk = tokens[pos : pos + seg]
+        child = node.children.get(tree.hasher.key(node.key, chunk))
+        if child is None or len(child.tokens) != seg or not np.array_equal(child.tokens, chunk):
+            break
+        nodes.append(child)
+        node, pos = child, pos + seg
+    partial, partial_len = None, 0
+    if pos < len(tokens):
+        rest = tokens[pos : pos + seg]
+        for cand in node.by_first.get(int(rest[0]), ()):
+            n = common_prefix_len(cand.tokens, rest)
+            if n > partial_len:
+                partial, partial_len = cand, n
+    return PrefixMatch(tuple(nodes), partial, partial_len, seg)
