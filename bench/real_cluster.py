@@ -21,342 +21,45 @@ its scheduler step's CPU time plus its forward's CPU time later, when it is comm
 TokenLake runs asynchronous iterations (each batch on its own instances, DESIGN §2.3;
 ``--sync-iterations``: one iteration over all instances at a time, as long as its slowest
 batch). A DoP-k batch runs as one forward here; ``--dop-speedup ideal`` (default) counts it k
-times faster than measured (ideal sequence parallelism, as the simulator assumes), ``none``
-charges it its whole measured time (no speedup: TokenLake's pessimistic bound). Planning of
-several batches started at one instant overlaps (generous to TokenLake, whose scheduler plans
-for N instances). A lane whose running requests overflow its pool drops its newest request
-(it misses the SLO). The rate sweep doubles the rate until the system misses the SLO
-(``bisect_goodput``; ``slo_missed_in_sweep`` in the JSON says whether it did), so a goodput is
-where the system itself fails, not a cap of the sweep.
+times faster than measured (ideal sequence parallelism, as the simulator assumes).
+``--holder-queries parallel`` (default): the prefix queries a batch sends to the instances
+holding its prefix run there, in parallel, as on a real cluster: the batch is charged its own
+instances' work and the slowest other holder's share, and each other holder is charged its
+share, which delays what that instance runs (:mod:`.real_cluster_replay`); ``serial`` charges
+the whole forward to the batch's instances (with ``--dop-speedup none``: TokenLake's
+pessimistic bound; the router's lanes hold their whole prefix, so neither option changes
+them). Planning of several batches started at one instant overlaps (generous to TokenLake,
+whose scheduler plans for N instances). Both systems' schedulers let a new request wait for
+a prefix another request's prefill is computing (SGLang's in-batch prefix caching;
+``--no-defer-pending-prefix`` turns it off for both). A lane whose running requests overflow
+its pool drops its newest request (it misses the SLO). The rate sweep doubles the rate until
+the system misses the SLO (``bisect_goodput``; ``slo_missed_in_sweep`` in the JSON says
+whether it did), so a goodput is where the system itself fails, not a cap of the sweep.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import heapq
-import itertools
 import json
 import math
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-import tokenlake as tl
-from tokenlake.bench.sim.metrics import (
-    LoadTimeline,
-    RequestRecord,
-    bisect_goodput,
-    hit_rate,
-    slo_attainment,
-)
-from tokenlake.bench.sim.router import CacheAwareRouter
-from tokenlake.engines.local_cluster import LocalCluster
-from tokenlake.engines.model.engine import ModelEngine
+from tokenlake.bench.real_cluster_replay import measure_solo, run
+from tokenlake.bench.real_cluster_systems import SYSTEMS, Env, RealClusterConfig, Timing
+from tokenlake.bench.sim.metrics import bisect_goodput, hit_rate, slo_attainment
 from tokenlake.engines.model.llama import LlamaModel
-from tokenlake.errors import PoolFullError
-from tokenlake.scheduler import Coeffs, ElasticScheduler, LatencyModel, SchedulerConfig
-from tokenlake.scheduler.planned import IterationPlan
-
-SYSTEMS = ("tokenlake", "router")
-LATENCY = LatencyModel({1: Coeffs(1e-3, 1e-5, 0.0)}, Coeffs(1e-3, 1e-5, 0.0))
-
-
-@dataclass(frozen=True)
-class RealClusterConfig:
-    num_instances: int = 4
-    segment_len: int = 32
-    num_slots: int = 48  # per instance
-    chunk_len: int = 256
-    num_docs: int = 12
-    doc_len: int = 448
-    question_len: int = 24
-    output_len: int = 8
-    zipf: float = 1.2
-    num_requests: int = 400
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class Env:
-    """What both systems' schedulers are told: the SLO (seconds) and profiled latency models
-    by instance count."""
-
-    slo: dict
-    latency: dict
-
-
-@dataclass(frozen=True)
-class Timing:
-    """How iterations are timed and run: ``dop_speedup`` counts a DoP-k batch k times faster
-    than measured; ``sync_iterations`` runs one iteration at a time over a pool's instances
-    (otherwise each batch is an iteration of its own on its own instances, DESIGN §2.3)."""
-
-    dop_speedup: bool = True
-    sync_iterations: bool = False
-
-
-@dataclass(frozen=True)
-class RealRequest:
-    rid: str
-    arrival_s: float
-    doc: int
-    doc_len: int
-    tokens: np.ndarray
-    output_len: int
-
-
-def workload(cfg: RealClusterConfig, rate: float, vocab: int) -> list[RealRequest]:
-    rng = np.random.default_rng(cfg.seed)
-    docs = [rng.integers(0, vocab, cfg.doc_len).astype(np.int32) for _ in range(cfg.num_docs)]
-    weights = 1.0 / np.arange(1, cfg.num_docs + 1) ** cfg.zipf
-    picks = rng.choice(cfg.num_docs, cfg.num_requests, p=weights / weights.sum())
-    gaps = rng.exponential(1.0 / rate, cfg.num_requests)
-    out = []
-    for i, (d, t) in enumerate(zip(picks, np.cumsum(gaps) - gaps[0], strict=True)):
-        question = rng.integers(0, vocab, cfg.question_len).astype(np.int32)
-        out.append(
-            RealRequest(
-                f"q{i}",
-                float(t),
-                int(d),
-                cfg.doc_len,
-                np.concatenate([docs[d], question]),
-                cfg.output_len,
-            )  # fmt: skip
-        )
-    return out
-
-
-class _Group:
-    """Instances sharing one pool, scheduler and compute engine; the scheduler's clock is the
-    replay's virtual time."""
-
-    def __init__(
-        self,
-        model: LlamaModel,
-        cfg: RealClusterConfig,
-        num_instances: int,
-        env: Env | None = None,
-        timing: Timing = Timing(),
-    ) -> None:
-        config = tl.PoolConfig(model.shape, num_instances, cfg.num_slots, cfg.segment_len)
-        self.pool = tl.Pool(config)
-        self.engine = ModelEngine(model, LocalCluster(self.pool))
-        # the scheduler knows the SLO and this machine's latencies (profiled), as in serving
-        slo = {} if env is None else env.slo
-        sched_cfg = SchedulerConfig(
-            num_instances, cfg.segment_len, chunk_len=cfg.chunk_len,
-            sync_iterations=timing.sync_iterations, **slo,
-        )  # fmt: skip
-        latency = LATENCY if env is None else env.latency[num_instances]
-        self.now = 0.0
-        self.scheduler = ElasticScheduler(sched_cfg, latency, self.pool, clock=lambda: self.now)
-        self.hits: dict[str, int] = {}
-        self._load = np.zeros(num_instances)
-        self.timing = timing
-        self.spent = {"control_s": 0.0, "compute_s": 0.0, "iterations": 0}
-
-    def launch(self, now: float) -> list[tuple[float, IterationPlan, dict]]:
-        """Start every iteration the scheduler hands out at ``now``; each one's forward runs
-        here, and it ends at ``now`` + its CPU time: its scheduler step, then its slowest batch
-        (a synchronous iteration's batches run on disjoint instances at once; a DoP-k batch is
-        timed whole and, with ``dop_speedup``, counted k times faster). Returns ``(end,
-        iteration, tokens)`` of each."""
-        self.now, out = now, []
-        while True:
-            t0 = time.process_time()
-            try:
-                it = self.scheduler.step()
-            except PoolFullError:  # the running requests alone overflow the pool: drop the newest
-                self.scheduler.cancel(self._newest_running())
-                continue
-            if it is None:
-                return out
-            control = time.process_time() - t0
-            chunks = {c.request_id: c for c in it.decision.chunks}
-            for rid, c in chunks.items():
-                self.hits.setdefault(rid, c.start)
-            plans, logits, compute = it.plans, {}, 0.0
-            for b in sorted({qp.batch_index for qp in plans.query_plans}):
-                subs = [k for k, qp in enumerate(plans.query_plans) if qp.batch_index == b]
-                part = dataclasses.replace(
-                    plans,
-                    query_plans=tuple(plans.query_plans[k] for k in subs),
-                    transfer_plans=tuple(plans.transfer_plans[k] for k in subs),
-                )
-                t0 = time.process_time()
-                logits.update(self.engine.run(part, chunks))
-                spent = time.process_time() - t0
-                compute = max(compute, spent / len(subs) if self.timing.dop_speedup else spent)
-            tokens = {rid: int(row.argmax()) for rid, row in logits.items()}
-            out.append((now + control + compute, it, tokens))
-            self.spent["control_s"] += control
-            self.spent["compute_s"] += compute
-            self.spent["iterations"] += 1
-
-    def finish(self, now: float, it: IterationPlan, tokens: dict) -> tuple[set, np.ndarray]:
-        """Commit ``it`` at ``now``: the requests that finished and the prefix tokens each
-        instance read since the last commit."""
-        self.now = now
-        finished = {r.request_id for r in self.scheduler.complete(it, tokens)}
-        self.engine.retire(it.plans)
-        load = np.asarray(self.pool.get_stats()["instance_load"], dtype=float)
-        delta, self._load = load - self._load, load
-        return finished, delta
-
-    def _newest_running(self) -> str:
-        running = [rid for rid in self.hits if rid in self.pool.requests]
-        return running[-1]
-
-
-class TokenLakeSystem:
-    """One lane: the pool's N instances run each iteration together."""
-
-    def __init__(
-        self, model: LlamaModel, cfg: RealClusterConfig, env: Env, dop_speedup: bool
-    ) -> None:
-        self.lanes = [_Group(model, cfg, cfg.num_instances, env, dop_speedup)]
-        self.first_instance = [0]
-
-    def add(self, r: RealRequest) -> int:
-        self.lanes[0].scheduler.add_request(r.rid, r.tokens, r.output_len)
-        return 0
-
-    def finished(self, lane: int, rids: set) -> None:
-        pass
-
-    def hit_tokens(self, rid: str) -> int:
-        return self.lanes[0].hits.get(rid, 0)
-
-
-class RouterSystem:
-    """N single-instance lanes (private caches) behind sgl-router's cache-aware rule."""
-
-    def __init__(
-        self, model: LlamaModel, cfg: RealClusterConfig, env: Env, dop_speedup: bool
-    ) -> None:
-        self.lanes = [_Group(model, cfg, 1, env) for _ in range(cfg.num_instances)]
-        self.first_instance = list(range(cfg.num_instances))
-        self.router = CacheAwareRouter(cfg.num_instances)
-        self.where: dict[str, int] = {}
-        self.block = cfg.segment_len
-
-    def add(self, r: RealRequest) -> int:
-        n = -(-len(r.tokens) // self.block)
-        # blocks wholly inside the shared document repeat across requests; the rest never do
-        keys = [(r.doc, b) if (b + 1) * self.block <= r.doc_len else (r.rid, b) for b in range(n)]
-        lengths = [min(self.block, len(r.tokens) - b * self.block) for b in range(n)]
-        worker = self.router.select(keys, lengths)
-        self.where[r.rid] = worker
-        self.lanes[worker].scheduler.add_request(r.rid, r.tokens, r.output_len)
-        return worker
-
-    def finished(self, lane: int, rids: set) -> None:
-        for _ in rids:
-            self.router.finished(lane)
-
-    def hit_tokens(self, rid: str) -> int:
-        lane = self.where.get(rid)  # None: not sent before the replay hit its time cap
-        return 0 if lane is None else self.lanes[lane].hits.get(rid, 0)
-
-
-@dataclass(frozen=True)
-class Solo:
-    """Batch-size-1 latencies on an idle instance with an empty cache (the SLO's base)."""
-
-    prefill: tuple[float, float]  # seconds = a + b * input_len
-    decode: tuple[float, float]  # seconds per step = a + b * context
-
-    def prefill_s(self, n: int) -> float:
-        return self.prefill[0] + self.prefill[1] * n
-
-
-def measure_solo(model: LlamaModel, cfg: RealClusterConfig, vocab: int) -> Solo:
-    rng = np.random.default_rng(cfg.seed + 1)
-    pre, dec = [], []
-    for n in (cfg.doc_len // 4, cfg.doc_len // 2, cfg.doc_len + cfg.question_len):
-        g = _Group(model, cfg, 1)
-        g.scheduler.add_request("solo", rng.integers(0, vocab, n).astype(np.int32), 4)
-        times, now = [], 0.0
-        while g.scheduler.has_work:
-            (end, it, tokens), *_ = g.launch(now)  # one request: one iteration at a time
-            times.append(end - now)
-            g.finish(end, it, tokens)
-            now = end
-        pre.append((n, sum(times[:-3])))
-        dec.append((n, float(np.median(times[-3:]))))
-    fit = lambda pts: tuple(np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)[::-1])  # noqa: E731
-    a, b = fit(pre)
-    da, db = fit(dec)
-    return Solo((max(a, 1e-4), max(b, 0.0)), (max(da, 1e-4), max(db, 0.0)))
-
-
-def run(
-    system_name: str,
-    model,
-    cfg,
-    rate: float,
-    solo: Solo,
-    env: Env,
-    limit_s: float,
-    timing: Timing = Timing(),
-):
-    """Replay the workload at ``rate`` in virtual time, event by event: an arrival is sent to
-    its lane (a group of instances sharing a scheduler), which starts what its scheduler
-    hands out on free instances; an iteration ends its measured CPU time later, is committed
-    then, and its lane starts what comes next. Lanes run in parallel. Returns the records, the
-    per-instance load timeline and the CPU seconds spent (scheduler steps, forwards) and
-    iterations run over all lanes."""
-    kind = TokenLakeSystem if system_name == "tokenlake" else RouterSystem
-    system = kind(model, cfg, env, timing)
-    reqs = workload(cfg, rate, model.config.vocab_size)
-    records = {
-        r.rid: RequestRecord(
-            i, r.arrival_s, len(r.tokens), r.output_len, solo.prefill_s(len(r.tokens)), solo.decode
-        )
-        for i, r in enumerate(reqs)
-    }
-    load = LoadTimeline(cfg.num_instances, window_s=1.0)
-    in_flight: list[tuple] = []  # heap of (end, seq, lane, iteration, tokens, start)
-    order = itertools.count()
-
-    def start(lane: int, now: float) -> None:
-        for end, it, tokens in system.lanes[lane].launch(now):
-            heapq.heappush(in_flight, (end, next(order), lane, it, tokens, now))
-
-    nxt, wall0 = 0, time.perf_counter()
-    while time.perf_counter() - wall0 < limit_s:
-        if nxt < len(reqs) and (not in_flight or reqs[nxt].arrival_s <= in_flight[0][0]):
-            r = reqs[nxt]
-            nxt += 1
-            start(system.add(r), r.arrival_s)
-            continue
-        if not in_flight:  # nothing arrives or runs any more (a lane that stalls: its misses)
-            break
-        end, _, lane, it, tokens, begun = heapq.heappop(in_flight)
-        finished, delta = system.lanes[lane].finish(end, it, tokens)
-        system.finished(lane, finished)
-        for rid in tokens:
-            records[rid].emit(end)
-        for k, x in enumerate(delta):
-            load.add(begun, system.first_instance[lane] + k, float(x))
-        start(lane, end)
-    for r in reqs:
-        records[r.rid].hit_tokens = system.hit_tokens(r.rid)
-    spent = {k: sum(g.spent[k] for g in system.lanes) for k in system.lanes[0].spent}
-    return list(records.values()), load, spent
 
 
 def evaluate(system_name, model, cfg, solo, env, args) -> dict:
     cache: dict[float, tuple] = {}
 
     def at(rate: float) -> float:
-        timing = Timing(args.dop_speedup == "ideal", args.sync_iterations)
+        timing = Timing(
+            args.dop_speedup == "ideal", args.holder_queries == "parallel", args.sync_iterations
+        )
         records, load, spent = run(system_name, model, cfg, rate, solo, env, args.limit_s, timing)
         cache[rate] = (records, load, spent)
         a = slo_attainment(records)
@@ -382,6 +85,8 @@ def evaluate(system_name, model, cfg, solo, env, args) -> dict:
         "iterations_at_common_rate": spent["iterations"],
         "clock": "process CPU time",
         "dop_speedup": args.dop_speedup,
+        "holder_queries": args.holder_queries,
+        "defer_pending_prefix": args.defer_pending_prefix,
         "iterations": "sync" if args.sync_iterations else "async",
     }
 
@@ -400,6 +105,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dop-speedup", choices=("ideal", "none"), default="ideal",
         help="a DoP-k batch counts k times faster than measured (ideal) or not at all (none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--holder-queries", choices=("parallel", "serial"), default="parallel",
+        help="prefix queries run on their holders in parallel (charged there) or serially "
+        "inside the batch's forward",
+    )  # fmt: skip
+    p.add_argument(
+        "--defer-pending-prefix", action=argparse.BooleanOptionalAction, default=True,
+        help="a new request waits for a prefix another request's prefill is computing (both systems)",
     )  # fmt: skip
     p.add_argument(
         "--sync-iterations", action="store_true",
@@ -441,7 +155,8 @@ def run_main(args: argparse.Namespace) -> int:
         f"questions, {cfg.output_len} output tokens; SLO 10x batch-size-1 (prefill "
         f"{solo.prefill_s(cfg.doc_len + cfg.question_len) * 1e3:.0f} ms, decode "
         f"{(solo.decode[0] + solo.decode[1] * cfg.doc_len) * 1e3:.1f} ms); times in process "
-        f"CPU time, DoP speedup {args.dop_speedup}",
+        f"CPU time, DoP speedup {args.dop_speedup}, holder queries {args.holder_queries}, "
+        f"defer pending prefix {args.defer_pending_prefix}",
         file=sys.stderr,
     )
     from tokenlake.serve.build import profile_latency_model
@@ -452,9 +167,12 @@ def run_main(args: argparse.Namespace) -> int:
             "input_token_slo": 10 * solo.prefill[1] + 10 * solo.prefill[0] / cfg.doc_len,
         },
         latency={
-            n: profile_latency_model(model, n, cfg.segment_len, cfg.chunk_len)
+            n: profile_latency_model(
+                model, n, cfg.segment_len, cfg.chunk_len, clock=time.process_time, repeats=3
+            )
             for n in sorted({1, cfg.num_instances})
         },
+        defer_pending_prefix=args.defer_pending_prefix,
     )
     rows = [evaluate(name, model, cfg, solo, env, args) for name in SYSTEMS]
     base = rows[1]["p90_goodput_req_s"]

@@ -59,6 +59,10 @@ class SchedulerConfig:
         output_reserve: share of a request's remaining output the admission reserves for it
             (1: the whole ``max_output_tokens``, as SGLang's admission; 0: only its prompt,
             as vLLM's, relying on preemption).
+        defer_pending_prefix: a new request whose next uncached segment a prefill chunk in
+            flight (or chosen before it in the same decision) is computing waits for that
+            chunk's commit instead of computing the segment again (SGLang's in-batch prefix
+            caching; :mod:`tokenlake.scheduler.pending`).
     """
 
     num_instances: int
@@ -74,6 +78,7 @@ class SchedulerConfig:
     decode_steps: int = 1
     kv_watermark: float = 0.01
     output_reserve: float = 1.0
+    defer_pending_prefix: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("num_instances", self.num_instances)
@@ -104,10 +109,11 @@ class SchedulerConfig:
                 raise InvalidArgumentError(
                     f"SchedulerConfig.{name}: expected positive seconds, got {value!r}"
                 )
-        if not isinstance(self.sync_iterations, bool):
-            raise InvalidArgumentError(
-                f"SchedulerConfig.sync_iterations: expected a bool, got {self.sync_iterations!r}"
-            )
+        for name in ("sync_iterations", "defer_pending_prefix"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(
+                    f"SchedulerConfig.{name}: expected a bool, got {getattr(self, name)!r}"
+                )
         for name, low_open in (
             ("lane_tbt_fraction", True),
             ("kv_watermark", False),

@@ -17,6 +17,7 @@ from tokenlake.scheduler import memory
 from tokenlake.scheduler.config import COLOCATED, ELASTIC, XPYD, SchedulerConfig
 from tokenlake.scheduler.lanes import Running, split_free_instances
 from tokenlake.scheduler.latency_model import DECODE, PREFILL, LatencyModel
+from tokenlake.scheduler.pending import PendingPrefixes
 from tokenlake.scheduler.planned import IterationPlan, Planned
 from tokenlake.scheduler.policy import (
     Decision,
@@ -77,9 +78,12 @@ class Deciding:
         stored: Mapping[int | str, int],
         num_free: int | None = None,
         max_new_requests: int | None = None,
+        inflight: Sequence[Chunk] = (),
     ) -> list[WorkItem]:
-        """Work items of ``idle`` requests that memory admits. Elastic on one instance: one
-        phase, alternating (the other when the turn's phase has nothing to run)."""
+        """Work items of ``idle`` requests that memory admits; new requests whose next
+        segment a chunk ``inflight`` or chosen before them computes wait for it. Elastic on
+        one instance: one phase, alternating (the other when the turn's phase has nothing to
+        run)."""
         options = [(PREFILL, DECODE)]
         if config.mode == ELASTIC and config.num_instances == 1:
             has_decode = any(r.phase is Phase.DECODE for r in idle)
@@ -96,7 +100,12 @@ class Deciding:
                     budget -= sum(r.phase is Phase.DECODE for r in idle)
             matches: dict[int | str, PrefixMatch] = {}
             cached = self._cached(matches)
-            items = select_work(idle, config, cached, phases, max_new_requests, budget)
+            pending = None
+            if config.defer_pending_prefix:
+                pending = PendingPrefixes(config.segment_len)
+                for c in inflight:
+                    pending.add(c.token_ids, c.start, c.end)
+            items = select_work(idle, config, cached, phases, max_new_requests, budget, pending)
             items = self.admit(items, requests, stored, matches)
             if items:
                 return items
@@ -139,11 +148,12 @@ class Deciding:
         idle = [r for r in requests if r.request_id not in busy]
         if not free or not idle:
             return []
-        stored = {c.request_id: c.end for it in inflight for c in it.decision.chunks}
+        chunks = [c for it in inflight for c in it.decision.chunks]
+        stored = {c.request_id: c.end for c in chunks}
         live = list(self.pool.live_instances)
         cfg = self._live_config()
         if cfg.mode == COLOCATED or (cfg.mode == ELASTIC and len(live) == 1):
-            items = self._work(idle, requests, cfg, stored, num_free=len(free))
+            items = self._work(idle, requests, cfg, stored, len(free), inflight=chunks)
             n = len(free)
             limits = InstanceLimits(n, n, 0 if cfg.mode == COLOCATED else n)
             d = self._plan(items, limits, load, inflight)
@@ -165,7 +175,7 @@ class Deciding:
         if split.prefill_instances:
             p = len(split.prefill_instances)
             prefills = [r for r in idle if r.phase is not Phase.DECODE]
-            items = self._work(prefills, requests, cfg, stored, num_free=p)
+            items = self._work(prefills, requests, cfg, stored, p, inflight=chunks)
             d = self._plan(items, InstanceLimits(p, p, 0), load, inflight)
             out += [self._one(d, b, split.prefill_instances) for b in range(len(d.batches))]
         return out

@@ -15,6 +15,7 @@ from tokenlake.scheduler.config import COLOCATED, SchedulerConfig
 from tokenlake.scheduler.dp import DPProblem, DPResult, solve
 from tokenlake.scheduler.dp_reference import solve_reference
 from tokenlake.scheduler.latency_model import DECODE, PREFILL, LatencyModel
+from tokenlake.scheduler.pending import PendingPrefixes
 from tokenlake.scheduler.request import Phase, Request, chunk_end
 
 MIXED = "mixed"
@@ -78,6 +79,7 @@ def select_work(
     phases: Sequence[str] = (PREFILL, DECODE),
     max_new_requests: int | None = None,
     budget: int | None = None,
+    pending: PendingPrefixes | None = None,
 ) -> list[WorkItem]:
     """Every decode step, then prefill chunks by earliest first-token deadline (then running
     prefills before waiting requests, then arrival) until the iteration's prefill token budget
@@ -87,12 +89,14 @@ def select_work(
     is computed, to produce the next output token; a preempted request recomputes the tokens
     it had generated too); a preempted request keeps its priority. ``phases`` limits the work to one phase (one instance cannot run both in elastic
     mode); ``max_new_requests`` caps admissions; ``budget`` overrides the prefill token budget
-    (an asynchronous decision over some of the instances).
+    (an asynchronous decision over some of the instances). With ``pending`` (the prefixes
+    chunks in flight are computing), a new request whose next uncached segment is pending
+    waits for it instead of computing it again; every prefill chunk chosen is added to it.
     """
-    pending = [r for r in requests if r.phase is not Phase.FINISHED]
+    unfinished = [r for r in requests if r.phase is not Phase.FINISHED]
     items = []
     if DECODE in phases:
-        for r in pending:
+        for r in unfinished:
             if r.phase is Phase.DECODE:
                 ids = r.token_ids
                 items.append(WorkItem(r.request_id, DECODE, ids, len(ids) - 1, len(ids), r.arrival))
@@ -103,7 +107,7 @@ def select_work(
         if config.mode == COLOCATED:
             budget = config.chunk_len * config.num_instances - len(items)
     admitted = 0
-    prefills = [r for r in pending if r.phase in (Phase.PREFILL, Phase.WAITING)]
+    prefills = [r for r in unfinished if r.phase in (Phase.PREFILL, Phase.WAITING)]
     # earliest deadline first; among equal deadlines (none: no SLO) running prefills first
     prefills.sort(key=lambda r: (r.deadline, r.phase is Phase.WAITING, r.arrival))
     for r in prefills:
@@ -111,11 +115,15 @@ def select_work(
         if new and max_new_requests is not None and admitted >= max_new_requests:
             break
         start = min(cached_tokens(r), r.num_known - 1) if new else r.num_stored
+        if new and pending is not None and pending.covers(r.token_ids, start):
+            continue
         end = chunk_end(start, r.num_known, min(config.chunk_len, budget), config.segment_len)
         if end <= start:
             break
         budget -= end - start
         admitted += new
+        if pending is not None:
+            pending.add(r.token_ids, start, end)
         items.append(WorkItem(r.request_id, PREFILL, r.token_ids, start, end, r.arrival))
     return items
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,9 +143,12 @@ def profile_latency_model(
     segment_len: int,
     chunk_len: int,
     backend: str | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    repeats: int = 1,
 ) -> LatencyModel:
     """Fit the scheduler's ``T(batch, k)`` on this model and machine (a second or two, on a
-    scratch pool so a served pool's cache and counters stay clean)."""
+    scratch pool so a served pool's cache and counters stay clean); each case the fastest of
+    ``repeats`` runs timed on ``clock``."""
     from tokenlake.engines.local_cluster import LocalCluster
 
     dops = tuple(range(1, min(num_instances, 4) + 1))
@@ -154,8 +158,8 @@ def profile_latency_model(
     pool = tl.Pool(tl.PoolConfig(model.shape, max(dops), slots, segment_len))
     engine = ModelEngine(model, LocalCluster(pool, backend=backend))
     rows = measure_rows(
-        pool, lambda plans, chunks: engine.run(plans, chunks), cases, repeats=1,
-        vocab=engine.model.config.vocab_size,
+        pool, lambda plans, chunks: engine.run(plans, chunks), cases, repeats=repeats,
+        vocab=engine.model.config.vocab_size, clock=clock,
     )  # fmt: skip
     fitted = fit_latency_model(rows)
     log.info("latency model: %s", fitted)

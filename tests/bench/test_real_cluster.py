@@ -6,15 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenlake.bench.real_cluster import (
-    LATENCY,
-    SYSTEMS,
-    Env,
-    RealClusterConfig,
-    Solo,
-    Timing,
-    run,
-)
+from tokenlake.bench.real_cluster_replay import Solo, run
+from tokenlake.bench.real_cluster_systems import LATENCY, SYSTEMS, Env, RealClusterConfig, Timing
 from tokenlake.engines.model.llama import LlamaModel
 from tokenlake.engines.model.tiny import write_tiny_random
 
@@ -31,7 +24,9 @@ def model(tmp_path_factory):
 
 @pytest.mark.parametrize("system", SYSTEMS)
 @pytest.mark.parametrize(
-    "timing", [Timing(), Timing(dop_speedup=False), Timing(sync_iterations=True)], ids=str
+    "timing",
+    [Timing(), Timing(dop_speedup=False, parallel_holders=False), Timing(sync_iterations=True)],
+    ids=str,
 )
 def test_every_request_is_served_in_forward_time(model, system, timing):
     solo = Solo((1.0, 0.0), (1.0, 0.0))  # an SLO no run can miss: this checks the replay
