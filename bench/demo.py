@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -208,9 +209,19 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1e3 if values else float("nan")
 
 
+def quiet_http_client_logs() -> None:
+    """httpx logs every request at INFO: hundreds of lines that would bury the demo's own
+    progress lines. Kept at debug level, where one asks for them."""
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import httpx
+
+    quiet_http_client_logs()
 
     from tokenlake.engines.model.tiny import write_tiny_random
 

@@ -10,7 +10,7 @@ from functools import partial
 
 import numpy as np
 import pytest
-from conftest import SHAPE, child_pids
+from engine_helpers import SHAPE, child_pids
 from harness import program_error, tokens
 
 import tokenlake as tl

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import CAPACITY, CONFIG
+from engine_helpers import CAPACITY, CONFIG
 from harness import Harness, dop_split_and_spread, prefill_decode_dedup_multiturn, tokens
 
 import tokenlake as tl

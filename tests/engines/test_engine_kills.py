@@ -14,7 +14,7 @@ import statistics
 import time
 
 import numpy as np
-from conftest import SHAPE, child_pids, shm_entries
+from engine_helpers import SHAPE, child_pids, shm_entries
 from harness import Harness, tokens
 
 import tokenlake as tl

@@ -11,7 +11,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from conftest import SHAPE, child_pids, shm_entries
+from engine_helpers import SHAPE, child_pids, shm_entries
 from harness import Harness, tokens
 
 import tokenlake as tl

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import CONFIG
+from engine_helpers import CONFIG
 from harness import tokens
 
 import tokenlake as tl

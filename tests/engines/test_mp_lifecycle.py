@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import SHAPE, child_pids, shm_entries
+from engine_helpers import SHAPE, child_pids, shm_entries
 from harness import tokens
 
 import tokenlake as tl

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import CAPACITY, child_pids, shm_entries
+from engine_helpers import CAPACITY, child_pids, shm_entries
 from harness import Harness, tokens
 
 import tokenlake as tl

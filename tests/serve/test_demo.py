@@ -25,3 +25,4 @@ def test_demo_runs_and_matches_transformers():
     assert summary["verified_identical"] == summary["verified"] == 2
     assert summary["turns"] >= 6 and summary["output_tokens"] > 0
     assert summary["cached_prompt_tokens"] > 0  # later turns reuse earlier ones
+    assert "HTTP Request:" not in out.stderr  # httpx's per-request INFO lines stay quiet
