@@ -7,6 +7,7 @@
 #include <string>
 
 #include "attention.h"
+#include "put_runs.h"
 #include "replica_choice.h"
 #include "scheduler_dp.h"
 #include "thread_pool.h"
@@ -135,6 +136,29 @@ NB_MODULE(_C, m) {
       "lens"_a, "slos"_a, "num_prefill"_a, "prefill_coef"_a, "decode_coef"_a, "num_instances"_a,
       "max_prefill_instances"_a, "max_decode_instances"_a, "load"_a, "batch_ends"_a.noconvert(),
       "dops"_a.noconvert(), "info"_a.noconvert(), nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "write_runs",
+      [](nb::ndarray<uint8_t, nb::c_contig, nb::device::cpu> pages,
+         nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu> rows,
+         nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> runs) {
+        // pages [num_slots, 2, page_len, ...] and rows [num_rows, 2, ...]: the trailing
+        // dimensions of both are one row of K (or V), in bytes
+        int64_t row_bytes = 1, rows_row_bytes = 1;
+        for (size_t d = 3; d < pages.ndim(); ++d) row_bytes *= pages.shape(d);
+        for (size_t d = 2; d < rows.ndim(); ++d) rows_row_bytes *= rows.shape(d);
+        if (pages.ndim() < 3 || rows.ndim() < 2 || pages.shape(1) != 2 || rows.shape(1) != 2 ||
+            row_bytes != rows_row_bytes || runs.shape(1) != 4) {
+          throw std::invalid_argument(
+              "write_runs: expected pages [num_slots, 2, page_len, ...], rows [num_rows, 2, "
+              "...] with rows of the same bytes, runs [num_runs, 4]");
+        }
+        tokenlake::write_runs(pages.data(), static_cast<int64_t>(pages.shape(0)),
+                              static_cast<int64_t>(pages.shape(2)), row_bytes, rows.data(),
+                              static_cast<int64_t>(rows.shape(0)), runs.data(),
+                              static_cast<int64_t>(runs.shape(0)));
+      },
+      "pages"_a.noconvert(), "rows"_a.noconvert(), "runs"_a.noconvert(),
+      nb::call_guard<nb::gil_scoped_release>());
   m.def("set_num_threads", &tokenlake::set_num_threads, "num_threads"_a);
   m.def("get_num_threads", &tokenlake::get_num_threads);
 }

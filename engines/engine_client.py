@@ -19,11 +19,13 @@ import time
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenlake.engines import executor, messages, process_group
 from tokenlake.engines.driver import Driver
 from tokenlake.engines.executor import BoundPart
+from tokenlake.engines.kv_pool import KVPool
 from tokenlake.errors import InvalidArgumentError, StalePlanError
 from tokenlake.plans import QueryPlan, TransferPlan
 from tokenlake.validate import check_int, check_tensor
@@ -43,8 +45,10 @@ class _BoundTransfer:
     plan: TransferPlan
     binding: int
     buf: torch.Tensor
-    local: list[tuple[int, list]]  # (instance, runs) written directly
+    local: list[tuple[KVPool, np.ndarray]]  # (destination pool, runs) written directly
     remote: list[tuple[int, list]]  # (instance, packed runs) sent to its transfer engine
+    host: np.ndarray | None  # CPU: buf's bytes as numpy, converted once (not per put)
+    layer_bytes: int
 
 
 class EngineClient:
@@ -245,7 +249,7 @@ class EngineClient:
         for k, h in enumerate(transfer_plan.dst_ids.tolist()):
             runs = executor.put_runs(transfer_plan, k)
             if d.same_host(self.instance_id, h):
-                local.append((h, runs.as_lists()))
+                local.append((d.views[h].pool, runs.as_array()))
                 continue
             packed = runs.packed()
             tickets.append(
@@ -267,7 +271,11 @@ class EngineClient:
         if tickets:
             d.channel.wait(tickets, "init_transfer")
         buf = self._views.kv[:, offset : offset + n]
-        self._transfers[buf.data_ptr()] = _BoundTransfer(transfer_plan, binding, buf, local, remote)
+        host = executor.host_rows(buf) if buf.device.type == "cpu" and local else None
+        layer_bytes = buf[0].numel() * buf.element_size()
+        self._transfers[buf.data_ptr()] = _BoundTransfer(
+            transfer_plan, binding, buf, local, remote, host, layer_bytes
+        )
         return buf
 
     def put(self, kv_buf: torch.Tensor, layer: int) -> None:
@@ -279,19 +287,20 @@ class EngineClient:
         bound = self._bound(self._transfers, "kv_buf", kv_buf, "init_transfer")
         layer = check_int("layer", layer, low=0, high=self._layout.model.num_layers)
         d = self._driver
-        kv_layer = bound.buf[layer]
-        for h, runs in bound.local:
-            executor.write_runs(d.views[h].pool, runs, kv_layer, layer)
+        if bound.local:
+            rows = bound.host[layer] if bound.host is not None else bound.buf[layer]
+            for pool, runs in bound.local:
+                executor.write_runs(pool, runs, rows, layer)
         for h, runs in bound.remote:
             tag = d.new_tag()
             ticket = d.channel.request(
                 ("transfer", h),
                 lambda seq, t=tag: messages.Put(seq, self.instance_id, bound.binding, layer, t),
             )
-            rows = executor.gather_runs(kv_layer, runs)
+            rows = executor.gather_runs(bound.buf[layer], runs)
             rank = d.rank("transfer", h)
             d.record_put(layer, ticket, process_group.send(d.group, rows, rank, tag), rank, rows)
-        d.count_call("put", start, kv_layer.numel() * kv_layer.element_size())
+        d.count_call("put", start, bound.layer_bytes)
 
     def synchronize(self) -> None:
         """Wait until every put of this instance has landed (call it before reporting an

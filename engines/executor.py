@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenlake import kernels
+from tokenlake import _C, kernels
 from tokenlake.engines.kv_pool import KVPool
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.plans import HolderPart, TransferPlan
@@ -122,6 +122,12 @@ class PutRuns:
         starts = np.cumsum(lens) - lens
         return PutRuns(starts.astype(np.int32), self.length, self.dst_slot, self.dst_offset)
 
+    def as_array(self) -> np.ndarray:
+        """int32 ``[num_runs, 4]`` of ``(src_row, length, dst_slot, dst_offset)``, what
+        :func:`write_runs` takes."""
+        columns = (self.src_row, self.length, self.dst_slot, self.dst_offset)
+        return np.ascontiguousarray(np.stack(columns, axis=1), dtype=np.int32).reshape(-1, 4)
+
     def as_lists(self) -> list[tuple[int, int, int, int]]:
         """``(src_row, length, dst_slot, dst_offset)`` per run, as Python ints (converted once
         per bound plan, so a put of one layer is only the copies)."""
@@ -157,20 +163,26 @@ def gather_runs(kv_layer: torch.Tensor, runs: list[tuple[int, int, int, int]]) -
 
 
 def write_runs(
-    pool: KVPool, runs: list[tuple[int, int, int, int]], kv_layer: torch.Tensor, layer: int
+    pool: KVPool, runs: np.ndarray, kv_layer: torch.Tensor | np.ndarray, layer: int
 ) -> None:
-    """Store ``kv_layer`` ``[num_rows, 2, H_kv, D]`` runs into one layer's pages: one strided
-    copy per run, no temporary, so a put moves each byte once. On CPU the copy goes through
-    numpy views of the raw bytes (its strided copy of these row runs runs at memcpy speed,
-    torch's at about half)."""
-    if kv_layer.device.type == "cpu":
-        pages, rows = pool.host_bytes[layer], kv_layer.view(torch.uint8).numpy()
-        for s, n, slot, off in runs:
-            np.copyto(pages[slot, :, off : off + n], rows[s : s + n].transpose(1, 0, 2, 3))
+    """Store ``kv_layer`` ``[num_rows, 2, H_kv, D]`` into one layer's pages by ``runs``
+    (int32 ``[num_runs, 4]``, :meth:`PutRuns.as_array`), so a put moves each byte once. On
+    CPU one C++ call copies every run (row by row, reading the rows in order: at about
+    memcpy speed, where a strided numpy or torch copy runs at half of it); ``kv_layer`` may
+    already be the rows' bytes (:func:`host_rows`, made once per bound plan, not per put)."""
+    if isinstance(kv_layer, np.ndarray) or kv_layer.device.type == "cpu":
+        rows = kv_layer if isinstance(kv_layer, np.ndarray) else host_rows(kv_layer)
+        _C.write_runs(pool.host_bytes[layer], rows, runs)
         return
     pages = pool.layer(layer)
-    for s, n, slot, off in runs:
+    for s, n, slot, off in runs.tolist():
         pages[slot, :, off : off + n].copy_(kv_layer[s : s + n].transpose(0, 1))
+
+
+def host_rows(kv: torch.Tensor) -> np.ndarray:
+    """A CPU tensor of KV rows (any leading dims, then ``[2, H_kv, D]``) as a numpy ``uint8``
+    view of the same memory, the form :func:`write_runs` copies from."""
+    return kv.view(torch.uint8).numpy()
 
 
 def segment_view(pool: KVPool, slot: int, length: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from tokenlake.plan_wire import check_array, check_runs, check_values
 @dataclass(eq=False)
 class _PutBinding:
     epoch: int
-    runs: list  # packed runs, as PutRuns.as_lists()
+    runs: np.ndarray  # packed runs, as PutRuns.as_array()
     num_rows: int
 
 
@@ -44,7 +44,7 @@ class TransferEngine(EngineBase):
             )
         check_runs("put", m.src_row, m.length, m.dst_slot, m.dst_offset, num_rows, self.limits)
         self.add_binding(
-            m.origin, m.epoch, m.binding, _PutBinding(m.epoch, runs.as_lists(), num_rows)
+            m.origin, m.epoch, m.binding, _PutBinding(m.epoch, runs.as_array(), num_rows)
         )
 
     def put(self, m: messages.Put) -> None:

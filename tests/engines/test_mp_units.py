@@ -105,12 +105,37 @@ def test_write_runs_equals_a_row_by_row_put_and_packed_gather():
         for layer in range(SHAPE.num_layers):
             for r, s_, o in zip(src.tolist(), slot.tolist(), offset.tolist(), strict=True):
                 by_rows.data[layer, s_, :, o] = kv[layer, r]
-            executor.write_runs(by_runs, runs.as_lists(), kv[layer], layer)
+            executor.write_runs(by_runs, runs.as_array(), kv[layer], layer)
             rows = executor.gather_runs(kv[layer], runs.as_lists())
-            executor.write_runs(packed, runs.packed().as_lists(), rows, layer)
+            executor.write_runs(packed, runs.packed().as_array(), rows, layer)
         assert torch.equal(by_rows.data, by_runs.data)
         assert torch.equal(by_rows.data, packed.data)
     pool.abort(plans)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_write_runs_rejects_every_out_of_range_run_before_writing(dtype):
+    """The C++ copy checks every run against both buffers before it writes any byte."""
+    shape = tl.ModelShape(2, 4, 2, 8, dtype)
+    pool = KVPool(shape, 4, 8)
+    kv = torch.randn((6, 2, 2, 8)).to(shape.torch_dtype)
+    good = [0, 2, 1, 3]  # rows 0..1 -> slot 1, tokens 3..4
+    executor.write_runs(pool, np.array([good], dtype=np.int32), kv, 1)
+    assert torch.equal(pool.data[1, 1, :, 3:5], kv[0:2].transpose(0, 1))
+    before = pool.data.clone()
+    for bad, name in [
+        ([5, 2, 0, 0], "src_row"),  # rows 5..6 of 6
+        ([-1, 1, 0, 0], "src_row"),
+        ([0, -1, 0, 0], "length"),
+        ([0, 1, 4, 0], "dst_slot"),
+        ([0, 1, -1, 0], "dst_slot"),
+        ([0, 2, 0, 7], "dst_offset"),  # tokens 7..8 of a page of 8
+        ([0, 1, 0, -1], "dst_offset"),
+    ]:
+        runs = np.array([good, bad], dtype=np.int32)  # the good run first: still not written
+        with pytest.raises(ValueError, match=f"runs: {name} out of range in run 1"):
+            executor.write_runs(pool, runs, kv, 0)
+        assert torch.equal(pool.data, before)
 
 
 def test_copy_segment_copies_the_first_tokens_of_every_layer():
