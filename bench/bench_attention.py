@@ -42,144 +42,31 @@ and its first-call costs are small next to its runtime). Threads: torch uses
 threads). Prints one table, then one JSON line per case.
 
 Boundary cost (``boundary_*`` lines): what the public functions add to the C++ core on a decode
-step -- argument validation, conversion and output allocation -- measured as the per-call CPU
-time (``time.process_time``, so other load on the machine does not count) of
-``tokenlake.kernels.partial_attention`` / ``merge`` (``public_us``) against ``tokenlake._C``
-called directly with arguments converted beforehand and preallocated outputs (``core_us``), in
-alternating blocks of ``--boundary-calls`` warm-cache calls (median over 7 blocks each), on one
-kernel thread, for decode batches of 8 requests over ``--boundary-prefix-lens`` with small heads
-(``--boundary-heads``), so the core's own time stays short next to what the boundary adds.
+step, in process CPU time (see :mod:`tokenlake.bench.attention_boundary`).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from tokenlake import _C
-from tokenlake.kernels import cpu, merge, partial_attention
-
-PAGE_LEN = 16
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str  # "decode" or "prefill"
-    num_reqs: int
-    rows_per_req: int
-    prefix_len: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-
-@dataclass
-class Inputs:
-    """Kernel arguments plus the same K/V gathered for SDPA (``[B, H_kv, L, D]`` each)."""
-
-    args: tuple[torch.Tensor, ...]  # q, q_indptr, pool_layer, kv_indptr, kv_indices, last_len
-    sdpa_q: torch.Tensor  # [B, H_q, rows, D]
-    sdpa_k: torch.Tensor
-    sdpa_v: torch.Tensor
-
-
-def build_pool(case: Case, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 pool ``[num_slots, 2, PAGE_LEN, H_kv, D]`` and shuffled slot ids ``[num_pages]``."""
-    num_pages = case.num_reqs * case.prefix_len // PAGE_LEN
-    shape = (num_pages, 2, PAGE_LEN, case.num_kv_heads, case.head_dim)
-    pool = torch.empty(shape).normal_(generator=gen)
-    slots = torch.randperm(num_pages, generator=gen).to(torch.int32)
-    return pool, slots
-
-
-def make_inputs(case: Case, pool: torch.Tensor, slots: torch.Tensor, gen) -> Inputs:
-    b, rows, d = case.num_reqs, case.rows_per_req, case.head_dim
-    q = torch.randn(b * rows, case.num_q_heads, d, generator=gen).to(pool.dtype)
-    pages_per_req = case.prefix_len // PAGE_LEN
-    q_indptr = torch.arange(0, b * rows + 1, rows, dtype=torch.int32)
-    kv_indptr = torch.arange(0, b * pages_per_req + 1, pages_per_req, dtype=torch.int32)
-    last_len = torch.full((b,), PAGE_LEN, dtype=torch.int32)
-    gathered = pool.index_select(0, slots.long()).view(b, pages_per_req, *pool.shape[1:])
-    k, v = (
-        gathered[:, :, i].reshape(b, case.prefix_len, case.num_kv_heads, d).transpose(1, 2)
-        for i in (0, 1)
-    )
-    sdpa_q = q.view(b, rows, case.num_q_heads, d).transpose(1, 2).contiguous()
-    args = (q, q_indptr, pool, kv_indptr, slots, last_len)
-    return Inputs(args, sdpa_q, k.contiguous(), v.contiguous())
-
-
-class Timer:
-    """Median wall time of a callable, each run preceded by writes that evict the LLC."""
-
-    def __init__(self, flush_mib: int):
-        self.flush_buf = torch.empty(flush_mib << 20, dtype=torch.uint8)
-
-    def median_ms(self, fn: Callable[[], object], repeats: int, warmup: int) -> float:
-        return self.alternating({"fn": fn}, repeats, warmup)["fn"][0]
-
-    def alternating(self, fns: dict, repeats: int, warmup: int) -> dict[str, tuple[float, float]]:
-        """Median wall and process-CPU ms of each callable, run in turn, the order reversed
-        every other round, so machine load and position skew them alike. CPU time counts
-        this process's threads only: on a loaded machine it is the steadier of the two."""
-        times: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
-        for i in range(warmup + repeats):
-            for name, fn in list(fns.items())[:: -1 if i % 2 else 1]:
-                self.flush_buf.fill_(i & 0xFF)
-                start, cpu_start = time.perf_counter(), time.process_time()
-                fn()
-                if i >= warmup:
-                    times[name].append(
-                        (time.perf_counter() - start, time.process_time() - cpu_start)
-                    )
-        return {
-            name: tuple(1e3 * statistics.median(col) for col in zip(*t, strict=True))
-            for name, t in times.items()
-        }
-
-    def memcpy_gbps(self, num_bytes: int, repeats: int) -> float:
-        src = torch.ones(max(num_bytes, 512 << 20), dtype=torch.uint8)
-        dst = torch.empty_like(src)
-        ms = self.median_ms(lambda: dst.copy_(src), repeats, warmup=1)
-        return src.numel() / ms / 1e6
-
-
-def bare_core_args(kernel_args: tuple) -> list:
-    """Arguments as the C++ core reads them, converted beforehand: NumPy views (they cross
-    the binding faster than DLPack), tensors where NumPy has no dtype (bfloat16)."""
-    return [t if t.dtype == torch.bfloat16 else t.numpy() for t in kernel_args]
-
-
-def load_core(path: str):
-    """The ``_C`` extension module of another build, loaded next to this one's."""
-    spec = importlib.util.spec_from_file_location("_C", path)  # its init is PyInit__C
-    if spec is None:
-        raise SystemExit(f"--baseline-core: cannot load {path!r}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def core_call(core, kernel_args: tuple, head_dim: int) -> tuple[Callable[[], object], tuple]:
-    """An uncapped direct call of ``core.partial_attention`` into preallocated outputs (the
-    soft-cap argument is passed only to builds that take one)."""
-    q = kernel_args[0]
-    o, lse = torch.empty(q.shape), torch.empty(q.shape[:2])
-    call = [*bare_core_args(kernel_args), o.numpy(), lse.numpy(), False, head_dim**-0.5]
-    if "logit_cap" in (core.partial_attention.__doc__ or ""):
-        call.append(0.0)
-    return (lambda: core.partial_attention(*call)), (o, lse)
+from tokenlake.bench.attention_boundary import boundary_cases, core_call, load_core
+from tokenlake.bench.attention_inputs import (
+    DTYPES,
+    PAGE_LEN,
+    Case,
+    Inputs,
+    Timer,
+    build_pool,
+    make_inputs,
+)
+from tokenlake.kernels import cpu, partial_attention
 
 
 def run_case(
@@ -257,62 +144,6 @@ def run_case(
         ),
         "load_avg_1m": round(load_avg, 2),
     }
-
-
-def per_call_us(public: Callable[[], object], core: Callable[[], object], calls: int):
-    """Median per-call CPU microseconds of two callables, timed in alternating blocks."""
-    times: dict[str, list[float]] = {"public": [], "core": []}
-    for _ in range(calls):  # warm-up
-        public(), core()
-    for _ in range(7):
-        for name, fn in (("public", public), ("core", core)):
-            start = time.process_time()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.process_time() - start) / calls * 1e6)
-    return statistics.median(times["public"]), statistics.median(times["core"])
-
-
-def boundary_cases(case: Case, dtype: str, pool: torch.Tensor, slots, calls: int, gen) -> list:
-    """Per-call cost of the public partial_attention and merge over the bare C++ core."""
-    args = make_inputs(case, pool, slots, gen).args
-    q = args[0]
-    o_b, lse_b = torch.randn(q.shape, generator=gen), torch.randn(q.shape[:2], generator=gen)
-    # The core's cheapest call: arguments converted beforehand and outputs preallocated.
-    o, lse = torch.empty(q.shape).numpy(), torch.empty(q.shape[:2]).numpy()
-    merge_args = bare_core_args((o_b, lse_b, o_b, lse_b))
-    pairs = {
-        "boundary_partial_attention": (
-            lambda: partial_attention(*args),
-            core_call(_C, args, case.head_dim)[0],
-        ),
-        "boundary_merge": (
-            lambda: merge(o_b, lse_b, o_b, lse_b),
-            lambda: _C.merge(*merge_args, o, lse),
-        ),
-    }
-    rows = []
-    threads = cpu.get_num_threads()
-    cpu.set_num_threads(1)  # the kernel runs in the calling thread: no wake-up jitter
-    for name, (public, core) in pairs.items():
-        public_us, core_us = per_call_us(public, core, calls)
-        rows.append(
-            {
-                "case": name,
-                "dtype": dtype,
-                "prefix_len": case.prefix_len,
-                "num_reqs": case.num_reqs,
-                "num_pages": int(args[4].numel()),
-                "heads": f"{case.num_q_heads}/{case.num_kv_heads}x{case.head_dim}",
-                "public_us": round(public_us, 2),
-                "core_us": round(core_us, 2),
-                "overhead_us": round(public_us - core_us, 2),
-                "overhead_fraction": round((public_us - core_us) / core_us, 4),
-                "load_avg_1m": round(os.getloadavg()[0], 2),
-            }
-        )
-    cpu.set_num_threads(threads)
-    return rows
 
 
 def print_table(rows: list[dict], cols: list[tuple[str, int]] | None = None) -> None:

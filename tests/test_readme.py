@@ -61,7 +61,7 @@ RAY_MACHINES = (
 # the launch detached, a completion from it, the stop: on a 3-node Ray cluster on 127.0.0.1
 RAY_CLI = "tests/ray/test_ray_launch.py::test_cli_detached_launch_serves_and_stops_by_name"
 RAY_FOREGROUND = (
-    "tests/ray/test_ray_launch.py::test_cli_launch_serves_until_ctrl_c_then_removes_everything"
+    "tests/ray/test_ray_cli.py::test_cli_launch_serves_until_ctrl_c_then_removes_everything"
 )
 GOODPUT_TINY = "--requests 6 --max-evals 1 --seeds 1 --prefill-tokens 2048 --wall-budget 120"
 COMMANDS = {

@@ -57,3 +57,25 @@ def node_of(resource: str) -> str:
     """The id of the node that has custom resource ``resource``."""
     (node,) = [n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]]
     return node
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Greedy generation by ``transformers`` of the seeded ``tiny-random`` model every launch
+    here serves (``ServeConfig``'s default seed): ``generate(prompt_ids, n) -> n token ids``."""
+    import torch
+    import transformers
+
+    from tokenlake.engines.model.tiny import write_tiny_random
+    from tokenlake.serve.config import ServeConfig
+
+    path = write_tiny_random(tmp_path_factory.mktemp("tiny"), seed=ServeConfig().seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
+
+    def generate(ids: list[int], n: int) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                 eos_token_id=None, min_new_tokens=n)  # fmt: skip
+        return out[0, len(ids) :].tolist()
+
+    return generate

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -23,13 +22,12 @@ import sys
 import threading
 import time
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import zmq
 from harness import program_error
+from ray_helpers import ENV, C, complete, gone, launch_command, launch_files, wait_until
 
 import tokenlake as tl
 from tokenlake.engines import messages
@@ -49,7 +47,6 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 SHAPE = tl.ModelShape(2, 4, 2, 16, "float32")
-C = 16
 DETECT_BOUND_S = 1.0
 REJOIN_BOUND_S = 180.0
 
@@ -61,23 +58,6 @@ def _node_with(resource: str) -> str:
 
 def _tokens(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 1000, n).astype(np.int32)
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
-        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-
-
-def _wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:g} s")
-        time.sleep(0.2)
 
 
 # ---- the data plane: cross-node path forced ------------------------------------------------
@@ -157,30 +137,6 @@ def served(ray_cluster):
     launch.shutdown()
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    from tokenlake.engines.model.tiny import write_tiny_random
-
-    path = write_tiny_random(tmp_path_factory.mktemp("tiny"), seed=SERVE.seed)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
-
-    def generate(ids: list[int], n: int) -> list[int]:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                                 eos_token_id=None, min_new_tokens=n)  # fmt: skip
-        return out[0, len(ids) :].tolist()
-
-    return generate
-
-
-def _complete(url: str, prompt, n: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}  # fmt: skip
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]
-
-
 def test_placement_is_as_asked(served):
     launch, _, status = served
     node1, node2 = _node_with("node1"), _node_with("node2")
@@ -199,7 +155,7 @@ def test_tokens_across_nodes_equal_transformers(served, reference):
     _, url, _ = served
     shared = "The pool holds every segment once, and every query travels to the cache. "
     for k, tail in enumerate(["First question?", "Second, longer question here?"]):
-        out = _complete(url, shared * 3 + tail, 12)
+        out = complete(url, shared * 3 + tail, 12)
         ids = out["prompt_token_ids"]
         assert out["token_ids"] == reference(ids, 12), k
     assert len(ids) > 3 * C  # the prompt spans segments on several instances
@@ -236,9 +192,9 @@ def test_control_is_authenticated_and_bound_to_the_cluster_address(served, refer
             for line in lines
         )  # fmt: skip
 
-    _wait_until(counted, 30, "two unauthenticated frames counted by query engine 0")
+    wait_until(counted, 30, "two unauthenticated frames counted by query engine 0")
     prompt = list(range(20, 20 + 3 * C))
-    assert _complete(url, prompt, 6)["token_ids"] == reference(prompt, 6)
+    assert complete(url, prompt, 6)["token_ids"] == reference(prompt, 6)
     after = ray.get(served[0].driver.status.remote(), timeout=60)
     assert after["pids"] == status["pids"] and after["lost"] == []
 
@@ -275,7 +231,7 @@ def test_killed_engine_is_detected_requests_complete_and_it_rejoins(served, refe
     detected = after["lost_at"][str(victim)] - killed_at
     print(f"instance {victim}: SIGKILL seen after {detected:.3f} s")
     assert detected <= DETECT_BOUND_S, detected
-    _wait_until(
+    wait_until(
         lambda: victim in ray.get(launch.driver.status.remote(), timeout=60)["live"],
         REJOIN_BOUND_S, f"instance {victim} rejoining",
     )  # fmt: skip
@@ -284,91 +240,13 @@ def test_killed_engine_is_detected_requests_complete_and_it_rejoins(served, refe
     assert back["pids"][f"query{victim}"] != status["pids"][f"query{victim}"]
     # served again by every instance, still exact
     prompt2 = list(range(100, 100 + 6 * C))
-    assert _complete(url, prompt2, 8)["token_ids"] == reference(prompt2, 8)
-
-
-def _launch_command(name: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "tokenlake.serve.launch", "--name", name, "--instances", "1",
-            "--cpus-per-instance", "0.5", "--segment-len", "16", "--num-slots", "64",
-            "--chunk-len", "64", "--no-profile", "--port", "0", "--host", "127.0.0.1",
-            *extra]  # fmt: skip
-
-
-ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-
-
-def _launch_files(launch_id: str) -> list[str]:
-    """A launch's shared memory and secret directories still on this machine."""
-    return glob.glob(f"{ray_buffers.SHM_DIR}/{ray_buffers.PREFIX}{launch_id}-*") + glob.glob(
-        str(Path(ray_buffers.secret_root()) / f"{ray_buffers.PREFIX}{launch_id}-*")
-    )
-
-
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(stat) as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-        children.setdefault(ppid, []).append(int(stat.split("/")[2]))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def test_cli_launch_serves_until_ctrl_c_then_removes_everything(reference):
-    """``tokenlake launch`` as the README's first try: no ``--address`` (a local Ray of its
-    own, on loopback without being told), in the foreground; serves, and Ctrl-C (SIGINT)
-    ends it with exit code 0, no process of it (Ray's included) and no shared memory left.
-    Started with SIGINT ignored, as a parent that ignores it (this test process, after some
-    libraries ran) would hand down: Ctrl-C must work all the same."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}  # fmt: skip
-    proc = subprocess.Popen(
-        _launch_command("tlint", "--log-level", "info"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-    )  # fmt: skip
-    try:
-        lines = []
-        for line in proc.stdout:  # ends if the launch exits; start-up is bounded by itself
-            lines.append(line)
-            if "TokenLake serving" in line:
-                break
-        found = re.search(r"serving tiny-random at (http://127\.0\.0\.1:\d+)", "".join(lines))
-        assert found, "".join(lines)[-3000:]
-        (launch_id,) = set(re.findall(r"launch (\w+): serving at", "".join(lines)))  # the log
-        assert _launch_files(launch_id)
-        started = _descendants(proc.pid)
-        assert started, "the local Ray's processes"
-        prompt = list(range(70, 70 + 2 * C))
-        assert _complete(found.group(1), prompt, 6)["token_ids"] == reference(prompt, 6)
-        proc.send_signal(signal.SIGINT)
-        try:
-            rest = proc.communicate(timeout=180)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rest = proc.communicate()[0]
-            raise AssertionError(f"no exit 180 s after Ctrl-C; its log:\n{rest[-3000:]}") from None
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, rest[-3000:]
-    assert "interrupted; shutting down" in rest
-    _wait_until(lambda: all(_gone(p) for p in started), 60, "the launch's processes exit")
-    assert not _launch_files(launch_id)
+    assert complete(url, prompt2, 8)["token_ids"] == reference(prompt2, 8)
 
 
 def test_cli_detached_launch_serves_and_stops_by_name(ray_cluster, reference):
     """The command a user types: launch detached (the command returns, the launch keeps
     serving), send a request, stop it by name from another command."""
-    cmd = _launch_command("tlcli", "--address", ray_cluster.address, "--nodes", "node0",
+    cmd = launch_command("tlcli", "--address", ray_cluster.address, "--nodes", "node0",
                           "--detach", "--log-level", "warning")  # fmt: skip
     env = ENV
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -376,9 +254,9 @@ def test_cli_detached_launch_serves_and_stops_by_name(ray_cluster, reference):
     url = re.search(r"serving tiny-random at (http://\S+)", out.stdout).group(1)
     driver = ray.get_actor("tlcli-driver", namespace="tokenlake")
     launch_id = ray.get(driver.record.remote(), timeout=60)["launch_id"]
-    assert _launch_files(launch_id)
+    assert launch_files(launch_id)
     prompt = list(range(60, 60 + 2 * C))
-    assert _complete(url, prompt, 6)["token_ids"] == reference(prompt, 6)
+    assert complete(url, prompt, 6)["token_ids"] == reference(prompt, 6)
     stop = [sys.executable, "-m", "tokenlake.serve.launch", "--address", ray_cluster.address,
             "--name", "tlcli", "--stop"]  # fmt: skip
     out = subprocess.run(stop, capture_output=True, text=True, timeout=300, env=env)
@@ -386,7 +264,7 @@ def test_cli_detached_launch_serves_and_stops_by_name(ray_cluster, reference):
     assert "stopped launch 'tlcli'" in out.stdout
     with pytest.raises(ValueError):
         ray.get_actor("tlcli-driver", namespace="tokenlake")
-    assert not _launch_files(launch_id)
+    assert not launch_files(launch_id)
     again = subprocess.run(stop, capture_output=True, text=True, timeout=300, env=env)
     assert again.returncode == 2 and "no running launch 'tlcli'" in again.stderr
 
@@ -397,12 +275,12 @@ def test_lost_node_is_detected_and_serving_goes_on(ray_cluster, served, referenc
     launch, url, _ = served
     (node,) = [n for n in ray_cluster.worker_nodes if n.node_id == _node_with("node2")]
     ray_cluster.remove_node(node)
-    _wait_until(
+    wait_until(
         lambda: 2 in ray.get(launch.driver.status.remote(), timeout=60)["lost"],
         30, "node2's instance marked lost",
     )  # fmt: skip
     prompt = list(range(150, 150 + 4 * C))
-    assert _complete(url, prompt, 8)["token_ids"] == reference(prompt, 8)
+    assert complete(url, prompt, 8)["token_ids"] == reference(prompt, 8)
     status = ray.get(launch.driver.status.remote(), timeout=60)
     assert status["live"] == [0, 1] and status["serving"]
 
@@ -413,8 +291,8 @@ def test_shutdown_leaves_nothing_behind(served):
     launch_id, groups = launch.launch_id, launch.placement.groups
     removed = launch.shutdown()
     assert any(p.startswith(ray_buffers.SHM_DIR) for p in removed)
-    _wait_until(lambda: all(_gone(p) for p in status["pids"].values()), 60, "actor exit")
-    assert not _launch_files(launch_id)
+    wait_until(lambda: all(gone(p) for p in status["pids"].values()), 60, "actor exit")
+    assert not launch_files(launch_id)
     table = ray.util.placement_group_table()
     assert all(table[pg.id.hex()]["state"] == "REMOVED" for pg in groups)
     launch.shutdown()  # idempotent
