@@ -23,7 +23,7 @@ import argparse
 import sys
 
 from tokenlake.bench.goodput_report import GoodputReport
-from tokenlake.bench.sim.confidence import system_goodput
+from tokenlake.bench.sim.confidence import TARGET, system_goodput
 from tokenlake.bench.sim.runner import EXTRA_SYSTEMS, SYSTEMS, RunConfig, RunResult, simulate
 from tokenlake.bench.sim.step_timer import ClusterSpec, make_timer
 from tokenlake.bench.traces import CONVERSATION_TRACE, SYNTHETIC_TRACE, TRACES_DIR
@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--hi", type=float, default=1.0, help="bisection upper start (req/s)")
     r.add_argument("--rel-tol", type=float, default=0.15)
     r.add_argument("--max-evals", type=int, default=8, help="runs per bisection")
+    r.add_argument(
+        "--full-runs",
+        action="store_true",
+        help="bisection runs go to the end even once the SLO attainment can no longer "
+        "reach 90%% (default: they stop there, stop 'slo_missed'; same verdict)",
+    )
     r.add_argument("--seeds", type=int, default=3, help="workload/arrival seeds per figure")
     r.add_argument("--rates", type=_float_list, default=None, help="comma list: rate sweep")
     r.add_argument("--rate", type=float, default=0.0, help="rate for --cache-fractions")
@@ -239,7 +245,9 @@ def run(args: argparse.Namespace) -> dict:
         seeds = seeds[:1]
     report.header(probe, seeds)
 
-    def run_one(system: str, rate: float | None, seed: int, knob: int, sp=spec) -> RunResult:
+    def run_one(
+        system: str, rate: float | None, seed: int, knob: int, sp=spec, stop_below=0.0
+    ) -> RunResult:
         cfg = RunConfig(
             system,
             prefill_tokens=knob,
@@ -249,6 +257,7 @@ def run(args: argparse.Namespace) -> dict:
             horizon_s=args.horizon,
             window_s=args.window,
             seed=seed,
+            stop_below=stop_below,
         )
         res = simulate(make_workload(args, rate, seed), sp, make_timer(sp), cfg)
         report.run(res, rate, seed, knob, sp)
@@ -257,9 +266,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.goodput:
         for s in args.systems:
             g = system_goodput(
-                lambda rate, seed, knob, s=s: run_one(s, rate, seed, knob).summary()[
-                    "slo_attainment"
-                ],
+                lambda rate, seed, knob, s=s: run_one(
+                    s, rate, seed, knob, stop_below=0.0 if args.full_runs else TARGET
+                ).summary()["slo_attainment"],
                 args.prefill_tokens,
                 seeds,
                 args.lo,

@@ -62,6 +62,7 @@ class CostModel:
         self._weight_bytes = (m.num_params - embed) * m.shape.dtype_bytes
         self._attn = 4.0 * m.num_layers * m.num_q_heads * m.head_dim  # FLOPs per (row, key)
         self._kv_bytes = m.shape.kv_bytes_per_token
+        self._q_and_o_bytes = 2 * m.num_layers * m.shape.q_bytes_per_token_layer  # per row
 
     def _roofline(self, flops: float, num_bytes: float) -> float:
         return max(flops / self.hardware.peak_flops, num_bytes / self.hardware.mem_bandwidth)
@@ -88,9 +89,8 @@ class CostModel:
     def query_time(self, num_rows: int, num_kv_tokens: int) -> float:
         """Seconds a holder spends on prefix attention of ``num_rows`` query rows over
         ``num_kv_tokens`` of its cached tokens (all layers)."""
-        m = self.model
         flops = self._attn * num_rows * num_kv_tokens
-        q_and_o = 2 * num_rows * m.num_layers * m.shape.q_bytes_per_token_layer
+        q_and_o = num_rows * self._q_and_o_bytes
         return self._roofline(flops, num_kv_tokens * self._kv_bytes + q_and_o)
 
     def transfer_time(self, num_bytes: float, same_node: bool = True) -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 from tokenlake.config import ModelShape
 from tokenlake.errors import InvalidArgumentError
@@ -77,20 +78,20 @@ class ModelProfile:
     vocab_size: int
     dtype: str = "bfloat16"
 
-    @property
+    @cached_property  # a frozen profile: computed once (hot in the simulator)
     def shape(self) -> ModelShape:
         return ModelShape(
             self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim, self.dtype
         )
 
-    @property
+    @cached_property
     def num_params(self) -> int:
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         attn = h * self.num_q_heads * self.head_dim * 2 + h * kv * 2  # q, o, k, v projections
         mlp = 3 * h * self.intermediate_size  # gate, up, down
         return self.num_layers * (attn + mlp) + 2 * self.vocab_size * h
 
-    @property
+    @cached_property
     def weight_bytes(self) -> int:
         return self.num_params * self.shape.dtype_bytes
 

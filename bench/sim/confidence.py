@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from tokenlake.bench.sim.metrics import bisect_goodput
 
+TARGET = 0.9  # P90 goodput: the highest rate where 90% of requests meet the SLO
 # attainment(rate, seed, knob) -> SLO attainment of one run
 Attainment = Callable[[float, int, int], float]
 
@@ -33,7 +34,7 @@ class SystemGoodput:
         """True when some seed met the SLO at every rate tried (its goodput is a "≥")."""
         for seed, g in zip(self.seeds, self.goodputs, strict=True):
             tried = [(r, a) for s, k, r, a in self.points if s == seed and k == self.knob]
-            if g > 0 and all(a >= 0.9 for r, a in tried if r >= g):
+            if g > 0 and all(a >= TARGET for r, a in tried if r >= g):
                 return True
         return False
 
@@ -77,7 +78,7 @@ def system_goodput(
             points.append((seed, knob, rate, a))
             return a
 
-        return bisect_goodput(at, lo, hi, 0.9, rel_tol, max_evals).goodput
+        return bisect_goodput(at, lo, hi, TARGET, rel_tol, max_evals).goodput
 
     by_knob: dict[int, float] = {}
     for knob in knobs:

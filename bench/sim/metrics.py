@@ -68,6 +68,23 @@ class RequestRecord:
         return self.finished and self.input_ratio <= slo_scale and self.max_tbt_ratio <= slo_scale
 
 
+def certain_misses(records: Sequence[RequestRecord], now: float, slo_scale: float = 10.0) -> int:
+    """Requests that miss the SLO whatever happens after ``now``: rejected, a first token or
+    a next token already later than the SLO allows, or a finished request that missed."""
+    n = 0
+    for r in records:
+        if r.rejected:
+            n += 1
+        elif r.num_tokens == 0:
+            n += (now - r.arrival_s) / r.solo_prefill_s > slo_scale
+        elif r.input_ratio > slo_scale or r.max_tbt_ratio > slo_scale:
+            n += 1
+        elif not r.finished:
+            solo = r.solo_decode[0] + r.solo_decode[1] * (r.input_len + r.num_tokens)
+            n += (now - r.last_token_s) / solo > slo_scale
+    return n
+
+
 def slo_attainment(records: Sequence[RequestRecord], slo_scale: float = 10.0) -> float:
     return sum(r.meets_slo(slo_scale) for r in records) / len(records) if records else 0.0
 

@@ -6,7 +6,10 @@ or was rejected, when nothing is left to happen (the system stalled), at ``horiz
 simulated time, or after ``wall_budget_s`` of real time. Every request ends in exactly one of:
 finished, rejected (the system refused it, e.g. it cannot fit; later turns of its session are
 never sent and count as rejected too) or stalled (submitted or due but never finished).
-Rejected and stalled requests miss the SLO.
+Rejected and stalled requests miss the SLO. With ``stop_below`` a run also stops ("slo_missed")
+once so many requests have certainly missed the SLO that the attainment cannot reach it: the
+bisection's verdict is the same as after the whole run, at a fraction of its cost (an
+overloaded run is the slowest); its unfinished requests are then counted as cut, not stalled.
 """
 
 from __future__ import annotations
@@ -20,7 +23,13 @@ from tokenlake.bench.progress import Progress
 from tokenlake.bench.sim.engine import EngineConfig
 from tokenlake.bench.sim.events import EventLoop
 from tokenlake.bench.sim.job import Job
-from tokenlake.bench.sim.metrics import LoadTimeline, RequestRecord, hit_rate, slo_attainment
+from tokenlake.bench.sim.metrics import (
+    LoadTimeline,
+    RequestRecord,
+    certain_misses,
+    hit_rate,
+    slo_attainment,
+)
 from tokenlake.bench.sim.mooncake import ConductorConfig, MooncakeSystem
 from tokenlake.bench.sim.router import RouterConfig, RouterSystem
 from tokenlake.bench.sim.step_timer import ClusterSpec, CostModelTimer
@@ -38,6 +47,7 @@ SYSTEMS = (
 # accepted but not run by default: TokenLake with one cluster-wide iteration at a time (the
 # model before asynchronous iterations), for side-by-side comparisons
 EXTRA_SYSTEMS = ("tokenlake-sync",)
+SLO_MISSED = "slo_missed"
 
 
 @dataclass(frozen=True)
@@ -50,7 +60,8 @@ class RunConfig:
     arrival; None: 2x the arrival span + 600 s); wall_budget_s; window_s (load timeline
     windows); slo_scale (the SLO multiple, 10); seed (the router's tree order); decode_steps
     (TokenLake's decode steps per pool iteration at most, bounded by the TBT SLO: fewer
-    control-plane calls per token, see ``SchedulerConfig.decode_steps``)."""
+    control-plane calls per token, see ``SchedulerConfig.decode_steps``); stop_below (stop
+    once the SLO attainment cannot reach this any more; 0: run to the end)."""
 
     system: str
     prefill_tokens: int = 8192
@@ -62,6 +73,7 @@ class RunConfig:
     slo_scale: float = 10.0
     seed: int = 0
     decode_steps: int = 8
+    stop_below: float = 0.0
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS + EXTRA_SYSTEMS:
@@ -79,7 +91,8 @@ class RunResult:
     load: LoadTimeline
     sim_s: float
     wall_s: float
-    stop_reason: str  # "done", "stalled" (nothing left to happen), "horizon", "wall_budget"
+    # "done", "stalled" (nothing left to happen), "horizon", "wall_budget", "slo_missed"
+    stop_reason: str
     extra: dict = field(default_factory=dict)
 
     @property
@@ -92,6 +105,15 @@ class RunResult:
 
     @property
     def num_stalled(self) -> int:
+        if self.stop_reason == SLO_MISSED:
+            return 0
+        return len(self.records) - self.num_finished - self.num_rejected
+
+    @property
+    def num_cut(self) -> int:
+        """Requests left unfinished when the run stopped early on a certain SLO miss."""
+        if self.stop_reason != SLO_MISSED:
+            return 0
         return len(self.records) - self.num_finished - self.num_rejected
 
     @property
@@ -111,6 +133,7 @@ class RunResult:
             "sim_s": round(self.sim_s, 2),
             "wall_s": round(self.wall_s, 2),
             "stop": self.stop_reason,
+            **({"cut": self.num_cut} if self.stop_reason == SLO_MISSED else {}),
             **self.extra,
         }
 
@@ -225,6 +248,11 @@ def simulate(
             break
         t = min(t + step, end)
         loop.run(until=t)
+        if cfg.stop_below > 0:
+            done = list(records.values())
+            if total - certain_misses(done, loop.now, cfg.slo_scale) < cfg.stop_below * total:
+                stop = SLO_MISSED
+                break
     progress.update(total - pending["n"])
     progress.close(stop)
     for r in workload.requests:  # turns never sent (their session stalled) still count

@@ -82,6 +82,9 @@ class TokenLakeTiming:
         self.gpus = [SharedGPU() for _ in range(n)]
         self.q_row_bytes = 2 * spec.mp.num_layers * spec.mp.shape.q_bytes_per_token_layer
         self.node = np.array([spec.node_of(i) for i in range(n)])
+        self.kv_bytes_per_token = spec.kv_bytes_per_token
+        self._query_time = timer.cost.query_time
+        self._decode_step: dict[int, float] = {}  # batch size -> overhead + forward (memo)
         hw = timer.hardware
         self.bw_near, self.bw_far, self.mem_bw = (
             hw.intra_node_bandwidth,
@@ -107,11 +110,11 @@ class TokenLakeTiming:
             else:  # decode steps, one after another (several per request: multi-step)
                 batch = np.bincount(rows, minlength=int(rows.max()) + 1)[::-1].cumsum()[::-1]
                 for num in batch[1:].tolist():  # requests still decoding at each step
-                    work[o] += overhead + timer.forward_time([(0, 1)] * num)
+                    work[o] += self._decode_step_time(num, overhead)
             if len(qp.entry_req):
                 holders = np.repeat(qp.holder_ids, np.diff(qp.holder_indptr))
                 tokens = (np.diff(qp.kv_indptr) - 1) * seg + qp.last_len
-                entries.append((rows[qp.entry_req], tokens, holders, np.full(len(holders), o)))
+                entries.append((rows[qp.entry_req], tokens, holders, o))
             if len(tp.dst_ids):
                 cum = np.concatenate([[0], np.cumsum(tp.run_len)])
                 sent = cum[tp.dst_indptr[1:]] - cum[tp.dst_indptr[:-1]]
@@ -119,29 +122,52 @@ class TokenLakeTiming:
         near, far = np.zeros(n), np.zeros(n)  # bytes each origin sends over NVLink / IB
         reads = np.zeros(n)
         if entries:
-            rows, tokens, holders, origins = (np.concatenate(x) for x in zip(*entries, strict=True))
+            self._queries(work, entries, has_prefill)
+            rows = np.concatenate([e[0] for e in entries])
+            tokens = np.concatenate([e[1] for e in entries])
+            holders = np.concatenate([e[2] for e in entries])
+            origins = np.repeat([e[3] for e in entries], [len(e[2]) for e in entries])
             reads = np.bincount(holders, weights=rows * tokens, minlength=n)
-            # decode rows: one batched query per (holder, origin) and step
-            one = np.full(len(rows), True) if not has_prefill else rows == 1
-            for o in np.unique(origins):
-                mine = origins == o
-                w = (tokens * rows)[mine & one]
-                dk = np.bincount(holders[mine & one], weights=w, minlength=n)
-                for h in np.flatnonzero(dk):
-                    work[h] += timer.query_time(1, int(dk[h]))
-                for h, r, t in zip(
-                    holders[mine & ~one], rows[mine & ~one], tokens[mine & ~one], strict=True
-                ):
-                    work[h] += timer.query_time(int(r), int(t))
             self._add_traffic(near, far, origins, holders, rows * self.q_row_bytes)
         if puts:
             dsts, sent, origins = (np.concatenate(x) for x in zip(*puts, strict=True))
-            num_bytes = sent * self.spec.kv_bytes_per_token
+            num_bytes = sent * self.kv_bytes_per_token
             self._add_traffic(near, far, origins, dsts, num_bytes)
             remote = dsts != origins
             work += np.bincount(dsts[remote], weights=num_bytes[remote], minlength=n) / self.mem_bw
         net = near / self.bw_near + far / self.bw_far
         return self.place(work, float(net.max(initial=0.0)), now, payload, reads)
+
+    def _decode_step_time(self, batch_size: int, overhead: float) -> float:
+        t = self._decode_step.get(batch_size)
+        if t is None:
+            t = overhead + self.timer.forward_time([(0, 1)] * batch_size)
+            self._decode_step[batch_size] = t
+        return t
+
+    def _queries(self, work: np.ndarray, entries: list, has_prefill: bool) -> None:
+        """Add each holder's prefix-attention time to ``work``: decode rows as one batched
+        query per (origin, holder) and step, prefill rows one query per request."""
+        n, query_time = len(work), self._query_time
+        for o in sorted({e[3] for e in entries}):
+            mine = [e for e in entries if e[3] == o]
+            rows = np.concatenate([e[0] for e in mine])
+            tokens = np.concatenate([e[1] for e in mine])
+            holders = np.concatenate([e[2] for e in mine])
+            if not has_prefill:
+                dk = np.bincount(holders, weights=tokens * rows, minlength=n)
+                for h in np.flatnonzero(dk).tolist():
+                    work[h] += query_time(1, int(dk[h]))
+                continue
+            one = rows == 1
+            dk = np.bincount(holders[one], weights=(tokens * rows)[one], minlength=n)
+            for h in np.flatnonzero(dk).tolist():
+                work[h] += query_time(1, int(dk[h]))
+            many = ~one
+            for h, r, t in zip(
+                holders[many].tolist(), rows[many].tolist(), tokens[many].tolist(), strict=True
+            ):
+                work[h] += query_time(r, t)
 
     def place(self, work, net: float, now: float, payload: object = None, reads=None):
         """Place an iteration started at ``now`` with ``work[i]`` seconds (at full speed) on
