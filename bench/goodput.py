@@ -24,7 +24,14 @@ import sys
 
 from tokenlake.bench.goodput_report import GoodputReport
 from tokenlake.bench.sim.confidence import TARGET, system_goodput
-from tokenlake.bench.sim.runner import EXTRA_SYSTEMS, SYSTEMS, RunConfig, RunResult, simulate
+from tokenlake.bench.sim.runner import (
+    EXTRA_SYSTEMS,
+    SLO_MISSED,
+    SYSTEMS,
+    RunConfig,
+    RunResult,
+    simulate,
+)
 from tokenlake.bench.sim.step_timer import ClusterSpec, make_timer
 from tokenlake.bench.traces import CONVERSATION_TRACE, SYNTHETIC_TRACE, TRACES_DIR
 from tokenlake.bench.workloads import (
@@ -245,9 +252,14 @@ def run(args: argparse.Namespace) -> dict:
         seeds = seeds[:1]
     report.header(probe, seeds)
 
+    done: dict[tuple, RunResult] = {}  # whole runs, reused when a later phase asks again
+
     def run_one(
         system: str, rate: float | None, seed: int, knob: int, sp=spec, stop_below=0.0
     ) -> RunResult:
+        key = (system, rate, seed, knob, sp)
+        if key in done:
+            return done[key]
         cfg = RunConfig(
             system,
             prefill_tokens=knob,
@@ -261,6 +273,8 @@ def run(args: argparse.Namespace) -> dict:
         )
         res = simulate(make_workload(args, rate, seed), sp, make_timer(sp), cfg)
         report.run(res, rate, seed, knob, sp)
+        if res.stop_reason != SLO_MISSED:
+            done[key] = res
         return res
 
     if args.goodput:
