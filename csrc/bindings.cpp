@@ -2,14 +2,18 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 
 #include <stdexcept>
 #include <string>
 
 #include "attention.h"
+#include "page_plan.h"
 #include "put_runs.h"
 #include "replica_choice.h"
 #include "scheduler_dp.h"
+#include "segment_table.h"
+#include "transfer_plan.h"
 #include "thread_pool.h"
 
 namespace nb = nanobind;
@@ -36,6 +40,19 @@ tokenlake::TensorView view(const Array& a) {
   for (int i = 0; i < t.ndim && i < tokenlake::kMaxDims; ++i) t.shape[i] = a.shape(i);
   if (t.ndim > tokenlake::kMaxDims) t.ndim = tokenlake::kMaxDims + 1;
   return t;
+}
+
+template <typename T, int D = 1>
+using Vec = nb::ndarray<T, nb::ndim<D>, nb::c_contig, nb::device::cpu>;
+
+// The array's length, or an error naming it when it holds fewer than ``need`` elements.
+template <typename T>
+void need(const Vec<T>& a, int64_t n, const char* name) {
+  if (static_cast<int64_t>(a.shape(0)) < n) {
+    throw std::invalid_argument(std::string("plan_pages: ") + name + " needs " +
+                                std::to_string(n) + " elements, has " +
+                                std::to_string(a.shape(0)));
+  }
 }
 
 }  // namespace
@@ -94,6 +111,128 @@ NB_MODULE(_C, m) {
       },
       "rep_inst"_a, "num_replicas"_a, "weight"_a, "load"_a.noconvert(), "seed"_a,
       "chosen"_a.noconvert());
+  m.def(
+      "plan_pages",
+      [](Vec<const int32_t, 2> rep_inst, Vec<const int32_t, 2> rep_slot,
+         Vec<const int32_t> num_replicas, int64_t segment_len, int64_t num_subs,
+         int64_t num_instances, Vec<const int64_t> sub, Vec<const int64_t> rows,
+         Vec<const int64_t> page_ptr, Vec<const int64_t> page_idx, Vec<const int64_t> source_idx,
+         Vec<const int64_t> source_len, Vec<const int64_t> tail_inst,
+         Vec<const int64_t> tail_slot, Vec<const int64_t> tail_len, Vec<const double> base_load,
+         uint64_t seed, Vec<int32_t> kv_indices, Vec<int32_t> kv_indptr, Vec<int32_t> entry_req,
+         Vec<int32_t> last_len, Vec<int32_t> holder_ids, Vec<int32_t> holder_indptr,
+         Vec<int32_t> q_indptr, Vec<int64_t> bounds, Vec<double> load, Vec<double> query_rows,
+         Vec<int64_t> read_rows, Vec<int32_t> read_count, Vec<double> read_qrows,
+         Vec<int64_t> chosen) {
+        const int64_t num_rows = static_cast<int64_t>(rep_inst.shape(0));
+        if (static_cast<int64_t>(rep_slot.shape(0)) != num_rows ||
+            rep_slot.shape(1) != rep_inst.shape(1) || num_replicas.shape(0) < rep_inst.shape(0)) {
+          throw std::invalid_argument("plan_pages: rep_inst, rep_slot, num_replicas disagree");
+        }
+        const int64_t P = static_cast<int64_t>(sub.shape(0)), U = num_subs, N = num_instances;
+        need(rows, P, "rows");
+        need(page_ptr, P + 1, "page_ptr");
+        for (const auto* a : {&source_idx, &source_len, &tail_inst, &tail_slot, &tail_len}) {
+          need(*a, P, "source_idx/source_len/tail_*");
+        }
+        if (N < 1 || U < 0 || U > (int64_t{1} << 20) || N > (int64_t{1} << 20)) {
+          throw std::invalid_argument("plan_pages: num_subs/num_instances out of range");
+        }
+        need(base_load, N, "base_load");
+        tokenlake::PagePieces p{P,
+                                U,
+                                N,
+                                segment_len,
+                                sub.data(),
+                                rows.data(),
+                                page_ptr.data(),
+                                page_idx.data(),
+                                source_idx.data(),
+                                source_len.data(),
+                                tail_inst.data(),
+                                tail_slot.data(),
+                                tail_len.data()};
+        const int64_t A = tokenlake::count_page_accesses(p);
+        need(page_idx, page_ptr.data()[P], "page_idx");
+        for (const auto* a : {&kv_indices, &entry_req, &last_len, &holder_ids, &read_count}) {
+          need(*a, A, "kv_indices/entry_req/last_len/holder_ids/read_count");
+        }
+        need(kv_indptr, A + U, "kv_indptr");
+        need(holder_indptr, A + U, "holder_indptr");
+        need(q_indptr, P + U, "q_indptr");
+        need(bounds, 4 * (U + 1), "bounds");
+        need(load, N, "load");
+        need(query_rows, U * N, "query_rows");
+        need(read_rows, A, "read_rows");
+        need(read_qrows, A, "read_qrows");
+        need(chosen, A, "chosen");
+        const tokenlake::ReplicaTable table{rep_inst.data(), rep_slot.data(), num_replicas.data(),
+                                            num_rows, static_cast<int64_t>(rep_inst.shape(1))};
+        tokenlake::PagePlan out{kv_indices.data(), kv_indptr.data(),    entry_req.data(),
+                                last_len.data(),   holder_ids.data(),   holder_indptr.data(),
+                                q_indptr.data(),   bounds.data(),       load.data(),
+                                query_rows.data(), read_rows.data(),    read_count.data(),
+                                read_qrows.data(), chosen.data()};
+        tokenlake::plan_pages(table, p, base_load.data(), seed, out);
+        return std::make_tuple(out.num_entries, out.num_holders, out.num_read_rows,
+                               out.num_chosen, out.access_tokens);
+      },
+      nb::arg("rep_inst"), nb::arg("rep_slot"), nb::arg("num_replicas"), nb::arg("segment_len"),
+      nb::arg("num_subs"), nb::arg("num_instances"), nb::arg("sub"), nb::arg("rows"),
+      nb::arg("page_ptr"), nb::arg("page_idx"), nb::arg("source_idx"), nb::arg("source_len"),
+      nb::arg("tail_inst"), nb::arg("tail_slot"), nb::arg("tail_len"), nb::arg("base_load"),
+      nb::arg("seed"), nb::arg("kv_indices").noconvert(), nb::arg("kv_indptr").noconvert(),
+      nb::arg("entry_req").noconvert(), nb::arg("last_len").noconvert(),
+      nb::arg("holder_ids").noconvert(), nb::arg("holder_indptr").noconvert(),
+      nb::arg("q_indptr").noconvert(), nb::arg("bounds").noconvert(),
+      nb::arg("load").noconvert(), nb::arg("query_rows").noconvert(),
+      nb::arg("read_rows").noconvert(), nb::arg("read_count").noconvert(),
+      nb::arg("read_qrows").noconvert(), nb::arg("chosen").noconvert(),
+      nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "plan_transfers",
+      [](int64_t num_subs, int64_t num_instances, Vec<const int64_t, 2> runs,
+         Vec<const int64_t, 2> copies, Vec<int32_t, 2> run_cols, Vec<int32_t> dst_ids,
+         Vec<int32_t> dst_indptr, Vec<int32_t, 2> copy_cols, Vec<int64_t> bounds) {
+        const int64_t n = static_cast<int64_t>(runs.shape(0)), U = num_subs;
+        const int64_t m = static_cast<int64_t>(copies.shape(0));
+        if (runs.shape(1) != 6 || copies.shape(1) != 6 || U < 0 || U > (int64_t{1} << 20) ||
+            run_cols.shape(0) != 4 || static_cast<int64_t>(run_cols.shape(1)) != n ||
+            copy_cols.shape(0) != 5 || static_cast<int64_t>(copy_cols.shape(1)) != m ||
+            static_cast<int64_t>(dst_ids.shape(0)) < n ||
+            static_cast<int64_t>(dst_indptr.shape(0)) < n + U ||
+            static_cast<int64_t>(bounds.shape(0)) < 3 * (U + 1)) {
+          throw std::invalid_argument(
+              "plan_transfers: expected runs/copies [n|m, 6], run_cols [4, n], copy_cols "
+              "[5, m], dst_ids [>= n], dst_indptr [>= n + U], bounds [>= 3 (U + 1)]");
+        }
+        const tokenlake::TransferInput in{U, num_instances, n, runs.data(), m, copies.data()};
+        tokenlake::TransferArrays out{run_cols.data(), dst_ids.data(), dst_indptr.data(),
+                                      copy_cols.data(), bounds.data()};
+        tokenlake::plan_transfers(in, out);
+        return out.num_dsts;
+      },
+      "num_subs"_a, "num_instances"_a, "runs"_a, "copies"_a, "run_cols"_a.noconvert(),
+      "dst_ids"_a.noconvert(), "dst_indptr"_a.noconvert(), "copy_cols"_a.noconvert(),
+      "bounds"_a.noconvert(), nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "add_readers",
+      [](Vec<const int64_t> idx, int32_t delta, Vec<int32_t> readers, Vec<int32_t> evictable,
+         Vec<const int32_t> pins, Vec<const int32_t> num_replicas, Vec<const bool> in_tree) {
+        const int64_t n = static_cast<int64_t>(readers.shape(0));
+        if (static_cast<int64_t>(evictable.shape(0)) != n ||
+            static_cast<int64_t>(pins.shape(0)) != n ||
+            static_cast<int64_t>(num_replicas.shape(0)) != n ||
+            static_cast<int64_t>(in_tree.shape(0)) != n) {
+          throw std::invalid_argument("add_readers: table columns of different lengths");
+        }
+        tokenlake::SegmentColumns t{readers.data(),      evictable.data(), pins.data(),
+                                    num_replicas.data(), in_tree.data(),   n};
+        return tokenlake::add_readers(t, idx.data(), static_cast<int64_t>(idx.shape(0)), delta);
+      },
+      "idx"_a, "delta"_a, "readers"_a.noconvert(), "evictable"_a.noconvert(),
+      "pins"_a.noconvert(), "num_replicas"_a.noconvert(), "in_tree"_a.noconvert(),
+      nb::call_guard<nb::gil_scoped_release>());
   m.def(
       "schedule_dp",
       [](nb::ndarray<const double, nb::ndim<1>, nb::c_contig, nb::device::cpu> lens,

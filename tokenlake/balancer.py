@@ -119,11 +119,12 @@ class AccessStats:
             self.total_access_tokens /= table.access_scale
             table.access_scale = 1.0
 
-    def record_accesses(self, idx: np.ndarray, rows: np.ndarray, tokens: np.ndarray) -> None:
-        """Segments ``idx`` were read by ``rows`` query rows each, ``tokens`` tokens each."""
+    def record_accesses(self, idx: np.ndarray, rows: np.ndarray, access_tokens: float) -> None:
+        """Segments ``idx`` (repeats add up) were read by ``rows`` query rows each;
+        ``access_tokens`` is the sum of query rows × tokens read over those reads."""
         scale = self.table.access_scale
         np.add.at(self.table.access, idx, rows * scale)
-        self.total_access_tokens += float(np.dot(rows, tokens)) * scale
+        self.total_access_tokens += float(access_tokens) * scale
 
     def record_load(self, load: np.ndarray, live: list[int]) -> None:
         if len(self._window) == self._window.maxlen:

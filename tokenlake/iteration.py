@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tokenlake.chunk_set import ChunkSet
-from tokenlake.page_gather import Gathered
+from tokenlake.page_gather import Reads
 from tokenlake.plan_builder import Traffic
 from tokenlake.plans import Plans
 from tokenlake.prefix_tree import Evicted, Location, Node
@@ -36,7 +36,7 @@ class Iteration:
     failover: tuple[int, frozenset[int]] | None = None  # membership changes, lost-replica keys
     plans: Plans | None = None
     traffic: Traffic | None = None
-    gathered: Gathered | None = None
+    reads: Reads | None = None
     instances: frozenset[int] = frozenset()  # every instance the plans touch
     gen_plans_s: float = 0.0  # how long gen_plans took (a histogram at commit)
 

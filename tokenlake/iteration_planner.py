@@ -84,7 +84,7 @@ class IterationPlanner:
                     if w.copy_from is not None and w.copy_from not in pc.source.replicas:
                         w.copy_from = pc.source.replicas[0]  # pinned: its last copy stays
         free = [i for i in sorted(self.placement.live) if i not in busy]
-        plans, traffic, gathered = self.builder.build(
+        plans, traffic, reads = self.builder.build(
             (self.inflight.pool_id, it.epoch),
             cs,
             dops,
@@ -94,18 +94,18 @@ class IterationPlanner:
             self.inflight.total_load(self.access.recent_load),
             (self.seed * 1_000_003 + it.epoch) % 2**62,
         )
-        self._add_readers(it, gathered.node_idx)
-        it.plans, it.traffic, it.gathered = plans, traffic, gathered
+        self._add_readers(it, reads.rows)
+        it.plans, it.traffic, it.reads = plans, traffic, reads
         it.instances = touched_instances(plans)
 
     def settle(self, it: Iteration, live: list[int]) -> None:
         """Commit ``it``: seal, add its replicas, book accesses, LRU, load and counters."""
-        tree, g = self.tree, it.gathered
+        tree, r = self.tree, it.reads
         for pc in it.new_chunks:  # the admitted prefix was read: the most recent for LRU
             tree.touch(pc.state.tree_nodes + ([pc.source] if pc.source else []))
-        tree.touch_replicas(g.chosen_idx.tolist(), g.chosen_inst.tolist())
+        tree.touch_replicas(r.chosen_idx.tolist(), r.chosen_inst.tolist())
         self.access.begin_iteration()
-        self.access.record_accesses(g.node_idx, g.node_rows, g.node_tokens)
+        self.access.record_accesses(r.rows, r.query_rows, r.access_tokens)
         for pc in it.chunks:
             self.stats.record_writes(pc.writes)
             seal_chunk(pc, tree, self.allocators, self.stats)
@@ -117,7 +117,7 @@ class IterationPlanner:
                 self.allocators[dst.instance_id].free(dst.slot_id)  # a restored copy won
             else:
                 tree.add_replica(node, dst)
-        tree.add_readers(it.all_read_idx(), -1)
+        self._drop_readers(it)
         self.access.record_load(it.traffic.load, live)
         self.stats.record_iteration(it.traffic, it.new_chunks, len(it.victims))
         self.stats.record_gen_plans(it.gen_plans_s)
@@ -129,7 +129,7 @@ class IterationPlanner:
             for w in reversed(pc.writes):
                 if w.pending is not None and w.pending.state == "reserved":
                     tree.abort(w.pending)
-        tree.add_readers(it.all_read_idx(), -1)
+        self._drop_readers(it)
         admission.release(it.new_chunks, self.requests, tree)
         restored = set()
         if not executed and it.victims:
@@ -140,10 +140,14 @@ class IterationPlanner:
                 self.allocators[loc.instance_id].free(loc.slot_id)
         self.stats.num_evictions += len(it.victims) - len(restored)
 
-    def _add_readers(self, it: Iteration, idx) -> None:
-        idx = np.asarray(idx, dtype=np.int64)
+    def _add_readers(self, it: Iteration, idx: np.ndarray) -> None:
+        """``it`` reads the table rows ``idx`` (a reader per occurrence until it ends)."""
         self.tree.add_readers(idx, 1)
         it.read_idx.append(idx)
+
+    def _drop_readers(self, it: Iteration) -> None:
+        for idx in it.read_idx:
+            self.tree.add_readers(idx, -1)
 
     def _reserve_replications(self, it: Iteration) -> None:
         """Replication orders, decided every ``interval`` epochs, and at once after an
@@ -167,7 +171,7 @@ class IterationPlanner:
             while node is not self.tree.root and node.idx >= 0:
                 paths.append(node.idx)
                 node = node.parent
-        self._add_readers(it, paths)
+        self._add_readers(it, np.asarray(paths, dtype=np.int64))
         for node, src, dst in orders:
             loc = self.segments.reserve_replica(dst, it.victims)
             if loc is not None:

@@ -1,6 +1,6 @@
-"""Gathering the prefix pages a plan reads: every page of every piece as flat arrays, a
-replica for each (power of two choices), and one sort by (sub-batch, holder, request) from
-which every plan's CSR arrays are slices."""
+"""Gathering the prefix pages a plan reads, in one C++ pass (``csrc/page_plan.h``): every page
+of every piece, a replica for each (power of two choices), one stable sort by (sub-batch,
+holder), and every query plan's CSR arrays as slices of a few global arrays."""
 
 from __future__ import annotations
 
@@ -15,39 +15,44 @@ from tokenlake.plans import read_only
 from tokenlake.segment_table import SegmentTable
 
 
+class Reads(NamedTuple):
+    """What one iteration reads from the segment table: ``rows`` (distinct table rows, first
+    read first; its readers while in flight), the query rows reading each and the sum of
+    rows × tokens over all its reads (its accesses at commit), and ``chosen_idx`` /
+    ``chosen_inst`` the replicas picked among several, ascending (touched at commit)."""
+
+    rows: np.ndarray  # int64
+    query_rows: np.ndarray  # float64
+    access_tokens: float
+    chosen_idx: np.ndarray  # int64
+    chosen_inst: np.ndarray  # int64
+
+
 @dataclass(frozen=True)
-class PageIndex:
-    """All accesses sorted by (sub-batch, holder, request); ``e_*`` per (sub-batch, holder,
-    request) entry, ``h_*`` per (sub-batch, holder)."""
+class PagePlan:
+    """Every page access of one iteration, sorted by (sub-batch, holder, piece), full pages
+    before an entry's partial last page. Sub-batch ``u`` owns accesses
+    ``a_bounds[u]:a_bounds[u+1]``, entries (one per holder and piece) ``e_bounds[u]:...``,
+    holders ``h_bounds[u]:...``, pieces ``p_bounds[u]:...``. ``kv_indptr`` (over entries),
+    ``holder_indptr`` (over holders) and ``q_indptr`` (over pieces) hold every sub-batch's
+    CSR offsets in one array: sub-batch ``u``'s elements ``lo:hi`` have offsets
+    ``indptr[lo + u : hi + u + 1]``, relative to its first element, its end appended. Read-only
+    int32 arrays."""
 
-    slot: np.ndarray  # int32 [num_accesses] slot of each page, sorted
-    a_sub: np.ndarray  # sub-batch of each access, sorted
-    e_start: np.ndarray  # first access of each entry
-    e_sub: np.ndarray
-    e_inst: np.ndarray
-    e_piece: np.ndarray
-    e_last: np.ndarray  # int32 tokens in each entry's last page
-    h_start: np.ndarray  # first entry of each holder
-    h_sub: np.ndarray
-
-
-class Gathered(NamedTuple):
-    """Every page access of one iteration. ``inst``/``slot``/``tokens``/``piece_of``/
-    ``partial`` cover all pages (tree pages first, then open tails); ``node_idx``/
-    ``node_rows``/``node_tokens`` the pages that are table rows (read, counted as accesses at
-    commit); ``chosen_idx``/``chosen_inst`` the replicas picked among several (touched at
-    commit)."""
-
-    inst: np.ndarray
-    slot: np.ndarray
-    tokens: np.ndarray
-    piece_of: np.ndarray
-    partial: np.ndarray
-    node_idx: np.ndarray
-    node_rows: np.ndarray
-    node_tokens: np.ndarray
-    chosen_idx: np.ndarray
-    chosen_inst: np.ndarray
+    kv_indices: np.ndarray  # [A] slot of each access
+    kv_indptr: np.ndarray  # [E + U]
+    entry_req: np.ndarray  # [E] piece of each entry, relative to its sub-batch's first
+    last_len: np.ndarray  # [E] tokens in each entry's last page
+    holder_ids: np.ndarray  # [H]
+    holder_indptr: np.ndarray  # [H + U]
+    q_indptr: np.ndarray  # [P + U]
+    a_bounds: list[int]
+    e_bounds: list[int]
+    h_bounds: list[int]
+    p_bounds: list[int]
+    load: np.ndarray  # [N] float64 tokens × rows read on each instance
+    query_rows: np.ndarray  # [U, N] float64 query rows each sub-batch sends to each instance
+    reads: Reads
 
 
 class PageGatherer:
@@ -59,104 +64,100 @@ class PageGatherer:
         self.segment_len = segment_len
         self.num_instances = num_instances
 
-    def gather(self, cs: ChunkSet, pieces: Pieces, base_load: np.ndarray, seed: int) -> Gathered:
-        """Every prefix page of every piece, a replica chosen for each (power of two choices
-        on ``base_load`` plus this iteration's own load, seeded by ``seed``)."""
-        seg, table = self.segment_len, self.table
+    def gather(
+        self, cs: ChunkSet, pieces: Pieces, num_subs: int, base_load: np.ndarray, seed: int
+    ) -> PagePlan:
+        """Every prefix page of every piece (its request's sealed pages, a new request's
+        shared partial source page, a running request's open tail), a replica chosen for each
+        (power of two choices on ``base_load`` plus this iteration's own load, seeded by
+        ``seed``), sorted into per-sub-batch CSR arrays."""
+        table, n_inst = self.table, self.num_instances
         chunk = pieces.chunk
+        num_pieces = len(chunk)
         states = cs.states
         page_lists = [states[i].page_idx for i in chunk.tolist()]
-        sources = []  # a new request's partial last page: a shared source node
+        page_ptr = np.zeros(num_pieces + 1, dtype=np.int64)
+        np.cumsum(
+            np.fromiter(map(len, page_lists), dtype=np.int64, count=num_pieces),
+            out=page_ptr[1:],
+        )
+        page_idx = np.concatenate(page_lists) if page_lists else np.zeros(0, np.int64)
+        source_idx = np.full(num_pieces, -1, dtype=np.int64)
+        source_len = np.zeros(num_pieces, dtype=np.int64)
         for p in np.flatnonzero(~cs.in_place[chunk]).tolist():
             pc = cs.planned[int(chunk[p])]
-            if pc.source is not None:
-                sources.append((pc.source.idx, p, pc.source_len))
-        lens = np.fromiter(map(len, page_lists), dtype=np.int64, count=len(page_lists))
-        src = np.asarray(sources, dtype=np.int64).reshape(-1, 3)
-        idx = np.concatenate([*page_lists, src[:, 0]]).astype(np.int64, copy=False)
-        node_piece = np.concatenate([np.repeat(np.arange(len(chunk)), lens), src[:, 1]])
-        node_tokens = np.concatenate([np.full(int(lens.sum()), float(seg)), src[:, 2]])
-        inst = table.rep_inst[idx, 0].astype(np.int64)
-        slot = table.rep_slot[idx, 0].astype(np.int64)
-        piece_rows = pieces.rows.astype(np.float64)
-        rows = piece_rows[node_piece]
-        chosen_idx, chosen_inst = self._choose_replicas(
-            idx, inst, slot, node_tokens * rows, base_load, seed
-        )
-        tail = np.flatnonzero(cs.open_len[chunk] > 0)  # the open tail a running request reads
-        tail_chunk = chunk[tail]
-        tokens = np.concatenate([node_tokens, cs.open_len[tail_chunk]])
-        return Gathered(
-            inst=np.concatenate([inst, cs.open_inst[tail_chunk]]),
-            slot=np.concatenate([slot, cs.open_slot[tail_chunk]]),
-            tokens=tokens,
-            piece_of=np.concatenate([node_piece, tail]),
-            partial=(tokens < seg).astype(np.int64),
-            node_idx=idx,
-            node_rows=rows,
-            node_tokens=node_tokens,
-            chosen_idx=chosen_idx,
-            chosen_inst=chosen_inst,
-        )
-
-    def _choose_replicas(self, idx, inst, slot, weights, base_load, seed):
-        """Power of two choices for pages with several replicas, on ``base_load`` plus the
-        load this iteration has already placed (in place on ``inst`` / ``slot``). Returns
-        the distinct (row, instance) pairs chosen among several, sorted."""
-        nrep = self.table.num_replicas[idx]
-        multi = nrep > 1
-        if not multi.any():
-            empty = np.zeros(0, dtype=np.int64)
-            return empty, empty
-        load = base_load + np.bincount(
-            inst[~multi], weights=weights[~multi], minlength=self.num_instances
-        )
-        m_idx = idx[multi]
-        chosen = np.empty(len(m_idx), dtype=np.int32)
-        _C.choose_replicas(
-            np.ascontiguousarray(self.table.rep_inst[m_idx]),
-            np.ascontiguousarray(nrep[multi]),
-            np.ascontiguousarray(weights[multi]),
-            np.ascontiguousarray(load, dtype=np.float64),
+            if pc.source is not None:  # a new request's partial last page: a shared node
+                source_idx[p], source_len[p] = pc.source.idx, pc.source_len
+        tail_len = cs.open_len[chunk]
+        num_acc = len(page_idx) + int((source_idx >= 0).sum()) + int(np.count_nonzero(tail_len))
+        i32 = np.empty((4, num_acc), dtype=np.int32)  # one allocation for four outputs
+        kv_indptr = np.empty(num_acc + num_subs, dtype=np.int32)
+        holder_indptr = np.empty(num_acc + num_subs, dtype=np.int32)
+        q_indptr = np.empty(num_pieces + num_subs, dtype=np.int32)
+        bounds = np.empty(4 * (num_subs + 1), dtype=np.int64)
+        load = np.empty(n_inst)
+        query_rows = np.empty((num_subs, n_inst))
+        read_rows = np.empty(num_acc, dtype=np.int64)
+        read_count = np.empty(num_acc, dtype=np.int32)
+        read_qrows = np.empty(num_acc)
+        chosen = np.empty(num_acc, dtype=np.int64)
+        num_e, num_h, num_r, num_c, access_tokens = _C.plan_pages(
+            table.rep_inst,
+            table.rep_slot,
+            table.num_replicas,
+            self.segment_len,
+            num_subs,
+            n_inst,
+            pieces.sub,
+            pieces.rows,
+            page_ptr,
+            page_idx,
+            source_idx,
+            source_len,
+            cs.open_inst[chunk],
+            cs.open_slot[chunk],
+            tail_len,
+            np.ascontiguousarray(base_load, dtype=np.float64),
             seed,
-            chosen,
+            kv_indices=i32[0],
+            kv_indptr=kv_indptr,
+            entry_req=i32[1],
+            last_len=i32[2],
+            holder_ids=i32[3],
+            holder_indptr=holder_indptr,
+            q_indptr=q_indptr,
+            bounds=bounds,
+            load=load,
+            query_rows=query_rows.reshape(-1),
+            read_rows=read_rows,
+            read_count=read_count,
+            read_qrows=read_qrows,
+            chosen=chosen,
         )
-        inst[multi] = self.table.rep_inst[m_idx, chosen]
-        slot[multi] = self.table.rep_slot[m_idx, chosen]
-        pairs = np.unique(m_idx * self.num_instances + inst[multi])
-        return pairs // self.num_instances, pairs % self.num_instances
-
-    def index(self, acc: Gathered, piece_sub) -> PageIndex:
-        """Sort every access by (sub-batch, holder, request, partial-last) once; each plan's
-        CSR arrays are then slices of the same global arrays."""
-        inst, slot, tokens, piece_of, partial = acc[:5]
-        sub_of = piece_sub[piece_of]
-        # one int64 key instead of lexsort (several times slower); ties need no order since
-        # attention over one holder's pages is order-free, except the partial page goes last
-        key = ((sub_of * self.num_instances + inst) * (len(piece_sub) + 1) + piece_of) * 2 + partial
-        order = np.argsort(key)
-        inst, slot, tokens, piece_of, sub_of = (
-            a[order] for a in (inst, slot, tokens, piece_of, sub_of)
-        )
-        n = len(order)
-        new_entry = np.ones(n, dtype=bool)
-        new_entry[1:] = (
-            (sub_of[1:] != sub_of[:-1]) | (inst[1:] != inst[:-1]) | (piece_of[1:] != piece_of[:-1])
-        )
-        e_start = np.flatnonzero(new_entry)
-        e_end = np.append(e_start[1:], n).astype(np.int64)[: len(e_start)]
-        e_sub, e_inst, e_piece = sub_of[e_start], inst[e_start], piece_of[e_start]
-        new_holder = np.ones(len(e_start), dtype=bool)
-        new_holder[1:] = (e_sub[1:] != e_sub[:-1]) | (e_inst[1:] != e_inst[:-1])
-        h_start = np.flatnonzero(new_holder)
-        return PageIndex(
-            slot=read_only(slot.astype(np.int32)),
-            e_start=e_start,
-            e_sub=e_sub,
-            e_inst=e_inst,
-            e_piece=e_piece,
-            e_last=read_only(tokens[e_end - 1].astype(np.int32)),
-            h_start=h_start,
-            h_sub=e_sub[h_start],
-            a_sub=sub_of,
+        for arr in (i32, kv_indptr, holder_indptr, q_indptr):
+            read_only(arr)  # plans hold slices of these: make them read-only first
+        kv_indices, entry_req, last_len, holder_ids = i32
+        b = bounds.reshape(4, num_subs + 1).tolist()
+        chosen = chosen[:num_c]
+        return PagePlan(
+            kv_indices=kv_indices,
+            kv_indptr=kv_indptr[: num_e + num_subs],
+            entry_req=entry_req[:num_e],
+            last_len=last_len[:num_e],
+            holder_ids=holder_ids[:num_h],
+            holder_indptr=holder_indptr[: num_h + num_subs],
+            q_indptr=q_indptr,
+            a_bounds=b[0],
+            e_bounds=b[1],
+            h_bounds=b[2],
+            p_bounds=b[3],
+            load=load,
+            query_rows=query_rows,
+            reads=Reads(
+                rows=read_rows[:num_r],
+                query_rows=read_qrows[:num_r],
+                access_tokens=access_tokens,
+                chosen_idx=chosen // n_inst,
+                chosen_inst=chosen % n_inst,
+            ),
         )

@@ -1,5 +1,5 @@
-"""Turns planned chunks into immutable plans: gathers their prefix pages (``page_gather``),
-matches sub-batches to instances (Hungarian, §5) and cuts per-sub-batch CSR plans."""
+"""Turns planned chunks into immutable plans: gathers their prefix pages (``page_gather``, one
+C++ pass), matches sub-batches to instances (Hungarian, §5) and cuts per-sub-batch CSR plans."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tokenlake import _C
 from tokenlake.chunk_set import ChunkSet
 from tokenlake.dispatch import hungarian_dispatch, traffic_cost
-from tokenlake.page_gather import Gathered, PageGatherer, PageIndex
+from tokenlake.page_gather import PageGatherer, PagePlan, Reads
 from tokenlake.plans import Plans, QueryPlan, TransferPlan, read_only
 from tokenlake.prefix_tree import Location, Node
 from tokenlake.segment_table import SegmentTable
@@ -31,7 +32,7 @@ class Traffic:
 class _PieceInfo:
     """Per piece (a sub-batch's share of one chunk), in sub-batch order."""
 
-    first_piece: np.ndarray  # [U + 1] first piece of each sub-batch
+    first_piece: list[int]  # [U + 1] first piece of each sub-batch
     request_ids: list
     rows: np.ndarray  # int64
     starts: np.ndarray  # int64 prefix length (chunk start)
@@ -63,7 +64,7 @@ class PlanBuilder:
         instances: Sequence[Sequence[int] | None] | None,
         base_load: np.ndarray,
         seed: int,
-    ) -> tuple[Plans, Traffic, Gathered]:
+    ) -> tuple[Plans, Traffic, Reads]:
         """Plans for ``ids = (pool_id, epoch)``: sub-batches go to distinct ``candidates``
         (the free live instances; ``instances[b]`` narrows batch ``b``), replicas are chosen
         on ``base_load`` (see :meth:`PageGatherer.gather`)."""
@@ -71,15 +72,9 @@ class PlanBuilder:
         n_inst = self.num_instances
         pieces = cs.pieces(dops)
         subs, num_subs = pieces.subs, len(pieces.subs)
-        piece_rows = pieces.rows.astype(np.float64)
-        acc = self.pages.gather(cs, pieces, base_load, seed)
-        load = np.bincount(
-            acc.inst, weights=acc.tokens * piece_rows[acc.piece_of], minlength=n_inst
-        )
-        index = self.pages.index(acc, pieces.sub)
+        pages = self.pages.gather(cs, pieces, num_subs, base_load, seed)
         # traffic matrices for dispatch: rows to each holder once per request, tokens to homes
-        query_rows = np.zeros((num_subs, n_inst))
-        np.add.at(query_rows, (index.e_sub, index.e_inst), piece_rows[index.e_piece])
+        query_rows = pages.query_rows
         runs, copies = cs.runs(pieces)
         put_tokens = np.zeros((num_subs, n_inst))
         if len(runs):
@@ -103,13 +98,13 @@ class PlanBuilder:
             put_bytes=remote_tokens * self.kv_token_bytes,
             replication_bytes=len(replications) * self.segment_bytes,
             num_replications=len(replications),
-            load=load,
+            load=pages.load,
         )
-        first_piece = np.searchsorted(pieces.sub, np.arange(num_subs + 1))
+        fp = pages.p_bounds
         rids = [cs.request_ids[i] for i in pieces.chunk.tolist()]
         starts = cs.start[pieces.chunk]
-        heads = _PieceInfo(first_piece, rids, pieces.rows, starts, starts + pieces.lo)
-        fp, origin_ids = first_piece.tolist(), origins.tolist()
+        heads = _PieceInfo(fp, rids, pieces.rows, starts, starts + pieces.lo)
+        origin_ids = origins.tolist()
         headers = [  # the fields a sub-batch's query and transfer plans share
             dict(
                 epoch=epoch,
@@ -120,7 +115,7 @@ class PlanBuilder:
             )
             for u, (b, j) in enumerate(subs)
         ]
-        query_plans = self._query_plans(headers, heads, index)
+        query_plans = self._query_plans(headers, heads, pages)
         transfer_plans = self._transfer_plans(headers, runs, copies, heads)
         groups: list[list[int]] = [[] for _ in dops]
         for (b, _), origin in zip(subs, origins.tolist(), strict=True):
@@ -132,7 +127,7 @@ class PlanBuilder:
             tuple(map(tuple, groups)),
             pool_id=pool_id,
         )
-        return plans, traffic, acc
+        return plans, traffic, pages.reads
 
     def _replication_copies(self, replications, origins) -> list[tuple]:
         """Attach each replication order to the sub-batch running on its destination (else
@@ -146,100 +141,70 @@ class PlanBuilder:
             )
         return out
 
-    def _query_plans(self, headers, heads: _PieceInfo, index: PageIndex) -> list[QueryPlan]:
-        """Every sub-batch's query plan: slices of global arrays (read-only views) and a few
-        small offset arrays, so the per-sub-batch cost is a handful of numpy calls."""
-        num = np.arange(len(headers) + 1)
-        a_bounds = np.searchsorted(index.a_sub, num).tolist()
-        e_bounds = np.searchsorted(index.e_sub, num).tolist()
-        h_bounds = np.searchsorted(index.h_sub, num).tolist()
-        fp = heads.first_piece.tolist()
-        e_req = read_only((index.e_piece - heads.first_piece[index.e_sub]).astype(np.int32))
-        h_inst = read_only(index.e_inst[index.h_start].astype(np.int32))
-        q_start = np.cumsum(heads.rows) - heads.rows
-        q_ptr = grouped_indptr(q_start, fp, int(heads.rows.sum()))
-        h_ptr = grouped_indptr(index.h_start, h_bounds, len(index.e_start))
-        kv_ptr = grouped_indptr(index.e_start, e_bounds, len(index.slot))
+    def _query_plans(self, headers, heads: _PieceInfo, pages: PagePlan) -> list[QueryPlan]:
+        """Every sub-batch's query plan: read-only slices of the iteration's page arrays."""
+        a_b, e_b, h_b, fp = pages.a_bounds, pages.e_bounds, pages.h_bounds, heads.first_piece
         positions = read_only(heads.positions.astype(np.int32))
         prefix_lens = read_only(heads.starts.astype(np.int32))
         plans = []
         for u, head in enumerate(headers):
-            a_lo, a_hi = a_bounds[u], a_bounds[u + 1]
-            e_lo, e_hi, h_lo, h_hi = e_bounds[u], e_bounds[u + 1], h_bounds[u], h_bounds[u + 1]
+            e_lo, e_hi, h_lo, h_hi = e_b[u], e_b[u + 1], h_b[u], h_b[u + 1]
             p_lo, p_hi = fp[u], fp[u + 1]
             plans.append(
                 QueryPlan(
                     **head,
-                    q_indptr=q_ptr[p_lo + u : p_hi + u + 1],
+                    q_indptr=pages.q_indptr[p_lo + u : p_hi + u + 1],
                     positions=positions[p_lo:p_hi],
                     prefix_lens=prefix_lens[p_lo:p_hi],
-                    holder_ids=h_inst[h_lo:h_hi],
-                    holder_indptr=h_ptr[h_lo + u : h_hi + u + 1],
-                    entry_req=e_req[e_lo:e_hi],
-                    kv_indptr=kv_ptr[e_lo + u : e_hi + u + 1],
-                    kv_indices=index.slot[a_lo:a_hi],
-                    last_len=index.e_last[e_lo:e_hi],
+                    holder_ids=pages.holder_ids[h_lo:h_hi],
+                    holder_indptr=pages.holder_indptr[h_lo + u : h_hi + u + 1],
+                    entry_req=pages.entry_req[e_lo:e_hi],
+                    kv_indptr=pages.kv_indptr[e_lo + u : e_hi + u + 1],
+                    kv_indices=pages.kv_indices[a_b[u] : a_b[u + 1]],
+                    last_len=pages.last_len[e_lo:e_hi],
                 )
             )
         return plans
 
     def _transfer_plans(self, headers, runs, copies, heads: _PieceInfo) -> list[TransferPlan]:
-        runs = runs[np.argsort(runs[:, 0] * self.num_instances + runs[:, 1], kind="stable")]
-        runs = runs.astype(np.int32)
-        cols = [read_only(np.ascontiguousarray(runs[:, k])) for k in range(6)]
-        n = len(runs)
-        new_dst = np.ones(n, dtype=bool)
-        new_dst[1:] = (runs[1:, 0] != runs[:-1, 0]) | (runs[1:, 1] != runs[:-1, 1])
-        d_start = np.flatnonzero(new_dst)
-        num = np.arange(len(headers) + 1)
-        r_bounds = np.searchsorted(runs[:, 0], num).tolist()
-        d_bounds = np.searchsorted(runs[d_start, 0], num).tolist()
-        d_ptr = grouped_indptr(d_start, d_bounds, n)
-        d_ids = read_only(runs[d_start, 1])
-        c = np.asarray(copies, dtype=np.int32).reshape(-1, 6)
-        c = c[np.argsort(c[:, 0], kind="stable")]
-        c_cols = [read_only(np.ascontiguousarray(c[:, k])) for k in range(6)]
-        c_bounds = np.searchsorted(c[:, 0], num).tolist()
+        """Every sub-batch's transfer plan: runs grouped by (sub-batch, destination) and
+        copies by sub-batch in one C++ pass; plans hold read-only slices."""
+        num_subs, n = len(headers), len(runs)
+        copies = np.asarray(copies, dtype=np.int64).reshape(-1, 6)
+        run_cols = np.empty((4, n), dtype=np.int32)
+        dst_ids = np.empty(n, dtype=np.int32)
+        dst_indptr = np.empty(n + num_subs, dtype=np.int32)
+        copy_cols = np.empty((5, len(copies)), dtype=np.int32)
+        bounds = np.empty(3 * (num_subs + 1), dtype=np.int64)
+        _C.plan_transfers(
+            num_subs, self.num_instances, runs, copies, run_cols, dst_ids, dst_indptr,
+            copy_cols, bounds,
+        )  # fmt: skip
+        for arr in (run_cols, dst_ids, dst_indptr, copy_cols):
+            read_only(arr)
+        src_row, run_len, dst_slot, dst_offset = run_cols
+        c_src, c_src_slot, c_dst, c_dst_slot, c_len = copy_cols
+        r_b, d_b, c_b = bounds.reshape(3, num_subs + 1).tolist()
         rows = np.concatenate([[0], np.cumsum(heads.rows)]).tolist()
-        fp = heads.first_piece.tolist()
+        fp = heads.first_piece
         plans = []
         for u, head in enumerate(headers):
-            r_lo, r_hi, d_lo, d_hi = r_bounds[u], r_bounds[u + 1], d_bounds[u], d_bounds[u + 1]
-            c_lo, c_hi = c_bounds[u], c_bounds[u + 1]
-            p_lo, p_hi = fp[u], fp[u + 1]
+            r_lo, r_hi, d_lo, d_hi, c_lo, c_hi = r_b[u], r_b[u + 1], d_b[u], d_b[u + 1], c_b[u], c_b[u + 1]  # fmt: skip
             plans.append(
                 TransferPlan(
                     **head,
-                    num_rows=rows[p_hi] - rows[p_lo],
-                    dst_ids=d_ids[d_lo:d_hi],
-                    dst_indptr=d_ptr[d_lo + u : d_hi + u + 1],
-                    run_src_row=cols[2][r_lo:r_hi],
-                    run_len=cols[3][r_lo:r_hi],
-                    run_dst_slot=cols[4][r_lo:r_hi],
-                    run_dst_offset=cols[5][r_lo:r_hi],
-                    copy_src_instance=c_cols[1][c_lo:c_hi],
-                    copy_src_slot=c_cols[2][c_lo:c_hi],
-                    copy_dst_instance=c_cols[3][c_lo:c_hi],
-                    copy_dst_slot=c_cols[4][c_lo:c_hi],
-                    copy_len=c_cols[5][c_lo:c_hi],
+                    num_rows=rows[fp[u + 1]] - rows[fp[u]],
+                    dst_ids=dst_ids[d_lo:d_hi],
+                    dst_indptr=dst_indptr[d_lo + u : d_hi + u + 1],
+                    run_src_row=src_row[r_lo:r_hi],
+                    run_len=run_len[r_lo:r_hi],
+                    run_dst_slot=dst_slot[r_lo:r_hi],
+                    run_dst_offset=dst_offset[r_lo:r_hi],
+                    copy_src_instance=c_src[c_lo:c_hi],
+                    copy_src_slot=c_src_slot[c_lo:c_hi],
+                    copy_dst_instance=c_dst[c_lo:c_hi],
+                    copy_dst_slot=c_dst_slot[c_lo:c_hi],
+                    copy_len=c_len[c_lo:c_hi],
                 )
             )
         return plans
-
-
-def grouped_indptr(starts: np.ndarray, bounds: Sequence[int], total: int) -> np.ndarray:
-    """Every group's CSR offsets in one read-only int32 array, so each group's is a slice.
-
-    Elements ``bounds[g]:bounds[g+1]`` (group ``g``) start at global offsets ``starts[e]``
-    (non-decreasing; the last element ends at ``total``). Group ``g``'s offsets, relative to
-    its first element and with its end appended, are ``out[bounds[g] + g : bounds[g+1] + g + 1]``.
-    """
-    bounds = np.asarray(bounds, dtype=np.int64)
-    num_groups, n = len(bounds) - 1, len(starts)
-    ext = np.append(starts, total)
-    base = ext[bounds[:-1]]
-    group_of = np.repeat(np.arange(num_groups), np.diff(bounds))
-    out = np.empty(n + num_groups, dtype=np.int32)
-    out[np.arange(n) + group_of] = starts - base[group_of]
-    out[bounds[1:] + np.arange(num_groups)] = ext[bounds[1:]] - base
-    return read_only(out)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tokenlake import _C
 from tokenlake.errors import InvalidArgumentError
 
 
@@ -109,13 +110,11 @@ class SegmentTable:
         self.refresh(idx)
 
     def add_readers(self, idx: np.ndarray, delta: int) -> None:
-        """Every row in ``idx`` (repeats allowed) gains ``delta`` readers per occurrence."""
-        if not len(idx):
-            return
-        counts = np.bincount(idx, minlength=self.capacity)
-        rows = np.flatnonzero(counts)
-        self.readers[rows] += delta * counts[rows].astype(np.int32)
-        self._refresh_rows(rows)
+        """Every row in ``idx`` (int64, repeats allowed) gains ``delta`` readers per
+        occurrence; their evictable shares follow (one C++ pass)."""
+        self.num_evictable += _C.add_readers(
+            idx, delta, self.readers, self.evictable, self.pins, self.num_replicas, self.in_tree
+        )
 
     def refresh(self, idx: int) -> None:
         """Recompute row ``idx``'s share of :attr:`num_evictable` after a change."""
@@ -125,13 +124,6 @@ class SegmentTable:
             new = max(n - 1, 0) if self.pins[idx] else n
         self.num_evictable += new - int(self.evictable[idx])
         self.evictable[idx] = new
-
-    def _refresh_rows(self, rows: np.ndarray) -> None:
-        pinned = (self.pins[rows] > 0).astype(np.int32)
-        keep = self.in_tree[rows] & (self.readers[rows] == 0)
-        new = np.where(keep, np.maximum(self.num_replicas[rows] - pinned, 0), 0).astype(np.int32)
-        self.num_evictable += int(new.sum()) - int(self.evictable[rows].sum())
-        self.evictable[rows] = new
 
     def _grow(self) -> None:
         old = self.capacity

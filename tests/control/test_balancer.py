@@ -42,7 +42,7 @@ def test_heavy_hitters_equal_exact_top_k(seed, decay):
             stats.record_accesses(
                 np.array([n.idx for n in path]),
                 np.full(len(path), float(rows)),
-                np.full(len(path), 2.0),
+                rows * 2.0 * len(path),
             )
             for n in path:
                 exact[n.key] = exact.get(n.key, 0.0) + rows
