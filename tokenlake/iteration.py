@@ -62,13 +62,3 @@ class Iteration:
         if not self.read_idx:
             return np.zeros(0, dtype=np.int64)
         return np.concatenate(self.read_idx).astype(np.int64, copy=False)
-
-
-def touched_instances(plans: Plans) -> frozenset[int]:
-    """Every instance ``plans`` use: origins, query holders, put destinations, copy ends."""
-    arrays = [np.asarray(plans.origins, dtype=np.int64)]
-    for qp in plans.query_plans:
-        arrays.append(qp.holder_ids)
-    for tp in plans.transfer_plans:
-        arrays += [tp.dst_ids, tp.copy_src_instance, tp.copy_dst_instance]
-    return frozenset(np.unique(np.concatenate(arrays).astype(np.int64)).tolist())

@@ -12,7 +12,7 @@ from tokenlake.config import PoolConfig
 from tokenlake.errors import PoolFullError
 from tokenlake.inflight import InFlight
 from tokenlake.instance_loss import FailoverLog
-from tokenlake.iteration import Iteration, touched_instances
+from tokenlake.iteration import Iteration
 from tokenlake.placement import Placement
 from tokenlake.plan_builder import PlanBuilder
 from tokenlake.prefix_tree import PrefixTree
@@ -96,7 +96,7 @@ class IterationPlanner:
         )
         self._add_readers(it, reads.rows)
         it.plans, it.traffic, it.reads = plans, traffic, reads
-        it.instances = touched_instances(plans)
+        it.instances = traffic.instances
 
     def settle(self, it: Iteration, live: list[int]) -> None:
         """Commit ``it``: seal, add its replicas, book accesses, LRU, load and counters."""

@@ -5,6 +5,7 @@ holder), and every query plan's CSR arrays as slices of a few global arrays."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -13,6 +14,8 @@ from tokenlake import _C
 from tokenlake.chunk_set import ChunkSet, Pieces
 from tokenlake.plans import read_only
 from tokenlake.segment_table import SegmentTable
+
+_PAGE_IDX = attrgetter("page_idx")
 
 
 class Reads(NamedTuple):
@@ -75,13 +78,14 @@ class PageGatherer:
         chunk = pieces.chunk
         num_pieces = len(chunk)
         states = cs.states
-        page_lists = [states[i].page_idx for i in chunk.tolist()]
+        page_lists = list(map(_PAGE_IDX, map(states.__getitem__, chunk.tolist())))
+        # a request's sealed pages: start // C (running: all it stored but its open tail; new:
+        # the full segments it starts from), so no pass over the lists to count them
         page_ptr = np.zeros(num_pieces + 1, dtype=np.int64)
-        np.cumsum(
-            np.fromiter(map(len, page_lists), dtype=np.int64, count=num_pieces),
-            out=page_ptr[1:],
-        )
+        np.cumsum(cs.start[chunk] // self.segment_len, out=page_ptr[1:])
         page_idx = np.concatenate(page_lists) if page_lists else np.zeros(0, np.int64)
+        if len(page_idx) != page_ptr[-1]:
+            raise AssertionError("a request's page list does not match its length")
         source_idx = np.full(num_pieces, -1, dtype=np.int64)
         source_len = np.zeros(num_pieces, dtype=np.int64)
         for p in np.flatnonzero(~cs.in_place[chunk]).tolist():

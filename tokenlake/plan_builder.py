@@ -26,6 +26,7 @@ class Traffic:
     replication_bytes: float
     num_replications: int
     load: np.ndarray  # [N] prefix tokens read per instance (rows × tokens)
+    instances: frozenset[int]  # every instance the plans use: origins, holders, puts, copies
 
 
 @dataclass(frozen=True)
@@ -93,13 +94,7 @@ class PlanBuilder:
         local = np.arange(num_subs)
         remote_rows = float((query_rows.sum(axis=1) - query_rows[local, origins]).sum())
         remote_tokens = float((put_tokens.sum(axis=1) - put_tokens[local, origins]).sum())
-        traffic = Traffic(
-            query_bytes=remote_rows * self.q_row_bytes,
-            put_bytes=remote_tokens * self.kv_token_bytes,
-            replication_bytes=len(replications) * self.segment_bytes,
-            num_replications=len(replications),
-            load=pages.load,
-        )
+
         fp = pages.p_bounds
         rids = [cs.request_ids[i] for i in pieces.chunk.tolist()]
         starts = cs.start[pieces.chunk]
@@ -120,6 +115,19 @@ class PlanBuilder:
         groups: list[list[int]] = [[] for _ in dops]
         for (b, _), origin in zip(subs, origins.tolist(), strict=True):
             groups[b].append(origin)
+        traffic = Traffic(
+            query_bytes=remote_rows * self.q_row_bytes,
+            put_bytes=remote_tokens * self.kv_token_bytes,
+            replication_bytes=len(replications) * self.segment_bytes,
+            num_replications=len(replications),
+            load=pages.load,
+            instances=frozenset(origin_ids).union(
+                pages.holder_ids.tolist(),
+                runs[:, 1].tolist(),
+                (c[1] for c in copies),
+                (c[3] for c in copies),
+            ),
+        )
         plans = Plans(
             epoch,
             tuple(query_plans),
