@@ -16,6 +16,7 @@ import torch
 from tokenlake import _C, kernels
 from tokenlake.engines.kv_pool import KVPool
 from tokenlake.errors import InvalidArgumentError
+from tokenlake.kernels.cpu import CpuPart
 from tokenlake.plans import HolderPart, TransferPlan
 
 
@@ -41,6 +42,7 @@ class BoundPart:
     identity: bool
     planned: object | None = None  # a FlashInferPart, planned once at bind (CUDA)
     logit_cap: float = 0.0
+    cpu_part: CpuPart | None = None  # the C++ kernel's form, checked once (CPU)
 
     @classmethod
     def from_part(
@@ -56,8 +58,11 @@ class BoundPart:
             _i32(a, device) for a in (part.q_indptr, part.kv_indptr, part.kv_indices, part.last_len)
         ]
         planned = planner.plan(*csr) if planner is not None else None
+        cpu_part = None
+        if planned is None and torch.device(device).type == "cpu":
+            cpu_part = CpuPart(*csr, causal=False, logit_cap=logit_cap)
         rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
-        return cls(part.instance_id, rows_t, *csr, identity, planned, logit_cap)
+        return cls(part.instance_id, rows_t, *csr, identity, planned, logit_cap, cpu_part)
 
     @property
     def num_rows(self) -> int:
@@ -69,9 +74,14 @@ class BoundPart:
         """Partial attention of this part's rows of ``q`` ``[>= num_rows, H_q, D]`` over
         ``pool_layer``. Returns ``o`` ``[num_part_rows, H_q, D]``, ``lse``
         ``[num_part_rows, H_q]`` float32 (natural log)."""
-        q_part = q[: self.num_rows] if self.identity else q.index_select(0, self.rows)
+        if self.identity:
+            q_part = q if q.shape[0] == self.rows.shape[0] else q[: self.num_rows]
+        else:
+            q_part = q.index_select(0, self.rows)
         if self.planned is not None:
             return self.planned.run(q_part, pool_layer)
+        if self.cpu_part is not None and backend in (None, "cpu"):
+            return self.cpu_part.run(q_part, pool_layer)
         return kernels.partial_attention(
             q_part,
             self.q_indptr,

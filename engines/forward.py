@@ -5,7 +5,7 @@ is the pool's prefix attention (DESIGN §3.1), for any model that splits at its 
 Every row of the iteration (all sub-batches, prefill chunks and decode steps alike) goes
 through the model's dense layers in one ragged forward; per layer its new K/V are ``put``
 and its q rows ``query``'d on the sub-batches' origin engines, and the prefix partials are
-merged with causal attention over the chunks' new tokens (:func:`attend_with_prefix`). A
+merged with causal attention over the chunks' new tokens (:class:`PrefixAttention`). A
 chunk split over several instances (DoP > 1) sees its earlier pieces' keys exactly.
 
 This module is the compute side's only touch of the data plane (:class:`_SubBatch`).
@@ -21,7 +21,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from tokenlake.engines.prefix_attention import attend_with_prefix
+from tokenlake.engines.prefix_attention import PrefixAttention
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.plans import Chunk, Plans, QueryPlan, TransferPlan
 
@@ -80,12 +80,14 @@ class LayerModel(Protocol):
 @dataclass(eq=False)
 class _SubBatch:
     """One sub-batch bound on its origin engine; ``rows`` are its rows in the iteration's
-    :class:`RowBatch` (a slice when they are consecutive)."""
+    :class:`RowBatch` (a slice when they are consecutive, ``None`` when they are all of them
+    in order); ``kv_layers`` are ``kv_buf``'s layers ``[num_rows, 2, H_kv, D]``."""
 
     engine: object
     q_buf: torch.Tensor
     kv_buf: torch.Tensor
-    rows: slice | torch.Tensor
+    rows: slice | torch.Tensor | None
+    kv_layers: tuple[torch.Tensor, ...]
 
     @classmethod
     def bind(cls, cluster, qp: QueryPlan, tp: TransferPlan, batch: RowBatch, where: dict):
@@ -100,35 +102,37 @@ class _SubBatch:
             first = int(batch.indptr[b]) + int(qp.positions[r]) - batch.chunks[b].start
             pieces.append(np.arange(first, first + int(qp.q_indptr[r + 1] - qp.q_indptr[r])))
         rows = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+        layers = kv_buf.unbind(0)
         if len(rows) and np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
-            return cls(engine, q_buf, kv_buf, slice(int(rows[0]), int(rows[0]) + len(rows)))
-        return cls(engine, q_buf, kv_buf, torch.from_numpy(rows))
+            if rows[0] == 0 and len(rows) == batch.num_rows:
+                return cls(engine, q_buf, kv_buf, None, layers)
+            rows = slice(int(rows[0]), int(rows[0]) + len(rows))
+            return cls(engine, q_buf, kv_buf, rows, layers)
+        return cls(engine, q_buf, kv_buf, torch.from_numpy(rows), layers)
 
     def put(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> None:
-        self.kv_buf[layer, :, 0] = k[self.rows]
-        self.kv_buf[layer, :, 1] = v[self.rows]
+        if self.rows is not None:
+            k, v = k[self.rows], v[self.rows]
+        torch.stack((k, v), 1, out=self.kv_layers[layer])
         self.engine.put(self.kv_buf, layer)
 
     def query(self, q: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefix partial ``(o, lse)`` of this sub-batch's rows of ``q``."""
-        self.q_buf.copy_(q[self.rows])
+        self.q_buf.copy_(q if self.rows is None else q[self.rows])
         return self.engine.query(self.q_buf, layer)
-
-    def covers(self, num_rows: int) -> bool:
-        """Whether this sub-batch's rows are exactly the iteration's ``0..num_rows-1``."""
-        return self.rows == slice(0, num_rows)
 
 
 def _prefix_partial(subs: list[_SubBatch], q: torch.Tensor, layer: int):
     """Every row's prefix partial ``(o [T, H_q, D], lse [T, H_q])`` float32, gathered from the
     sub-batches' queries (one sub-batch holding every row in order: its result as is)."""
     n = q.shape[0]
-    if len(subs) == 1 and subs[0].covers(n):
+    if len(subs) == 1 and subs[0].rows is None:
         return subs[0].query(q, layer)
     o = q.new_zeros((n, q.shape[1], q.shape[2]), dtype=torch.float32)
     lse = q.new_full((n, q.shape[1]), -math.inf, dtype=torch.float32)
     for sub in subs:
-        o[sub.rows], lse[sub.rows] = sub.query(q, layer)
+        rows = slice(None) if sub.rows is None else sub.rows
+        o[rows], lse[rows] = sub.query(q, layer)
     return o, lse
 
 
@@ -146,17 +150,20 @@ def run_forward(cluster, plans: Plans, chunks: Mapping, model: LayerModel) -> tu
         _SubBatch.bind(cluster, qp, tp, batch, where)
         for qp, tp in zip(plans.query_plans, plans.transfer_plans, strict=True)
     ]
-    backend = cluster.backend
     indptr = torch.from_numpy(batch.indptr.astype(np.int32))
     state = model.begin(batch)
+    attention = None  # bound at the first layer, from its shapes (the same every layer)
     for layer in range(model.num_layers):
         q, k, v = model.project(state, layer)
         for sub in subs:
             sub.put(k, v, layer)
         prefix_o, prefix_lse = _prefix_partial(subs, q, layer)
-        o, lse = attend_with_prefix(
-            q, k, v, indptr, prefix_o, prefix_lse, backend=backend, logit_cap=cluster.logit_cap
-        )
+        if attention is None:
+            attention = PrefixAttention.bind(
+                indptr, tuple(q.shape), k.shape[1], q.dtype, backend=cluster.backend,
+                logit_cap=cluster.logit_cap, device=q.device,
+            )  # fmt: skip
+        o, lse = attention(q, k, v, prefix_o, prefix_lse)
         model.absorb(state, layer, o, lse)
     sync = getattr(cluster, "synchronize", None)
     if sync is not None:  # an asynchronous data plane: every put lands before commit

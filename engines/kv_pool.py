@@ -49,4 +49,8 @@ class KVPool:
 
     def layer(self, layer: int) -> torch.Tensor:
         """The contiguous ``[num_slots, 2, C, H_kv, D]`` view of one layer."""
-        return self.data[layer]
+        return self._layers[layer]
+
+    @functools.cached_property
+    def _layers(self) -> tuple[torch.Tensor, ...]:
+        return self.data.unbind(0)  # views made once: a layer's is taken per query and put

@@ -2,9 +2,13 @@
 plus causal self-attention over the new tokens → the merged attention output.
 
 Used by the model engine (:mod:`tokenlake.engines.forward`) and the SGLang backend alike.
+:class:`PrefixAttention` is bound once per iteration (its batch layout and options checked
+once) and called every layer; :func:`attend_with_prefix` is the one-shot form.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -12,6 +16,129 @@ from tokenlake import kernels
 from tokenlake.config import check_logit_cap
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.validate import check_tensor
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class PrefixAttention:
+    """The merge of one iteration's rows, bound once (:meth:`bind`), run every layer.
+
+    Each call checks only that its tensors have the bound geometry (shapes, dtypes, device),
+    a few comparisons; everything else (offsets, scale, soft cap, heads) was checked at bind.
+    """
+
+    q_indptr: torch.Tensor  # int32 [B + 1]
+    kv_indptr: torch.Tensor | None
+    q_shape: tuple[int, int, int]  # (T_q, H_q, D)
+    kv_shape: tuple[int, int, int]  # (T_kv, H_kv, D)
+    dtype: torch.dtype
+    device: torch.device
+    sm_scale: float
+    logit_cap: float
+    backend: str | None
+    one_token_each: bool  # every request has one new token and no other key
+
+    @classmethod
+    def bind(
+        cls,
+        q_indptr: torch.Tensor,
+        q_shape: tuple[int, int, int],
+        num_kv_heads: int,
+        dtype: torch.dtype,
+        kv_indptr: torch.Tensor | None = None,
+        num_kv_rows: int | None = None,
+        sm_scale: float | None = None,
+        backend: str | None = None,
+        logit_cap: float = 0.0,
+        device: torch.device | str = "cpu",
+    ) -> PrefixAttention:
+        """Check an iteration's layout once: ``q_shape`` = ``(T_q, H_q, D)``, ``num_kv_heads``
+        dividing ``H_q``, ``num_kv_rows`` = ``T_kv`` (default ``T_q``); the rest as in
+        :func:`attend_with_prefix`."""
+        device = torch.device(device)
+        t_q, h_q, d = q_shape
+        t_kv = t_q if num_kv_rows is None else num_kv_rows
+        if dtype not in _DTYPES:
+            raise InvalidArgumentError(f"q: expected dtype float32 or bfloat16, got {dtype}")
+        if min(h_q, d, num_kv_heads) < 1 or h_q % num_kv_heads:
+            raise InvalidArgumentError(
+                f"k: expected H_kv >= 1 dividing H_q={h_q} (D={d} >= 1), got {num_kv_heads}"
+            )
+        check_tensor("q_indptr", q_indptr, shape=(None,), dtype=torch.int32, device=device)
+        if q_indptr.shape[0] == 0:
+            raise InvalidArgumentError("q_indptr: expected shape [batch_size + 1], got [0]")
+        if kv_indptr is not None:
+            check_tensor(
+                "kv_indptr", kv_indptr, shape=tuple(q_indptr.shape), dtype=torch.int32,
+                device=device,
+            )  # fmt: skip
+        elif t_kv != t_q:
+            raise InvalidArgumentError(
+                f"k: expected {t_q} rows (those of q) when kv_indptr is not given, got {t_kv}"
+            )
+        scale = d**-0.5 if sm_scale is None else sm_scale
+        one_each = kv_indptr is None and t_q == q_indptr.shape[0] - 1
+        if one_each:  # the rows are one per request exactly when the offsets are 0, 1, 2, ...
+            expected = torch.arange(t_q + 1, dtype=torch.int32, device=device)
+            one_each = bool(torch.equal(q_indptr, expected))
+        return cls(
+            q_indptr, kv_indptr, (t_q, h_q, d), (t_kv, num_kv_heads, d), dtype, device,
+            scale, check_logit_cap("logit_cap", logit_cap), backend, one_each,
+        )  # fmt: skip
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        prefix_o: torch.Tensor,
+        prefix_lse: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(o [T_q, H_q, D], lse [T_q, H_q])`` float32: every row over its whole sequence."""
+        self._check("q", q, self.q_shape, self.dtype)
+        self._check("k", k, self.kv_shape, self.dtype)
+        self._check("v", v, self.kv_shape, self.dtype)
+        self._check("prefix_o", prefix_o, self.q_shape, torch.float32)
+        self._check("prefix_lse", prefix_lse, self.q_shape[:2], torch.float32)
+        if self.one_token_each:
+            return self._one_token_each(q, k, v, prefix_o, prefix_lse)
+        o_s, lse_s = kernels.self_attention(
+            q, k, v, self.q_indptr, sm_scale=self.sm_scale, backend=self.backend,
+            kv_indptr=self.kv_indptr, logit_cap=self.logit_cap,
+        )  # fmt: skip
+        return kernels.merge(
+            prefix_o.contiguous(), prefix_lse.contiguous(), o_s, lse_s, self.backend
+        )
+
+    def _check(self, name: str, t: object, shape: tuple, dtype: torch.dtype) -> None:
+        if not (
+            isinstance(t, torch.Tensor)
+            and t.shape == shape
+            and t.dtype == dtype
+            and t.device == self.device
+        ):
+            check_tensor(name, t, shape=shape, dtype=dtype, device=self.device)
+            raise InvalidArgumentError(f"{name}: expected a tensor of shape {list(shape)}")
+
+    def _one_token_each(self, q, k, v, prefix_o, prefix_lse):
+        """Every request has one new token: its only key is itself, so its causal partial is
+        ``o = v`` with ``lse`` the single (soft-capped) score ``s``. Merged with the prefix
+        partial ``(o_p, lse_p)``: ``o = o_p + w (v - o_p)`` with ``w = sigmoid(s - lse_p)``
+        (= ``exp(s - lse)``), ``lse = logaddexp(lse_p, s)``, in a few whole-batch tensor ops
+        (a row without a prefix, ``lse_p = -inf``, gets ``w = 1``: exactly ``v``)."""
+        t, h_q, d = self.q_shape
+        h_kv = self.kv_shape[1]
+        group, n = h_q // h_kv, t * self.kv_shape[1]
+        if self.dtype != torch.float32:
+            q, k, v = q.float(), k.float(), v.float()
+        score = torch.bmm(q.reshape(n, group, d), k.reshape(n, d, 1)).mul_(self.sm_scale)
+        if self.logit_cap:
+            score.div_(self.logit_cap).tanh_().mul_(self.logit_cap)
+        prefix_lse = prefix_lse.reshape(n, group, 1)
+        weight = torch.sub(score, prefix_lse).sigmoid_()
+        o = torch.lerp(prefix_o.reshape(n, group, d), v.reshape(n, 1, d), weight)
+        return o.view(t, h_q, d), torch.logaddexp(prefix_lse, score).view(t, h_q)
 
 
 def attend_with_prefix(
@@ -47,49 +174,11 @@ def attend_with_prefix(
         ``(o, lse)``: ``o`` ``[T_q, H_q, D]`` float32, attention of every row over its whole
         sequence (prefix and new tokens up to itself); ``lse`` ``[T_q, H_q]`` float32, natural log.
     """
-    check_tensor("q", q, shape=(None, None, None), dtype=(torch.float32, torch.bfloat16))
-    t_q, h_q, d = q.shape
-    check_tensor("prefix_o", prefix_o, shape=(t_q, h_q, d), dtype=torch.float32, device=q.device)
-    check_tensor("prefix_lse", prefix_lse, shape=(t_q, h_q), dtype=torch.float32, device=q.device)
-    check_tensor("q_indptr", q_indptr, shape=(None,), dtype=torch.int32, device=q.device)
-    logit_cap = check_logit_cap("logit_cap", logit_cap)
-    if kv_indptr is None and k.shape[0] == t_q and t_q == q_indptr.shape[0] - 1:
-        return _one_token_each(q, k, v, prefix_o, prefix_lse, sm_scale, logit_cap)
-    o_s, lse_s = kernels.self_attention(
-        q, k, v, q_indptr, sm_scale=sm_scale, backend=backend, kv_indptr=kv_indptr,
-        logit_cap=logit_cap,
+    check_tensor("q", q, shape=(None, None, None), dtype=_DTYPES)
+    check_tensor("k", k, shape=(None, None, q.shape[2]), dtype=q.dtype, device=q.device)
+    bound = PrefixAttention.bind(
+        q_indptr, tuple(q.shape), k.shape[1], q.dtype, kv_indptr=kv_indptr,
+        num_kv_rows=k.shape[0], sm_scale=sm_scale, backend=backend, logit_cap=logit_cap,
+        device=q.device,
     )  # fmt: skip
-    return kernels.merge(prefix_o.contiguous(), prefix_lse.contiguous(), o_s, lse_s, backend)
-
-
-def _one_token_each(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    prefix_o: torch.Tensor,
-    prefix_lse: torch.Tensor,
-    sm_scale: float | None,
-    logit_cap: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every request has one new token: its only key is itself, so its causal partial is
-    ``o = v`` with ``lse`` the single (soft-capped) score ``s``, merged with the prefix
-    partial in a few whole-batch tensor ops (all decode steps: otherwise per-call overhead)."""
-    check_tensor("k", k, shape=(q.shape[0], None, q.shape[2]), dtype=q.dtype, device=q.device)
-    check_tensor("v", v, shape=tuple(k.shape), dtype=q.dtype, device=q.device)
-    t, h_q, h_kv, d = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
-    if h_q % h_kv:
-        raise InvalidArgumentError(f"k: expected H_kv dividing H_q={h_q}, got {h_kv}")
-    group = h_q // h_kv
-    scale = d**-0.5 if sm_scale is None else sm_scale
-    qf = q.float().view(t, h_kv, group, d)
-    score = (qf * k.float().unsqueeze(2)).sum(-1).mul_(scale)  # [T, H_kv, group]
-    if logit_cap:
-        score = logit_cap * torch.tanh(score / logit_cap)
-    lse = torch.logaddexp(prefix_lse.reshape(t, h_kv, group), score)
-    # exp(-inf) = 0: a row without a prefix keeps exactly v
-    o = (
-        prefix_o.reshape(t, h_kv, group, d)
-        * (prefix_lse.reshape(t, h_kv, group) - lse).exp_()[..., None]
-    )
-    o.addcmul_(v.float().unsqueeze(2), (score - lse).exp_()[..., None])
-    return o.view(t, h_q, d), lse.view(t, h_q)
+    return bound(q, k, v, prefix_o, prefix_lse)

@@ -39,7 +39,8 @@ class LayerWeights:
 
 @dataclass(eq=False)
 class ForwardState:
-    """One iteration's activations: ``hidden`` ``[T, hidden]`` and RoPE tables ``[T, D]``."""
+    """One iteration's activations: ``hidden`` ``[T, hidden]`` and RoPE tables ``[T, 1, D]``
+    (:func:`rope.cos_sin`)."""
 
     hidden: torch.Tensor
     cos: torch.Tensor
@@ -182,6 +183,8 @@ class LlamaModel:
         return F.linear(x, self.lm_head).float()
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, bit for bit transformers' float32 RMSNorm
+            return torch.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return weight * xf.to(x.dtype)

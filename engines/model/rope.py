@@ -31,14 +31,18 @@ def inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 def cos_sin(freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """``cos``, ``sin`` ``[T, head_dim]`` in ``dtype`` for int ``positions`` ``[T]``."""
+    """``cos``, ``sin`` ``[T, 1, head_dim]`` in ``dtype`` for int ``positions`` ``[T]``; ``sin``
+    has its first half negated (what :func:`apply` multiplies the swapped halves by)."""
     angles = positions.float()[:, None] * freq[None, :]
     emb = torch.cat((angles, angles), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = emb.sin()
+    sin[:, : freq.shape[0]].neg_()
+    return emb.cos().to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
 def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, H, D]`` by ``cos``/``sin`` ``[T, D]`` (the rotate-half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """Rotate ``x`` ``[T, H, D]`` by ``cos``/``sin`` from :func:`cos_sin` (the rotate-half
+    convention: ``x cos + cat(-x2, x1) sin``, bit for bit, as ``x cos + cat(x2, x1) sin'``
+    with ``sin'`` = ``sin`` whose first half is negated)."""
+    swapped = torch.roll(x, x.shape[-1] // 2, -1)
+    return torch.mul(x, cos).add_(swapped.mul_(sin))
