@@ -91,7 +91,8 @@ class Timer:
         }
 
     def memcpy_gbps(self, num_bytes: int, repeats: int) -> float:
-        src = torch.ones(max(num_bytes, 512 << 20), dtype=torch.uint8)
+        # at least the LLC-evicting size: copied from and to memory, not the cache
+        src = torch.ones(max(num_bytes, self.flush_buf.numel()), dtype=torch.uint8)
         dst = torch.empty_like(src)
         ms = self.median_ms(lambda: dst.copy_(src), repeats, warmup=1)
         return src.numel() / ms / 1e6

@@ -28,9 +28,10 @@ Baselines:
 
 Memory bandwidth: ``cpp_gbps`` = bytes of K+V the kernel must read / its time; ``memcpy_gbps`` =
 bytes copied / time for ``torch.Tensor.copy_`` of a buffer of the same size as the case's K+V
-(at least 512 MiB, so larger than the LLC; median of 3), measured just before each case so both
-see the same machine load (each copied byte is also written, so memcpy moves twice the bytes it
-is credited with); ``fraction_of_memcpy_bw`` = cpp_gbps / memcpy_gbps.
+(at least ``--flush-mib``, 512 MiB by default, so larger than the LLC; median of 3), measured
+just before each case so both see the same machine load (each copied byte is also written, so
+memcpy moves twice the bytes it is credited with); ``fraction_of_memcpy_bw`` = cpp_gbps /
+memcpy_gbps.
 
 Every timed call starts with a cold last-level cache (``--flush-mib`` of writes first, excluded
 from the time): in serving each layer's K/V is read once per step from a pool far larger than

@@ -10,7 +10,9 @@
 * put: bandwidth of ``put`` (every layer of a chunk, timed until landed) vs a plain
   ``memcpy`` (``torch.Tensor.copy_``) of the same number of bytes, measured in the same run,
   at ``--put-kib`` bytes per call (per layer), and ``overhead_us``: put minus memcpy time per
-  call, the fixed cost of a call. Target: >= 50% of memcpy.
+  call, the fixed cost of a call. Target: >= 50% of memcpy. ``*_cpu_ms``/``ratio_cpu``: the
+  same in the calling thread's CPU time against the one-thread memcpy (inside one host a put
+  runs in the caller), which a busy machine skews far less than wall time.
 
 Prints a table and one JSON line per case. Run: ``python -m tokenlake.bench.bench_dataplane``.
 """
@@ -36,16 +38,24 @@ from tokenlake.engines.mp_cluster import MPCluster
 def paired_median_ms(fns, reps: int, warmup: int = 2) -> list[float]:
     """Median wall time of each function, calls interleaved so that load from other
     processes on the machine hits every variant alike."""
+    return [wall for wall, _ in paired_medians(fns, reps, warmup)]
+
+
+def paired_medians(fns, reps: int, warmup: int = 2) -> list[tuple[float, float]]:
+    """``(wall ms, calling thread's CPU ms)`` medians of each function, calls interleaved.
+    The CPU time leaves out the time the thread waited for a core: on a busy machine the
+    steadier measure of work done in the calling thread (a put inside one host is)."""
     for _ in range(warmup):
         for fn in fns:
             fn()
-    times = [[] for _ in fns]
+    times = [([], []) for _ in fns]
     for _ in range(reps):
-        for fn, out in zip(fns, times, strict=True):
-            t0 = time.perf_counter()
+        for fn, (wall, cpu) in zip(fns, times, strict=True):
+            t0, c0 = time.perf_counter(), time.thread_time()
             fn()
-            out.append(time.perf_counter() - t0)
-    return [1e3 * statistics.median(t) for t in times]
+            cpu.append(time.thread_time() - c0)
+            wall.append(time.perf_counter() - t0)
+    return [(1e3 * statistics.median(w), 1e3 * statistics.median(c)) for w, c in times]
 
 
 def populate(pool: tl.Pool, cluster: MPCluster, prompts: dict, gen: torch.Generator) -> None:
@@ -126,7 +136,9 @@ def bench_put(pool, cluster, chunk, reps, gen) -> dict:
     # small puts take microseconds: repeat them more, so preemption on a shared machine
     # does not decide the median
     reps = reps * max(1, (8 << 20) // nbytes)
-    put_ms, memcpy1_ms = paired_median_ms([put_all, lambda: dst.copy_(src)], reps)
+    (put_ms, put_cpu_ms), (memcpy1_ms, memcpy_cpu_ms) = paired_medians(
+        [put_all, lambda: dst.copy_(src)], reps
+    )
     # the all-threads memcpy in a block of its own: between calls its OpenMP workers spin,
     # and on a busy machine would take the other core from every call timed next to them
     torch.set_num_threads(os.cpu_count() or 1)
@@ -145,6 +157,9 @@ def bench_put(pool, cluster, chunk, reps, gen) -> dict:
         "put_GBps": put_gbps,
         "memcpy_GBps": memcpy_gbps,
         "ratio": put_gbps / memcpy_gbps,
+        "put_cpu_ms": put_cpu_ms,
+        "memcpy_cpu_ms": memcpy_cpu_ms,
+        "ratio_cpu": memcpy_cpu_ms / put_cpu_ms,
     }
 
 
@@ -188,6 +203,7 @@ def run_instances(n: int, args, rng: np.random.Generator, gen: torch.Generator) 
             reps = args.reps * (20 if chunks is tiny else 1)
             res = bench_query(pool, cluster, chunks, reps, gen)
             res["overhead_us"] = 1e3 * (res["engine_ms"] - res["inprocess_ms"])
+            res["load_avg_1m"] = os.getloadavg()[0]
             out.append({"case": "query", "N": n, "workload": label, **res, "target": "<= 1.2"})
         for kib, rows in zip(args.put_kib, put_rows, strict=True):
             put_chunk = tl.Chunk(f"fresh{kib}", rng.integers(0, vocab, rows), 0)
@@ -195,6 +211,10 @@ def run_instances(n: int, args, rng: np.random.Generator, gen: torch.Generator) 
             res["bytes_per_call"] = res["bytes"] // shape.num_layers
             # beyond moving the bytes: the fixed cost of one put call
             res["overhead_us"] = 1e3 * (res["put_ms"] - res["memcpy_ms"]) / shape.num_layers
+            res["overhead_cpu_us"] = (
+                1e3 * (res["put_cpu_ms"] - res["memcpy_cpu_ms"]) / shape.num_layers
+            )
+            res["load_avg_1m"] = os.getloadavg()[0]
             label = f"{kib} KiB per call ({shape.num_layers} layers x {rows} rows)"
             out.append({"case": "put", "N": n, "workload": label, **res, "target": ">= 0.5"})
     return out
