@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from itertools import repeat
+from itertools import chain, repeat
 from operator import attrgetter, is_not
 
 import numpy as np
@@ -88,8 +88,7 @@ def check_instances(instances, batches, dops: list[int], live, busy) -> None:
 
 _REQUEST_ID, _START, _END = attrgetter("request_id"), attrgetter("start"), attrgetter("end")
 _TOKEN_IDS, _NUM_TOKENS = attrgetter("token_ids"), attrgetter("num_tokens")
-_OPEN_INSTANCE = attrgetter("open.location.instance_id")
-_OPEN_SLOT = attrgetter("open.location.slot_id")
+_OPEN_LOCATION = attrgetter("open.location")
 
 
 def scan_chunks(
@@ -148,8 +147,9 @@ def scan_chunks(
     if len(with_open):
         opens = [r_states[k] for k in with_open.tolist()]
         o_idx, m = r_idx[with_open], len(with_open)
-        cols[3, o_idx] = np.fromiter(map(_OPEN_INSTANCE, opens), dtype=np.int64, count=m)
-        cols[4, o_idx] = np.fromiter(map(_OPEN_SLOT, opens), dtype=np.int64, count=m)
+        # one pass over the (instance_id, slot_id) locations, flattened
+        locs = np.fromiter(chain.from_iterable(map(_OPEN_LOCATION, opens)), np.int64, 2 * m)
+        cols[3:5, o_idx] = locs.reshape(m, 2).T
         cols[5, o_idx] = open_len[with_open]
     fits = (open_len > 0) & (cols[2, r_idx] - cols[1, r_idx] + open_len < seg)
     in_place = np.zeros(n, dtype=bool)

@@ -32,7 +32,7 @@ def frozen_i32(values: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: gen_plans reads every chunk's fields
 class Chunk:
     """One request's work in one iteration: compute tokens ``token_ids[start:end]``.
 

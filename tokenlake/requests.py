@@ -19,7 +19,7 @@ class OpenSegment:
     tokens: np.ndarray  # int32, fewer than C tokens
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: gen_plans reads every running request's fields
 class RequestState:
     """A running request. ``nodes`` are its sealed prefix segments in order; tree nodes among
     them are pinned by it. After a key collision (``detached``) its later segments are private
