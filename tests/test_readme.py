@@ -113,43 +113,53 @@ COMMANDS = {
     ".venv/bin/tokenlake bench scheduler": Tiny("--quick"),
     ".venv/bin/tokenlake bench model": Tiny("--quick"),
     ".venv/bin/tokenlake bench real-cluster": Tiny("--quick"),
-    "S=tokenlake,router,mooncake-1p3d,mooncake-3p1d": NotHere("a shell variable for the lines below"),
+    "B=router,mooncake-1p3d,mooncake-3p1d": NotHere("a shell variable for the lines below"),
+    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems $B "
+    "--goodput --lo 0.3 --hi 0.8 --rel-tol 0.15 --max-evals 8 --out "
+    "results/goodput/conv1000_base": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seeds 1 --goodput --lo 1 --hi 2 --rel-tol 0.15 --max-evals 4 "
+    "--wall-budget 3600": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems "
-    "router,mooncake-1p3d,mooncake-3p1d --goodput --lo 0.3 --hi 0.8 --rel-tol 0.15 --max-evals 8 "
-    "--out results/goodput/conv1000_base": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.6 --hi 1.0 --rel-tol 0.15 --max-evals 5 "
-    "--wall-budget 3600": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seed 1 --seeds 1 --goodput --lo 1.0 --hi 1.5 --rel-tol 0.15 "
+    "tokenlake-1p3d --prefill-tokens 2048 --seeds 1 --goodput --lo 0.5 --hi 1 --rel-tol 0.15 "
     "--max-evals 4 --wall-budget 3600": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems tokenlake-3p1d "
-    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.5 --hi 1.0 --rel-tol 0.15 --max-evals 4 "
+    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems "
+    "tokenlake-3p1d --prefill-tokens 2048 --seeds 1 --goodput --lo 0.5 --hi 1.0 --rel-tol "
+    "0.15 --max-evals 4 --wall-budget 3600": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems $B --goodput "
+    "--lo 0.5 --hi 2 --rel-tol 0.15 --max-evals 8 --wall-budget 3600 --out "
+    "results/goodput/synthetic": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seeds 1 --goodput --lo 2 --hi 4 --rel-tol 0.15 --max-evals 4 "
     "--wall-budget 3600": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload loogle --requests 80 --systems tokenlake "
-    "--prefill-tokens 2048 --goodput --lo 4 --hi 8 --rel-tol 0.3 --max-evals 6 --wall-budget 3600":
-        Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload loogle --requests 80 --systems "
-    "tokenlake-1p3d,tokenlake-3p1d,tokenlake-sync --prefill-tokens 2048 --goodput --lo 1 --hi 2 "
-    "--rel-tol 0.3 --max-evals 6 --wall-budget 3600": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload loogle --requests 80 --systems $S --goodput --lo 1 "
-    "--hi 2 --rel-tol 0.3 --max-evals 6 --wall-budget 3600 --out results/goodput/loogle":
-        Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload sharegpt --requests 100 --systems $S --goodput --lo 2 "
-    "--hi 4 --rel-tol 0.3 --max-evals 6 --wall-budget 3600 --out results/goodput/sharegpt":
-        Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload sharegpt --requests 300 --systems $S --goodput --lo 4 "
-    "--hi 8 --rel-tol 0.3 --max-evals 6 --wall-budget 3600 --out results/goodput/sharegpt300":
-        Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload scbench --requests 45 --systems tokenlake --rates 1 "
-    "--prefill-tokens 2048 --seeds 1 --wall-budget 3600": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload scbench --requests 45 --systems "
-    "router,mooncake-1p3d,mooncake-3p1d --rates 1 --prefill-tokens 2048 --seeds 1 "
+    ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems tokenlake-3p1d "
+    "--prefill-tokens 2048 --seeds 1 --rates 2.8284 --wall-budget 3600": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems $B --goodput "
+    "--lo 0.5 --hi 2 --rel-tol 0.15 --max-evals 8 --wall-budget 3600 --out "
+    "results/goodput/sharegpt": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems "
+    "tokenlake,tokenlake-1p3d --prefill-tokens 2048 --seeds 1 --goodput --lo 4 --hi 16 "
+    "--rel-tol 0.15 --max-evals 5 --wall-budget 3600": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems $B --goodput "
+    "--lo 0.5 --hi 2 --rel-tol 0.15 --max-evals 8 --wall-budget 3600 --out "
+    "results/goodput/loogle": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seeds 1 --goodput --lo 2 --hi 4 --rel-tol 0.15 --max-evals 4 "
+    "--wall-budget 3600": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems "
+    "tokenlake-1p3d,tokenlake-3p1d --prefill-tokens 2048 --seeds 1 --rates 2 --wall-budget "
+    "3600": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems $B "
+    "--prefill-tokens 2048 --goodput --lo 0.1 --hi 0.5 --rel-tol 0.15 --max-evals 6 "
     "--wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload agentic --requests 300 --systems tokenlake --rates 2 "
-    "--prefill-tokens 2048 --seeds 1 --wall-budget 3600": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload agentic --requests 300 --systems "
-    "router,mooncake-1p3d,mooncake-3p1d --rates 2 --prefill-tokens 2048 --seeds 1 "
+    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.5 --hi 2 --rel-tol 0.15 --max-evals 4 "
+    "--wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload agentic --requests 1000 --systems $B "
+    "--prefill-tokens 2048 --goodput --lo 0.1 --hi 0.5 --rel-tol 0.15 --max-evals 6 "
+    "--wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload agentic --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seeds 1 --goodput --lo 1 --hi 4 --rel-tol 0.15 --max-evals 4 "
     "--wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake bench sim-crosscheck": Tiny(),
 }  # fmt: skip
@@ -195,8 +205,8 @@ def _tiny_trace(path: Path) -> None:
 
 
 def _argv(command: str, extra: str = "") -> list[str]:
-    env_s = "tokenlake,router,mooncake-1p3d,mooncake-3p1d"  # the README's $S
-    argv = shlex.split(command.replace("$S", env_s)) + shlex.split(extra)
+    env_b = "router,mooncake-1p3d,mooncake-3p1d"  # the README's $B
+    argv = shlex.split(command.replace("$B", env_b)) + shlex.split(extra)
     if argv[0].startswith(".venv/bin/"):
         argv[0] = str(BIN / argv[0].removeprefix(".venv/bin/"))
     return argv
