@@ -41,6 +41,7 @@ from tokenlake.bench.workloads import (
     Workload,
     trace_workload,
 )
+from tokenlake.eviction import POLICIES
 
 # name: (path, first request, jitter bucket in s, Poisson gaps)
 TRACE_PRESETS = {
@@ -140,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[2048, 4096, 8192],
         help="the prefill knob swept per system (chunked prefill size; TokenLake's "
         "chunk and per-iteration prefill budget); one value: all at that setting",
+    )
+    c.add_argument(
+        "--eviction",
+        choices=POLICIES,
+        default=None,
+        help="TokenLake's eviction policy (default: the pool's; see tokenlake/eviction.py)",
     )
     c.add_argument(
         "--no-mixed-chunk",
@@ -268,6 +275,7 @@ def run(args: argparse.Namespace) -> dict:
             wall_budget_s=args.wall_budget,
             horizon_s=args.horizon,
             window_s=args.window,
+            eviction=args.eviction,
             seed=seed,
             stop_below=stop_below,
         )

@@ -29,12 +29,13 @@ class Harness:
         hasher: tl.SegmentHasher | None = None,
         balancer=None,
         logit_cap: float = 0.0,
+        eviction: tl.EvictionConfig | None = None,
     ) -> None:
         self.shape = tl.ModelShape(
             num_layers, num_q_heads, num_kv_heads, head_dim, dtype, logit_cap=logit_cap
         )
         self.config = tl.PoolConfig(self.shape, num_instances, num_slots, segment_len)
-        self.pool = tl.Pool(self.config, hasher, balancer=balancer)
+        self.pool = tl.Pool(self.config, hasher, balancer=balancer, eviction=eviction)
         self.cluster = LocalCluster(self.pool, backend=backend)
         self.model = SyntheticModel(self.shape, seed=1)
         self.tolerance = TOLERANCE[dtype]

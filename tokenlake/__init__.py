@@ -13,12 +13,14 @@ from tokenlake.errors import (
     TokenLakeError,
     UnknownRequestError,
 )
+from tokenlake.eviction import EvictionConfig
 from tokenlake.keys import SegmentHasher
 from tokenlake.plans import Chunk, Plans, QueryPlan, TransferPlan
 from tokenlake.pool import Pool, PrefixTreeView
 
 __all__ = [
     "Chunk",
+    "EvictionConfig",
     "InvalidArgumentError",
     "IterationStateError",
     "ModelShape",

@@ -102,7 +102,10 @@ class IterationPlanner:
         """Commit ``it``: seal, add its replicas, book accesses, LRU, load and counters."""
         tree, r = self.tree, it.reads
         for pc in it.new_chunks:  # the admitted prefix was read: the most recent for LRU
-            tree.touch(pc.state.tree_nodes + ([pc.source] if pc.source else []))
+            path = pc.state.tree_nodes + ([pc.source] if pc.source else [])
+            tree.touch(path)
+            tree.mark_reused(path)
+        tree.forget(v.node for v in it.victims)
         tree.touch_replicas(r.chosen_idx.tolist(), r.chosen_inst.tolist())
         self.access.begin_iteration()
         self.access.record_accesses(r.rows, r.query_rows, r.access_tokens)
@@ -135,6 +138,7 @@ class IterationPlanner:
         if not executed and it.victims:
             done = tree.restore(it.victims, self.placement.live)
             restored = {v.location for v, ok in zip(it.victims, done, strict=True) if ok}
+        tree.forget(v.node for v in it.victims if v.location not in restored)
         for loc in it.new_slots():
             if loc not in restored:
                 self.allocators[loc.instance_id].free(loc.slot_id)

@@ -13,6 +13,7 @@ from tokenlake import admission, instance_loss
 from tokenlake.balancer import AccessStats, BalancerConfig
 from tokenlake.config import PoolConfig
 from tokenlake.errors import InvalidArgumentError, IterationStateError, UnknownRequestError
+from tokenlake.eviction import EvictionConfig, EvictionPolicy
 from tokenlake.inflight import InFlight
 from tokenlake.iteration import Iteration
 from tokenlake.iteration_planner import IterationPlanner
@@ -37,7 +38,8 @@ class Pool:
     new replicas) or ``abort`` (undoes all). Several iterations may be in flight at once,
     each over its own requests and its own compute instances (``free_instances``); each is
     committed or aborted on its own, in any order. ``finish`` releases a request's pins and
-    keeps its partial tail for a later turn. ``load_model`` enables :meth:`get_cache_load`.
+    keeps its partial tail for a later turn. ``load_model`` enables :meth:`get_cache_load`;
+    ``eviction`` picks what goes when the pool is full (:mod:`tokenlake.eviction`).
 
     The components (``tree``, ``allocators``, ``placement``, ``access``, ``requests``,
     ``inflight``, ``failover``, ``iterations``) are exposed for inspection and tests; change
@@ -51,12 +53,14 @@ class Pool:
         balancer: BalancerConfig | None = None,
         load_model: LoadModel | None = None,
         seed: int = 0,
+        eviction: EvictionConfig | None = None,
     ) -> None:
         for name, value, kind in (
             ("config", config, PoolConfig),
             ("hasher", hasher, SegmentHasher),
             ("balancer", balancer, BalancerConfig),
             ("load_model", load_model, LoadModel),
+            ("eviction", eviction, EvictionConfig),
         ):
             if not isinstance(value, kind) and (value is not None or kind is PoolConfig):
                 raise fail(name, f"a {kind.__name__}", value)
@@ -66,7 +70,8 @@ class Pool:
         self.balancer = balancer if balancer is not None else BalancerConfig()
         self.load_model = load_model
         n = config.num_instances
-        self.tree = PrefixTree(config.segment_len, self.hasher, max_replicas=n)
+        policy = EvictionPolicy(eviction or EvictionConfig(), n * config.num_slots)
+        self.tree = PrefixTree(config.segment_len, self.hasher, max_replicas=n, policy=policy)
         self.placement = Placement(range(n), seed=self.hasher.seed)
         self.allocators = [SlotAllocator(config.num_slots) for _ in range(n)]
         self.access = AccessStats(n, self.tree, self.balancer)

@@ -16,6 +16,7 @@ import numpy as np
 
 from tokenlake import tree_eviction
 from tokenlake.errors import InvalidArgumentError
+from tokenlake.eviction import EvictionConfig, EvictionPolicy
 from tokenlake.keys import SegmentHasher, as_tokens
 from tokenlake.replica_lru import ReplicaLRU
 from tokenlake.segment_table import SegmentTable
@@ -51,8 +52,15 @@ class PrefixTree:
     stamps' order, so an undone eviction goes back to its exact place.
     """
 
-    def __init__(self, segment_len: int, hasher: SegmentHasher, max_replicas: int = 8) -> None:
+    def __init__(
+        self,
+        segment_len: int,
+        hasher: SegmentHasher,
+        max_replicas: int = 8,
+        policy: EvictionPolicy | None = None,
+    ) -> None:
         self.segment_len = segment_len
+        self.policy = policy if policy is not None else EvictionPolicy(EvictionConfig(), 0)
         self.hasher = hasher
         self.table = SegmentTable(max_replicas)
         self.root = Node(hasher.root_key, None, as_tokens([]), -1)
@@ -128,6 +136,16 @@ class PrefixTree:
             node = self._by_idx.get(i)
             if node is not None and (node.key, inst) in self.lru:
                 self.lru.stamp((node.key, inst))
+
+    def mark_reused(self, path: list[Node]) -> None:
+        """A new request's admitted prefix was read (at commit): the eviction policy's
+        reuse signal."""
+        self.policy.reused(path, self)
+
+    def forget(self, victims: Iterable[Node]) -> None:
+        """Evictions of these nodes' replicas became final (commit, or an abort that could
+        not restore them)."""
+        self.policy.forgotten(victims, self)
 
     def pin(self, node: Node) -> None:
         self._require_committed(node)
@@ -277,6 +295,7 @@ class PrefixTree:
         parent.children[node.key] = node
         parent.by_first.setdefault(int(node.tokens[0]), []).append(node)
         self._nodes[node.key] = node
+        self.policy.attached(node)
 
     def _detach(self, node: Node) -> None:
         parent = node.parent
@@ -288,13 +307,15 @@ class PrefixTree:
         del self._nodes[node.key]
         self.table.free(node.idx)
         del self._by_idx[node.idx]
+        self.policy.detached(node)
         node.parent = None
         node.idx = -1
 
     def evict_lru(
         self, instance_id: int | None = None, journal: list[Evicted] | None = None
     ) -> tuple[Node, Location] | None:
-        """Remove the least recently used evictable replica; see :func:`tree_eviction.evict_lru`."""
+        """Remove the first evictable replica in the policy's order (least recently used
+        first); see :func:`tree_eviction.evict_lru`."""
         return tree_eviction.evict_lru(self, instance_id, journal)
 
     def restore(self, evicted: Sequence[Evicted], live: Iterable[int]) -> list[bool]:
@@ -311,3 +332,4 @@ class PrefixTree:
 
     def check_invariants(self) -> None:
         check_tree_invariants(self)
+        self.policy.check_invariants(self.nodes())

@@ -32,13 +32,14 @@ class Evicted(NamedTuple):
 def evict_lru(
     tree: PrefixTree, instance_id: int | None = None, journal: list[Evicted] | None = None
 ) -> tuple[Node, Location] | None:
-    """Remove the least recently used evictable replica (on ``instance_id`` if given);
+    """Remove the first evictable replica in the tree's eviction policy's order (least
+    recently used first, see :mod:`tokenlake.eviction`) on ``instance_id`` if given;
     ``None`` if there is none. Any copy of a segment with several may go (pinned or not); a
     last copy goes only from an unpinned leaf; no copy of a segment an in-flight iteration
     reads goes. With ``journal``, an :class:`Evicted` record is appended so :func:`restore`
     can undo it."""
     table = tree.table
-    for (key, inst), stamp in tree.lru.items():
+    for (key, inst), stamp in tree.policy.candidates(tree):
         if instance_id is not None and inst != instance_id:
             continue
         node = tree.get(key)

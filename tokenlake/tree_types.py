@@ -33,6 +33,7 @@ class Node:
         "by_first",
         "idx",
         "table",
+        "protected",
     )
 
     def __init__(self, key: int, parent: Node | None, tokens: np.ndarray, depth: int) -> None:
@@ -45,6 +46,7 @@ class Node:
         self.by_first: dict[int, list[Node]] = {}
         self.idx = -1  # row in ``table`` while the node is live
         self.table: SegmentTable | None = None
+        self.protected = False  # eviction class (see tokenlake.eviction); kept across a restore
 
     @property
     def num_tokens(self) -> int:

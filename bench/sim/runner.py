@@ -74,6 +74,7 @@ class RunConfig:
     seed: int = 0
     decode_steps: int = 8
     stop_below: float = 0.0
+    eviction: str | None = None  # TokenLake's eviction policy; None: the pool's default
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS + EXTRA_SYSTEMS:
@@ -160,6 +161,7 @@ def build_system(cfg: RunConfig, loop, timer, spec, on_finished, on_rejected, lo
             input_token_slo=per_token,
             sync_iterations=cfg.system == "tokenlake-sync",
             decode_steps=cfg.decode_steps,
+            eviction=cfg.eviction,
         )
         return TokenLakeSystem(loop, timer, spec, on_finished, load, tl, on_rejected)
     if cfg.system == "router":

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokenlake import InvalidArgumentError, Pool, PoolConfig, PoolFullError
+from tokenlake import EvictionConfig, InvalidArgumentError, Pool, PoolConfig, PoolFullError
 from tokenlake.bench.sim.events import EventLoop
 from tokenlake.bench.sim.job import Job
 from tokenlake.bench.sim.metrics import LoadTimeline
@@ -33,7 +33,8 @@ class TokenLakeConfig:
     """Args: mode / num_prefill (the scheduler's ``elastic`` or ``xpyd`` with P prefill
     instances); segment_len (the pool's); chunk_len / max_prefill_tokens / tbt_slo /
     input_token_slo / output_reserve / decode_steps (the scheduler's); sync_iterations (one cluster-wide
-    iteration at a time, the pre-asynchronous model)."""
+    iteration at a time, the pre-asynchronous model); eviction (the pool's policy, None: its
+    default)."""
 
     mode: str = "elastic"
     num_prefill: int = 0
@@ -45,6 +46,7 @@ class TokenLakeConfig:
     output_reserve: float = 1.0
     decode_steps: int = 1
     sync_iterations: bool = False
+    eviction: str | None = None
 
 
 class TokenLakeSystem:
@@ -66,6 +68,7 @@ class TokenLakeSystem:
         self.pool = Pool(
             PoolConfig(spec.mp.shape, n, num_slots, seg, namespace="sim"),
             load_model=LoadModel(timer.hardware, spec.mp),
+            eviction=EvictionConfig(config.eviction) if config.eviction else None,
         )
         cfg = SchedulerConfig(
             n,
@@ -96,6 +99,7 @@ class TokenLakeSystem:
             "preemptions": self.sched.num_preemptions,
             "iterations": self.num_iterations,
             "pool_full_stalls": self.num_pool_full,
+            "eviction": self.pool.tree.policy.config.policy,
         }
 
     # ---- arrivals ------------------------------------------------------------------------

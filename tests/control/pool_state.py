@@ -9,7 +9,8 @@ import tokenlake as tl
 
 
 def pool_state(pool: tl.Pool) -> dict:
-    """Every node (key, parent, tokens, replicas, pins, readers, access count), the replica
+    """Every node (key, parent, tokens, replicas, pins, readers, access count, eviction class),
+    the eviction policy's protected count and ghosts, the replica
     LRU order, every request, every allocator's free slots, the balancer's load state, the
     iterations in flight and ``get_stats()``."""
     tree = pool.tree
@@ -23,6 +24,7 @@ def pool_state(pool: tl.Pool) -> dict:
             n.pin_count,
             int(table.readers[n.idx]),
             float(table.access[n.idx]) / pool.access.scale,
+            n.protected,
         )
         for n in tree.nodes()
     )
@@ -52,6 +54,7 @@ def pool_state(pool: tl.Pool) -> dict:
         "scale": access.scale,
         "total_access": access.total_access_tokens,
         "stats": pool.get_stats(),
+        "eviction": (tree.policy.num_protected, list(tree.policy.ghosts)),
     }
 
 

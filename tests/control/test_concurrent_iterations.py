@@ -37,6 +37,7 @@ class InFlight:
 
 class ConcurrentIterations(RuleBasedStateMachine):
     h: Harness | None = None
+    eviction: tl.EvictionConfig | None = None  # the pool's default policy
 
     @initialize(
         num_instances=st.integers(2, 4),
@@ -47,7 +48,9 @@ class ConcurrentIterations(RuleBasedStateMachine):
         balancer = BalancerConfig(
             window=4, interval=1, overload_factor=1.0, max_replica_fraction=0.5, replicate=replicate
         )
-        self.h = Harness(num_instances, SEG, num_slots=num_slots, balancer=balancer)
+        self.h = Harness(
+            num_instances, SEG, num_slots=num_slots, balancer=balancer, eviction=self.eviction
+        )
         self.pool = self.h.pool
         self.tokens: dict = {}  # running request -> every token known
         self.inflight: dict[int, InFlight] = {}
