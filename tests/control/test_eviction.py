@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from pool_state import assert_restored, pool_state
 from test_concurrent_iterations import ConcurrentIterations
 
@@ -240,10 +240,4 @@ class ProtectedIterations(ConcurrentIterations):
 
 
 TestProtectedIterations = ProtectedIterations.TestCase
-TestProtectedIterations.settings = settings(
-    max_examples=20,
-    stateful_step_count=40,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+TestProtectedIterations.settings = settings(ConcurrentIterations.TestCase.settings, max_examples=20)
