@@ -9,10 +9,10 @@ sessions in between. ``"protect"`` splits the tree's nodes in two classes:
 * protected — matched by a later request (a live session's prefix), or recomputed after
   being evicted (its key is in the ghost history of recently evicted segments).
 
-Eviction takes the least recently used evictable extra copy of an unpinned probation node
-(a replica the balancer made for a load that has passed: dropping it loses no hit), then the
-least recently used evictable replica of a probation node, and only when there is none, of a
-protected one. A reuse promotes its nodes; when protected nodes exceed
+Eviction takes the least recently used evictable replica of a probation node, and only when
+there is none, of a protected one. (Dropping spare copies of probation nodes first was tried:
+it loses no hit but moved reads off the replicas the balancer made, and cost SLO attainment
+on the conversation trace.) A reuse promotes its nodes; when protected nodes exceed
 ``protected_fraction`` of the pool's slots, the least recently used ones are demoted to
 probation, so stale prefixes still leave. A ghost recompute is promoted only while there is
 room: it never demotes a prefix that is being reused. Under a cycle larger than the pool, the
@@ -104,25 +104,18 @@ class EvictionPolicy:
 
     def candidates(self, tree: PrefixTree) -> Iterator[tuple[tuple[int, int], int]]:
         """Replica entries ``((key, instance_id), stamp)`` in the order eviction tries them:
-        the tree's LRU order; ``"protect"``: first the extra copies of unpinned probation
-        nodes (replicas made for a load that is gone: dropping one loses no hit), then the
-        other probation replicas, then protected ones."""
+        the tree's LRU order; ``"protect"``: probation replicas first, then protected ones."""
         lru = tree.lru
-        if not self.protects:
+        if not self.protects or not self.num_protected:
             yield from lru.items()
             return
-        get, spare, pins = tree.get, tree.table.num_replicas, tree.table.pins
-        for entry, stamp in lru.items():
-            node = get(entry[0])
-            if not node.protected and spare[node.idx] > 1 and not pins[node.idx]:
-                yield entry, stamp
+        get = tree.get
         for entry, stamp in lru.items():
             if not get(entry[0]).protected:
                 yield entry, stamp
-        if self.num_protected:
-            for entry, stamp in lru.items():
-                if get(entry[0]).protected:
-                    yield entry, stamp
+        for entry, stamp in lru.items():
+            if get(entry[0]).protected:
+                yield entry, stamp
 
     # ---- the pool's hooks (at commit) --------------------------------------------------------
     def reused(self, path: list[Node], tree: PrefixTree) -> None:

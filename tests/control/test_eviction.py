@@ -196,26 +196,14 @@ def small_tree(policy: str) -> tuple[PrefixTree, list]:
     return tree, nodes
 
 
-@pytest.mark.parametrize("policy", ["lru", "protect"])
-def test_protect_drops_a_spare_copy_of_a_probation_segment_first(policy):
-    tree, (a, b, c) = small_tree(policy)
-    node, loc = tree.evict_lru()
-    if policy == "lru":
-        assert node is a and a.idx < 0  # the least recently used, its only copy
-    else:
-        assert node is c and loc.instance_id == 0 and len(c.replicas) == 1  # no hit lost
-    tree.check_invariants()
-
-
-def test_protect_keeps_pinned_and_protected_copies_and_protected_segments_last():
+def test_protect_evicts_probation_before_protected_copies_included():
     tree, (a, b, c) = small_tree("protect")
-    tree.pin(c)  # a running request reads it: its spare copy is not stale
-    assert tree.evict_lru()[0] is a
-    tree.unpin(c)
-    tree.mark_reused([c])  # a later request reused it: protected, copies included
+    assert tree.evict_lru()[0] is a  # nothing protected yet: plain LRU
+    tree.mark_reused([c])  # a later request reused it: protected, both copies
     assert c.protected and tree.policy.num_protected == 1
-    assert tree.evict_lru()[0] is b
-    assert tree.evict_lru()[0] is c  # only protected data is left
+    assert tree.evict_lru()[0] is b  # older probation first, although c has a spare copy
+    node, loc = tree.evict_lru()  # only protected data is left: its copies go in LRU order
+    assert node is c and len(c.replicas) == 1
     tree.check_invariants()
 
 
