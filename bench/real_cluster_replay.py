@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenlake.bench.real_cluster_systems import (
+    ROUTERS,
     Env,
     InstanceGroup,
     RealClusterConfig,
@@ -114,8 +115,11 @@ def run(
     starts what comes next. Lanes run in parallel. Returns the records, the per-instance load
     timeline and the CPU seconds spent (scheduler steps, forwards) and iterations run over
     all lanes."""
-    kind = TokenLakeSystem if system_name == "tokenlake" else RouterSystem
-    system = kind(model, cfg, env, timing or Timing())
+    timing = timing or Timing()
+    if system_name == "tokenlake":
+        system = TokenLakeSystem(model, cfg, env, timing)
+    else:
+        system = RouterSystem(model, cfg, env, timing, ROUTERS[system_name])
     reqs = workload(cfg, rate, model.config.vocab_size)
     records = {
         r.rid: RequestRecord(

@@ -20,10 +20,20 @@ from tokenlake.engines.local_cluster import LocalCluster
 from tokenlake.engines.model.engine import ModelEngine
 from tokenlake.engines.model.llama import LlamaModel
 from tokenlake.errors import PoolFullError
-from tokenlake.scheduler import Coeffs, ElasticScheduler, LatencyModel, SchedulerConfig
+from tokenlake.scheduler import (
+    COLOCATED,
+    ELASTIC,
+    Coeffs,
+    ElasticScheduler,
+    LatencyModel,
+    SchedulerConfig,
+)
 from tokenlake.scheduler.planned import IterationPlan
 
-SYSTEMS = ("tokenlake", "router")
+# the router's lanes alternate prefill and decode batches (SGLang's default) or mix decodes into
+# chunked prefill batches (``--enable-mixed-chunk``); its best is its goodput
+SYSTEMS = ("tokenlake", "router", "router-mixed")
+ROUTERS = {"router": ELASTIC, "router-mixed": COLOCATED}
 LATENCY = LatencyModel({1: Coeffs(1e-3, 1e-5, 0.0)}, Coeffs(1e-3, 1e-5, 0.0))
 
 
@@ -45,12 +55,15 @@ class RealClusterConfig:
 @dataclass(frozen=True)
 class Env:
     """What both systems' schedulers are told: the SLO (seconds) and profiled latency models
-    by instance count; ``defer_pending_prefix`` (both systems' schedulers) lets a new request
-    wait for a prefix another request's prefill is computing."""
+    by instance count; both systems' schedulers get the same settings: ``defer_pending_prefix``
+    (a new request waits for a prefix another request's prefill is computing) and
+    ``admission_backfill`` (a request that does not fit in memory yet is passed over until its
+    first-token deadline)."""
 
     slo: dict
     latency: dict
     defer_pending_prefix: bool = True
+    admission_backfill: bool = True
 
 
 @dataclass(frozen=True)
@@ -117,6 +130,7 @@ class InstanceGroup:
         num_instances: int,
         env: Env | None = None,
         timing: Timing = Timing(),
+        mode: str = ELASTIC,
     ) -> None:
         config = tl.PoolConfig(model.shape, num_instances, cfg.num_slots, cfg.segment_len)
         self.pool = tl.Pool(config)
@@ -125,9 +139,10 @@ class InstanceGroup:
         # the scheduler knows the SLO and this machine's latencies (profiled), as in serving
         env = env or Env(slo={}, latency={num_instances: LATENCY})
         sched_cfg = SchedulerConfig(
-            num_instances, cfg.segment_len, chunk_len=cfg.chunk_len,
+            num_instances, cfg.segment_len, mode=mode, chunk_len=cfg.chunk_len,
             sync_iterations=timing.sync_iterations,
-            defer_pending_prefix=env.defer_pending_prefix, **env.slo,
+            defer_pending_prefix=env.defer_pending_prefix,
+            admission_backfill=env.admission_backfill, **env.slo,
         )  # fmt: skip
         self.now = 0.0
         clock = lambda: self.now  # noqa: E731
@@ -238,10 +253,21 @@ class TokenLakeSystem:
 
 
 class RouterSystem:
-    """N single-instance lanes (private caches) behind sgl-router's cache-aware rule."""
+    """N single-instance lanes (private caches) behind sgl-router's cache-aware rule; each
+    lane's scheduler in ``mode`` (elastic on one instance: alternating prefill and decode
+    batches; colocated: decodes mixed into chunked prefill batches)."""
 
-    def __init__(self, model: LlamaModel, cfg: RealClusterConfig, env: Env, timing: Timing):
-        self.lanes = [InstanceGroup(model, cfg, 1, env, timing) for _ in range(cfg.num_instances)]
+    def __init__(
+        self,
+        model: LlamaModel,
+        cfg: RealClusterConfig,
+        env: Env,
+        timing: Timing,
+        mode: str = ELASTIC,
+    ) -> None:
+        self.lanes = [
+            InstanceGroup(model, cfg, 1, env, timing, mode) for _ in range(cfg.num_instances)
+        ]
         self.first_instance = list(range(cfg.num_instances))
         self.router = CacheAwareRouter(cfg.num_instances)
         self.where: dict[str, int] = {}

@@ -59,6 +59,10 @@ class SchedulerConfig:
         output_reserve: share of a request's remaining output the admission reserves for it
             (1: the whole ``max_output_tokens``, as SGLang's admission; 0: only its prompt,
             as vLLM's, relying on preemption).
+        admission_backfill: a new request that does not fit in memory yet is passed over by
+            later ones that do (EDF order otherwise kept), until its first-token deadline
+            passes; then admission blocks behind it, so it cannot starve. Without an
+            input-token SLO (no deadline) admission always blocks (FCFS).
         defer_pending_prefix: a new request whose next uncached segment a prefill chunk in
             flight (or chosen before it in the same decision) is computing waits for that
             chunk's commit instead of computing the segment again (SGLang's in-batch prefix
@@ -78,6 +82,7 @@ class SchedulerConfig:
     decode_steps: int = 1
     kv_watermark: float = 0.01
     output_reserve: float = 1.0
+    admission_backfill: bool = True
     defer_pending_prefix: bool = True
 
     def __post_init__(self) -> None:
@@ -109,7 +114,7 @@ class SchedulerConfig:
                 raise InvalidArgumentError(
                     f"SchedulerConfig.{name}: expected positive seconds, got {value!r}"
                 )
-        for name in ("sync_iterations", "defer_pending_prefix"):
+        for name in ("sync_iterations", "admission_backfill", "defer_pending_prefix"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(
                     f"SchedulerConfig.{name}: expected a bool, got {getattr(self, name)!r}"

@@ -58,15 +58,18 @@ class Deciding:
         requests: Iterable[Request],
         load: float | None = None,
         max_new_requests: int | None = None,
+        now: float = math.inf,
     ) -> Decision:
         reqs = list(requests)
         config = self._live_config()
-        items = self._work(reqs, reqs, config, {}, max_new_requests=max_new_requests)
+        items = self._work(reqs, reqs, config, {}, max_new_requests=max_new_requests, now=now)
         load = self._cache_load(items) if load is None else load
         return plan_batches(items, config, self.model, load, self.solver)
 
-    def plan_sync(self, requests: Iterable[Request], load: float | None) -> Planned:
-        decision = self.decide_sync(requests, load)
+    def plan_sync(
+        self, requests: Iterable[Request], load: float | None, now: float = math.inf
+    ) -> Planned:
+        decision = self.decide_sync(requests, load, now=now)
         self._decode_turn = PREFILL in decision.phases
         return Planned.of(decision, self._fixed_roles(decision))
 
@@ -79,6 +82,7 @@ class Deciding:
         num_free: int | None = None,
         max_new_requests: int | None = None,
         inflight: Sequence[Chunk] = (),
+        now: float = math.inf,
     ) -> list[WorkItem]:
         """Work items of ``idle`` requests that memory admits; new requests whose next
         segment a chunk ``inflight`` or chosen before them computes wait for it. Elastic on
@@ -106,7 +110,7 @@ class Deciding:
                 for c in inflight:
                     pending.add(c.token_ids, c.start, c.end)
             items = select_work(idle, config, cached, phases, max_new_requests, budget, pending)
-            items = self.admit(items, requests, stored, matches)
+            items = self.admit(items, requests, stored, matches, now)
             if items:
                 return items
         return []
@@ -153,7 +157,7 @@ class Deciding:
         live = list(self.pool.live_instances)
         cfg = self._live_config()
         if cfg.mode == COLOCATED or (cfg.mode == ELASTIC and len(live) == 1):
-            items = self._work(idle, requests, cfg, stored, len(free), inflight=chunks)
+            items = self._work(idle, requests, cfg, stored, len(free), inflight=chunks, now=now)
             n = len(free)
             limits = InstanceLimits(n, n, 0 if cfg.mode == COLOCATED else n)
             d = self._plan(items, limits, load, inflight)
@@ -175,7 +179,7 @@ class Deciding:
         if split.prefill_instances:
             p = len(split.prefill_instances)
             prefills = [r for r in idle if r.phase is not Phase.DECODE]
-            items = self._work(prefills, requests, cfg, stored, p, inflight=chunks)
+            items = self._work(prefills, requests, cfg, stored, p, inflight=chunks, now=now)
             d = self._plan(items, InstanceLimits(p, p, 0), load, inflight)
             out += [self._one(d, b, split.prefill_instances) for b in range(len(d.batches))]
         return out
@@ -248,11 +252,13 @@ class Deciding:
         requests: Iterable[Request],
         stored: Mapping[int | str, int],
         matches: Mapping[int | str, PrefixMatch],
+        now: float = math.inf,
     ) -> list[WorkItem]:
-        """FCFS memory-aware admission: ``items`` up to the first new request that does not
-        fit (see :mod:`.memory`). ``requests`` are all unfinished requests; ``stored`` gives
-        in-flight requests' stored tokens after their iteration (their slots are taken
-        already)."""
+        """Memory-aware admission in ``items``' order (see :mod:`.memory`): up to the first
+        new request that does not fit, or, with ``admission_backfill``, past those that do
+        not fit while their first-token deadline (on the scheduler's clock; ``now``) has not
+        passed. ``requests`` are all unfinished requests; ``stored`` gives in-flight
+        requests' stored tokens after their iteration (their slots are taken already)."""
         if not any(it.phase == PREFILL and it.request_id in matches for it in items):
             return items
         cfg, seg = self.config, self.config.segment_len
@@ -278,6 +284,8 @@ class Deciding:
                     it = it._replace(start=it.start - it.start % seg)
                     cost = memory.new_request_cost(req, match, it.start, seg, cfg.output_reserve)
                 if reserved + cost > avail:
+                    if cfg.admission_backfill and now <= req.deadline < math.inf:
+                        continue  # smaller requests behind it may fit; it keeps its place
                     break
                 reserved += cost
             out.append(it)

@@ -190,7 +190,7 @@ class ElasticScheduler:
         now = self.clock()
         while True:
             if self.config.sync_iterations:
-                planned = [self._deciding.plan_sync(self._requests.values(), load)]
+                planned = [self._deciding.plan_sync(self._requests.values(), load, now)]
                 planned = [p for p in planned if p.batches]
             else:
                 reqs = list(self._requests.values())

@@ -22,12 +22,15 @@ def model(tmp_path_factory):
     return LlamaModel.from_dir(write_tiny_random(tmp_path_factory.mktemp("tiny") / "m", seed=0))
 
 
-@pytest.mark.parametrize("system", SYSTEMS)
-@pytest.mark.parametrize(
-    "timing",
-    [Timing(), Timing(dop_speedup=False, parallel_holders=False), Timing(sync_iterations=True)],
-    ids=str,
-)
+# the routers' lanes are single instances: DoP, holders and sync settings change nothing there
+CASES = [
+    ("tokenlake", t)
+    for t in (Timing(dop_speedup=False, parallel_holders=False), Timing(sync_iterations=True))
+]
+CASES += [(system, Timing()) for system in SYSTEMS]
+
+
+@pytest.mark.parametrize(("system", "timing"), CASES, ids=str)
 def test_every_request_is_served_in_forward_time(model, system, timing):
     solo = Solo((1.0, 0.0), (1.0, 0.0))  # an SLO no run can miss: this checks the replay
     env = Env(slo={}, latency={1: LATENCY, CFG.num_instances: LATENCY})
