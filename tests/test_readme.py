@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenlake.bench.traces import CONVERSATION_TRACE
+from tokenlake.bench.traces import CONVERSATION_TRACE, SYNTHETIC_TRACE
 
 ROOT = Path(__file__).parents[1]
 README = ROOT / "README.md"
@@ -218,10 +218,9 @@ TINY = [c for c, how in COMMANDS.items() if isinstance(how, Tiny)]
 @pytest.mark.parametrize("command", TINY, ids=[c[:60] for c in TINY])
 def test_readme_command_runs(command, tmp_path):
     how = COMMANDS[command]
-    if "--workload conversation" in command and not CONVERSATION_TRACE.exists():
-        pytest.skip(
-            f"needs the full conversation trace {CONVERSATION_TRACE} (../shared, not in a clone)"
-        )
+    for workload, trace in (("conversation", CONVERSATION_TRACE), ("synthetic", SYNTHETIC_TRACE)):
+        if f"--workload {workload}" in command and not trace.exists():
+            pytest.skip(f"needs the full {workload} trace {trace} (../shared, not in a clone)")
     _tiny_trace(tmp_path / "my_trace.jsonl.gz")
     if command.startswith("echo "):  # a shell line: run it in a shell
         done = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True)

@@ -86,12 +86,15 @@ class InFlight:
             del self._epoch_of[rid]
         return it
 
-    def using(self, instance_id: int, lost_keys: set[int]) -> list[int]:
-        """Epochs that run on, read or write ``instance_id``, or pin a segment in ``lost_keys``."""
+    def using(self, instance_id: int, lost_keys: set[int], lost_rows: np.ndarray) -> list[int]:
+        """Epochs that run on, read or write ``instance_id``, or pin a segment in ``lost_keys``
+        or read one of ``lost_rows`` (the table rows of those segments)."""
         return [
             it.epoch
             for it in self._by_epoch.values()
-            if instance_id in it.instances or any(n.key in lost_keys for n in it.pinned_nodes())
+            if instance_id in it.instances
+            or any(n.key in lost_keys for n in it.pinned_nodes())
+            or np.isin(it.all_read_idx(), lost_rows).any()
         ]
 
     def total_load(self, base: np.ndarray) -> np.ndarray:

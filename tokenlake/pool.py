@@ -9,6 +9,8 @@ import time
 import uuid
 from collections.abc import Sequence
 
+import numpy as np
+
 from tokenlake import admission, instance_loss
 from tokenlake.balancer import AccessStats, BalancerConfig
 from tokenlake.config import PoolConfig
@@ -271,7 +273,8 @@ class Pool:
                 allowed = "a live instance, but the last live instance cannot be dropped"
             raise fail("instance_id", allowed, instance_id)
         lost = instance_loss.lost_keys(self.tree, instance_id)
-        using = self.inflight.using(instance_id, lost)
+        lost_rows = np.array([self.tree.get(key).idx for key in lost], dtype=np.int64)
+        using = self.inflight.using(instance_id, lost, lost_rows)
         if using:
             raise IterationStateError(
                 f"instance_id: iterations {using} in flight use instance {instance_id}; "

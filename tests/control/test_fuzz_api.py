@@ -20,11 +20,13 @@ from decimal import Decimal
 from fractions import Fraction
 
 import numpy as np
+import pytest
 from pool_state import pool_state
 
 import tokenlake as tl
 from tokenlake.balancer import BalancerConfig
 from tokenlake.errors import TokenLakeError
+from tokenlake.eviction import EvictionConfig
 from tokenlake.load_model import LoadModel
 from tokenlake.profiles import A100_80G, LLAMA2_7B
 
@@ -42,7 +44,7 @@ NOT_SEQS = [None, 5, 1.5, "abc", b"ab", {1: 2}, {1, 2}, object(), np.zeros((2, 2
 
 
 class Fuzzer:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, eviction: str = "lru") -> None:
         self.rng = random.Random(seed)
         self.np_rng = np.random.default_rng(seed)
         self.pool = tl.Pool(
@@ -50,6 +52,7 @@ class Fuzzer:
             balancer=BalancerConfig(window=4, interval=2, overload_factor=1.0),
             load_model=LoadModel(A100_80G, LLAMA2_7B),
             seed=seed,
+            eviction=EvictionConfig(eviction),
         )
         self.other_pool = tl.Pool(tl.PoolConfig(SHAPE, 4, 12, SEG))
         self.docs = [self.np_rng.integers(0, 500, SEG * k + 3).astype(np.int32) for k in (1, 2, 4)]
@@ -366,3 +369,12 @@ def test_fuzz_the_api(request, capsys):
     assert not fuzzer.failures, "\n".join(fuzzer.failures[:20])
     assert figures["calls"] >= num_calls
     assert figures["accepted"] > num_calls // 5 and figures["rejected"] > num_calls // 5
+
+
+@pytest.mark.parametrize("seed, eviction", [(1, "lru"), (3, "lru"), (0, "protect")])
+def test_fuzz_more_seeds_and_eviction_policies(seed, eviction):
+    """These seeds once dropped an instance while an in-flight iteration read a segment only
+    that instance held: drop_instance failed half-way and lost a running request."""
+    fuzzer = Fuzzer(seed, eviction)
+    fuzzer.run(2500)
+    assert not fuzzer.failures, "\n".join(fuzzer.failures[:20])
