@@ -25,24 +25,25 @@ def partial_attention(args: PagedAttentionInputs) -> tuple[torch.Tensor, torch.T
     Returns ``o`` ``[num_rows, H_q, D]`` float32 and ``lse`` ``[num_rows, H_q]`` float32 (natural
     log), newly allocated.
     """
-    q = args.q
-    o = torch.empty(q.shape, dtype=torch.float32)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32)
+    csr = (args.q_indptr, args.kv_indptr, args.kv_indices, args.last_len)
+    return _run_partial(
+        core_array(args.q), core_array(args.pool_layer), tuple(core_array(t) for t in csr),
+        args.causal, args.sm_scale, args.logit_cap,
+    )  # fmt: skip
+
+
+def _run_partial(
+    q: np.ndarray, pool: np.ndarray, csr: tuple, causal: bool, scale: float, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate ``o``/``lse`` and run the kernel on arrays it reads directly."""
+    o = np.empty(q.shape, dtype=np.float32)
+    lse = np.empty(q.shape[:2], dtype=np.float32)
+    q_indptr, kv_indptr, kv_indices, last_len = csr
     call_core(
-        _C.partial_attention,
-        core_array(q),
-        core_array(args.q_indptr),
-        core_array(args.pool_layer),
-        core_array(args.kv_indptr),
-        core_array(args.kv_indices),
-        core_array(args.last_len),
-        o.numpy(),
-        lse.numpy(),
-        args.causal,
-        args.sm_scale,
-        args.logit_cap,
-    )
-    return o, lse
+        _C.partial_attention, q, q_indptr, pool, kv_indptr, kv_indices, last_len,
+        o, lse, causal, scale, cap,
+    )  # fmt: skip
+    return torch.from_numpy(o), torch.from_numpy(lse)
 
 
 class CpuPart:
@@ -94,17 +95,11 @@ class CpuPart:
             )
             checked = (geometry, arrays, args.causal, args.sm_scale, args.logit_cap, direct)
             self._checked = checked
-        _, (q_indptr, kv_indptr, kv_indices, last_len), causal, scale, cap, direct = checked
-        o = np.empty(q.shape, dtype=np.float32)
-        lse = np.empty(q.shape[:2], dtype=np.float32)
+        _, csr, causal, scale, cap, direct = checked
         q_arr, pool_arr = (
             (q.numpy(), pool_layer.numpy()) if direct else (core_array(q), core_array(pool_layer))
         )
-        call_core(
-            _C.partial_attention, q_arr, q_indptr, pool_arr, kv_indptr, kv_indices, last_len,
-            o, lse, causal, scale, cap,
-        )  # fmt: skip
-        return torch.from_numpy(o), torch.from_numpy(lse)
+        return _run_partial(q_arr, pool_arr, csr, causal, scale, cap)
 
 
 def _geometry(q: object, pool_layer: object) -> tuple:
