@@ -42,13 +42,13 @@ POLICIES = ("lru", "protect")
 
 @dataclass(frozen=True)
 class EvictionConfig:
-    """Args: policy (``"lru"``: global LRU over replicas; ``"protect"``: LRU that protects
+    """Args: policy (``"lru"``: global LRU over replicas; ``"protect"`` (default): LRU that protects
     reused prefixes, see the module docstring); protected_fraction (protect: share of the
     pool's slots protected nodes may hold before the least recently used are demoted);
     ghost_fraction (protect: evicted segment keys remembered, as a share of the pool's
     slots)."""
 
-    policy: str = "lru"
+    policy: str = "protect"
     protected_fraction: float = 0.8
     ghost_fraction: float = 1.0
 
