@@ -13,7 +13,10 @@
   call, the fixed cost of a call. Target: >= 50% of memcpy (the better of one thread and all
   threads; ``ratio_1thread``: against one thread's). ``*_cpu_ms``/``ratio_cpu``: the
   same in the calling thread's CPU time against the one-thread memcpy (inside one host a put
-  runs in the caller), which a busy machine skews far less than wall time.
+  runs in the caller), which a busy machine skews far less than wall time. A put of at least
+  ``--put-parallel-min-kib`` per call is split over the kernels' threads (the CPU time then
+  leaves out the other threads' share); ``copy_ms`` vs ``copy_1thread_ms`` (``split_speedup``)
+  is the copy alone, split so vs on the calling thread, calls interleaved.
 
 Prints a table and one JSON line per case. Run: ``python -m tokenlake.bench.bench_dataplane``.
 """
@@ -34,6 +37,8 @@ from tokenlake.engines import executor
 from tokenlake.engines.dataplane_config import DataPlaneConfig
 from tokenlake.engines.executor import BoundPart
 from tokenlake.engines.mp_cluster import MPCluster
+
+ONE_THREAD = 1 << 50  # put_parallel_min_bytes that keeps every put on the calling thread
 
 
 def paired_median_ms(fns, reps: int, warmup: int = 2) -> list[float]:
@@ -122,6 +127,11 @@ def bench_put(pool, cluster, chunk, reps, gen) -> dict:
     plans = pool.gen_plans([[chunk]])
     tp = plans.transfer_plans[0]
     engine = cluster.engine(tp.origin)
+    views = {i: b.views(cluster.layout) for i, b in enumerate(cluster.buffers)}  # same memory
+    dsts = tp.dst_ids.tolist()
+    min_parallel_bytes = cluster.config.put_parallel_min_bytes
+    if min_parallel_bytes is None:
+        min_parallel_bytes = executor.PUT_PARALLEL_MIN_BYTES
     kv_buf = engine.init_transfer(tp)
     kv_buf.copy_(torch.randn(kv_buf.shape, generator=gen).to(kv_buf.dtype))
     nbytes = kv_buf.numel() * kv_buf.element_size()
@@ -148,6 +158,18 @@ def bench_put(pool, cluster, chunk, reps, gen) -> dict:
     finally:
         torch.set_num_threads(1)
     memcpy_ms = min(memcpy1_ms, memcpy_n_ms)  # compare against the better memcpy
+    # the copy alone, split as the engine splits it vs on the calling thread, interleaved
+    targets = [(views[h].pool, executor.put_runs(tp, k).as_array()) for k, h in enumerate(dsts)]
+    host = executor.host_rows(kv_buf)
+
+    def copy_all(min_bytes: int):
+        for layer in range(kv_buf.shape[0]):
+            for kv_pool, runs in targets:
+                executor.write_runs(kv_pool, runs, host[layer], layer, min_bytes)
+
+    (copy_ms, _), (copy1_ms, _) = paired_medians(
+        [lambda: copy_all(min_parallel_bytes), lambda: copy_all(ONE_THREAD)], reps
+    )
     pool.abort(plans)
     put_gbps, memcpy_gbps = nbytes / put_ms / 1e6, nbytes / memcpy_ms / 1e6
     return {
@@ -159,10 +181,15 @@ def bench_put(pool, cluster, chunk, reps, gen) -> dict:
         "memcpy_GBps": memcpy_gbps,
         "ratio": put_gbps / memcpy_gbps,
         "memcpy_1thread_ms": memcpy1_ms,
+        "memcpy_all_threads_ms": memcpy_n_ms,
         "ratio_1thread": memcpy1_ms / put_ms,  # a put inside one host is one thread's work
         "put_cpu_ms": put_cpu_ms,
         "memcpy_cpu_ms": memcpy_cpu_ms,
         "ratio_cpu": memcpy_cpu_ms / put_cpu_ms,
+        "copy_ms": copy_ms,
+        "copy_1thread_ms": copy1_ms,
+        "split_speedup": copy1_ms / copy_ms,
+        "put_parallel_min_bytes": min_parallel_bytes,
     }
 
 
@@ -177,7 +204,13 @@ def run_instances(n: int, args, rng: np.random.Generator, gen: torch.Generator) 
     cfg = tl.PoolConfig(shape, n, num_slots=-(-slots // n) + 8, segment_len=c)
     pool = tl.Pool(cfg)
     rows_cap = max([args.prefill_rows, reqs, *args.prefixes, *put_rows]) + 8
-    dp = DataPlaneConfig(max_q_rows=rows_cap, max_kv_rows=rows_cap, timeout_s=120.0)
+    min_bytes = None if args.put_parallel_min_kib is None else args.put_parallel_min_kib << 10
+    dp = DataPlaneConfig(
+        max_q_rows=rows_cap,
+        max_kv_rows=rows_cap,
+        timeout_s=120.0,
+        put_parallel_min_bytes=min_bytes,
+    )
     prompts = {f"doc{p}-{k}": rng.integers(0, vocab, p) for p in args.prefixes for k in range(reqs)}
     longest = max(args.prefixes)
     prompts["long"] = rng.integers(0, vocab, longest)
@@ -243,6 +276,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-requests", type=int, default=4)
     p.add_argument("--prefill-rows", type=int, default=128)
     p.add_argument("--put-kib", type=int, nargs="+", default=[256, 8192], help="put KiB per call")
+    p.add_argument(
+        "--put-parallel-min-kib",
+        type=int,
+        default=None,
+        help="split a put over the kernels' threads from this many KiB per call (default: "
+        f"the measured {executor.PUT_PARALLEL_MIN_BYTES >> 10}; 0: always; "
+        f"{ONE_THREAD >> 10}: never, the one-thread put)",
+    )
     p.add_argument("--backend", default="cpu", choices=["cpu", "torch"])
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--seed", type=int, default=0)

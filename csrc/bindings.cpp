@@ -279,7 +279,8 @@ NB_MODULE(_C, m) {
       "write_runs",
       [](nb::ndarray<uint8_t, nb::c_contig, nb::device::cpu> pages,
          nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu> rows,
-         nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> runs) {
+         nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> runs,
+         int64_t min_parallel_bytes) {
         // pages [num_slots, 2, page_len, ...] and rows [num_rows, 2, ...]: the trailing
         // dimensions of both are one row of K (or V), in bytes
         int64_t row_bytes = 1, rows_row_bytes = 1;
@@ -294,10 +295,12 @@ NB_MODULE(_C, m) {
         tokenlake::write_runs(pages.data(), static_cast<int64_t>(pages.shape(0)),
                               static_cast<int64_t>(pages.shape(2)), row_bytes, rows.data(),
                               static_cast<int64_t>(rows.shape(0)), runs.data(),
-                              static_cast<int64_t>(runs.shape(0)));
+                              static_cast<int64_t>(runs.shape(0)), min_parallel_bytes);
       },
       "pages"_a.noconvert(), "rows"_a.noconvert(), "runs"_a.noconvert(),
+      "min_parallel_bytes"_a = tokenlake::kPutParallelMinBytes,
       nb::call_guard<nb::gil_scoped_release>());
+  m.attr("PUT_PARALLEL_MIN_BYTES") = tokenlake::kPutParallelMinBytes;
   m.def("set_num_threads", &tokenlake::set_num_threads, "num_threads"_a);
   m.def("get_num_threads", &tokenlake::get_num_threads);
 }

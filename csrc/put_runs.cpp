@@ -1,8 +1,13 @@
 #include "put_runs.h"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
+
+#include "thread_pool.h"
 
 namespace tokenlake {
 namespace {
@@ -30,21 +35,70 @@ void check_run(const int32_t* run, int64_t i, int64_t num_slots, int64_t page_le
   }
 }
 
+// Rows first .. last - 1 of one (checked) run, row by row: K, then V.
+void copy_run(uint8_t* pages, int64_t page_len, int64_t row_bytes, const uint8_t* rows,
+              const int32_t* run, int64_t first, int64_t last) {
+  const int64_t half = page_len * row_bytes;  // bytes of K (or V) of one slot
+  uint8_t* k_dst = pages + (2 * run[2]) * half + (run[3] + first) * row_bytes;
+  const uint8_t* row = rows + 2 * (run[0] + first) * row_bytes;
+  for (int64_t r = first; r < last; ++r, row += 2 * row_bytes, k_dst += row_bytes) {
+    std::memcpy(k_dst, row, row_bytes);
+    std::memcpy(k_dst + half, row + row_bytes, row_bytes);
+  }
+}
+
+// Whether two runs write the same token of a slot. A valid plan never does; a hostile one may,
+// and then the runs are copied in order by one thread, so the last run wins as it always did.
+bool overlapping(const int32_t* runs, int64_t num_runs, int64_t page_len) {
+  std::vector<std::pair<int64_t, int64_t>> spans;  // [first token, end) over all slots
+  spans.reserve(num_runs);
+  for (int64_t i = 0; i < num_runs; ++i) {
+    const int32_t* run = runs + 4 * i;
+    const int64_t first = run[2] * page_len + run[3];
+    if (run[1] > 0) spans.emplace_back(first, first + run[1]);
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    if (spans[i].first < spans[i - 1].second) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 void write_runs(uint8_t* pages, int64_t num_slots, int64_t page_len, int64_t row_bytes,
-                const uint8_t* rows, int64_t num_rows, const int32_t* runs, int64_t num_runs) {
-  for (int64_t i = 0; i < num_runs; ++i) check_run(runs + 4 * i, i, num_slots, page_len, num_rows);
-  const int64_t half = page_len * row_bytes;  // bytes of K (or V) of one slot
+                const uint8_t* rows, int64_t num_rows, const int32_t* runs, int64_t num_runs,
+                int64_t min_parallel_bytes) {
+  int64_t total_rows = 0;
   for (int64_t i = 0; i < num_runs; ++i) {
-    const int64_t src = runs[4 * i], len = runs[4 * i + 1];
-    uint8_t* k_dst = pages + (2 * runs[4 * i + 2]) * half + runs[4 * i + 3] * row_bytes;
-    const uint8_t* row = rows + 2 * src * row_bytes;
-    for (int64_t r = 0; r < len; ++r, row += 2 * row_bytes, k_dst += row_bytes) {
-      std::memcpy(k_dst, row, row_bytes);
-      std::memcpy(k_dst + half, row + row_bytes, row_bytes);
-    }
+    check_run(runs + 4 * i, i, num_slots, page_len, num_rows);
+    total_rows += runs[4 * i + 1];
   }
+  const int64_t total_bytes = 2 * total_rows * row_bytes;
+  if (total_rows < 2 || total_bytes < min_parallel_bytes ||
+      overlapping(runs, num_runs, page_len)) {
+    for (int64_t i = 0; i < num_runs; ++i) {
+      copy_run(pages, page_len, row_bytes, rows, runs + 4 * i, 0, runs[4 * i + 1]);
+    }
+    return;
+  }
+  // Equal shares of rows, across run boundaries; more shares than threads, so a thread
+  // that starts late (the machine is busy) leaves its share to the others.
+  const std::shared_ptr<ThreadPool> pool = default_pool();
+  std::vector<int64_t> starts(num_runs + 1, 0);  // first row of each run, in run order
+  for (int64_t i = 0; i < num_runs; ++i) starts[i + 1] = starts[i] + runs[4 * i + 1];
+  const int64_t num_shares = std::min<int64_t>(total_rows, kPutSharesPerThread * pool->num_threads());
+  pool->parallel_for(num_shares, [&](int64_t s) {
+    int64_t lo = total_rows * s / num_shares;
+    const int64_t hi = total_rows * (s + 1) / num_shares;
+    // the run holding row lo: the last run starting at or before it
+    int64_t i = std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1;
+    for (; lo < hi; ++i) {
+      const int64_t last = std::min(hi, starts[i + 1]);
+      copy_run(pages, page_len, row_bytes, rows, runs + 4 * i, lo - starts[i], last - starts[i]);
+      lo = last;
+    }
+  }, kPutSpinMicros);
 }
 
 }  // namespace tokenlake

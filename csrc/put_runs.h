@@ -4,14 +4,27 @@
 
 namespace tokenlake {
 
+// A put of at least this many bytes (K and V) is split over the kernels' thread pool; a
+// smaller one is copied by the calling thread, where handing work to a sleeping thread costs
+// more than it saves (measured: bench_dataplane, notes/11-put-s3.md).
+constexpr int64_t kPutParallelMinBytes = int64_t{1} << 20;
+// Shares of a parallel put per pool thread.
+constexpr int64_t kPutSharesPerThread = 4;
+// A put takes microseconds, about what waking a sleeping thread takes: the pool's threads poll
+// this long for the next put (or the caller for the last share) before they sleep.
+constexpr int64_t kPutSpinMicros = 100;
+
 // pages: one layer's slot pool, bytes [num_slots, 2, page_len, row_bytes] (K then V per slot);
 // rows: new KV rows, bytes [num_rows, 2, row_bytes] (K and V per row);
 // runs: int32 [num_runs, 4] of (src_row, length, dst_slot, dst_offset): rows
 // src_row .. src_row + length - 1 land at tokens dst_offset .. of slot dst_slot.
 // Every run is checked before any byte is written (std::invalid_argument naming the run).
 // Copied row by row, K then V, so the rows are read in memory order: copying every K and then
-// every V reads them with a stride and takes about 1.6x as long.
+// every V reads them with a stride and takes about 1.6x as long. From min_parallel_bytes on,
+// the rows are split into equal shares copied by default_pool()'s threads (the same bytes
+// land: runs never overlap in a valid plan; if two did, which write wins is unspecified).
 void write_runs(uint8_t* pages, int64_t num_slots, int64_t page_len, int64_t row_bytes,
-                const uint8_t* rows, int64_t num_rows, const int32_t* runs, int64_t num_runs);
+                const uint8_t* rows, int64_t num_rows, const int32_t* runs, int64_t num_runs,
+                int64_t min_parallel_bytes = kPutParallelMinBytes);
 
 }  // namespace tokenlake

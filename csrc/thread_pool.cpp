@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <stdexcept>
 #include <string>
 
@@ -25,42 +26,70 @@ ThreadPool::~ThreadPool() {
 }
 
 void ThreadPool::run_tasks() {
-  for (;;) {
-    int64_t task;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (next_task_ >= num_tasks_) return;
-      task = next_task_++;
-    }
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (next_task_ < num_tasks_) {
+    const int64_t task = next_task_++;
+    const std::function<void(int64_t)>* fn = fn_;
+    lock.unlock();
+    std::exception_ptr error;
     try {
-      (*fn_)(task);
+      (*fn)(task);
     } catch (...) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!error_) error_ = std::current_exception();
-      next_task_ = num_tasks_;
+      error = std::current_exception();
+    }
+    lock.lock();
+    ++num_done_;
+    if (error) {
+      if (!error_) error_ = error;
+      num_tasks_ = next_task_;  // hand out no more
     }
   }
+  // the last task to finish (in whichever thread) lets the caller return
+  if (num_done_ == next_task_) done_.notify_one();
 }
+
+namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Polls done() for up to spin_us microseconds; whether it became true.
+template <typename Done>
+bool poll(int64_t spin_us, Done done) {
+  if (spin_us <= 0) return false;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+  while (!done()) {
+    for (int i = 0; i < 32; ++i) cpu_relax();
+    if (std::chrono::steady_clock::now() >= until) return done();
+  }
+  return true;
+}
+
+}  // namespace
 
 void ThreadPool::worker_loop() {
   uint64_t seen = 0;
+  int64_t spin_us = 0;
   for (;;) {
+    poll(spin_us, [&] { return generation_.load(std::memory_order_acquire) != seen; });
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      wake_.wait(lock, [&] { return stop_ || generation_.load() != seen; });
       if (stop_) return;
-      seen = generation_;
+      seen = generation_.load();
+      spin_us = spin_us_;
     }
     run_tasks();
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      ++num_finished_;
-    }
-    done_.notify_one();
   }
 }
 
-void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t)>& fn) {
+void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t)>& fn,
+                              int64_t spin_us) {
   if (n <= 0) return;
   std::lock_guard<std::mutex> call_lock(call_mutex_);
   if (workers_.empty() || n == 1) {
@@ -72,17 +101,26 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t)>& fn)
     fn_ = &fn;
     num_tasks_ = n;
     next_task_ = 0;
-    num_finished_ = 0;
+    num_done_ = 0;
     error_ = nullptr;
-    ++generation_;
+    spin_us_ = spin_us;
+    generation_.fetch_add(1, std::memory_order_release);
   }
-  wake_.notify_all();
+  wake_.notify_all();  // no system call when every worker is polling
   run_tasks();
+  // Only the tasks a worker started are waited for: a worker that wakes late finds none left
+  // and never reads fn_, so a descheduled worker does not hold up the caller.
+  poll(spin_us, [&] {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return num_done_ == next_task_;
+  });
   std::exception_ptr error;
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [&] { return num_finished_ == workers_.size(); });
+    done_.wait(lock, [&] { return num_done_ == next_task_; });
     fn_ = nullptr;
+    num_tasks_ = 0;
+    next_task_ = 0;
     error = error_;
   }
   if (error) std::rethrow_exception(error);

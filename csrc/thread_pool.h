@@ -2,6 +2,7 @@
 // torch's own OpenMP runtime for the same cores.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -26,8 +27,12 @@ class ThreadPool {
 
   // Calls fn(i) once for every i in [0, n), in any order, and returns when all calls have
   // finished. Indices are handed out dynamically, so uneven work items balance themselves.
-  // Rethrows the first exception thrown by fn (remaining indices are then skipped).
-  void parallel_for(int64_t n, const std::function<void(int64_t)>& fn);
+  // Rethrows the first exception thrown by fn (remaining indices are then skipped). Returns as
+  // soon as every started call has finished: a worker still asleep is not waited for.
+  // spin_us > 0 (for jobs of microseconds, where waking a sleeping thread costs as much as
+  // the job): the caller polls for the workers' last calls, and the workers poll for the next
+  // job, for up to spin_us before they sleep; it burns that much CPU after each such job.
+  void parallel_for(int64_t n, const std::function<void(int64_t)>& fn, int64_t spin_us = 0);
 
  private:
   void worker_loop();
@@ -40,11 +45,12 @@ class ThreadPool {
   std::condition_variable done_;
   const std::function<void(int64_t)>* fn_ = nullptr;
   int64_t num_tasks_ = 0;
-  int64_t next_task_ = 0;
-  uint64_t generation_ = 0;
-  // Every worker acknowledges every generation, so no worker can still be touching a job
-  // after parallel_for returns.
-  size_t num_finished_ = 0;
+  int64_t next_task_ = 0;  // tasks handed out (an error lowers num_tasks_ to it)
+  // Tasks finished: parallel_for returns once every task handed out has finished, without
+  // waiting for workers that have not woken yet (they find nothing left and touch no job).
+  int64_t num_done_ = 0;
+  std::atomic<uint64_t> generation_{0};  // written under mutex_; polled without it
+  int64_t spin_us_ = 0;                    // of the current job
   bool stop_ = false;
   std::exception_ptr error_;
 };

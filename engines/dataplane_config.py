@@ -45,6 +45,10 @@ class DataPlaneConfig:
         device: ``"cpu"`` or ``"cuda"`` (CUDA IPC buffers, NCCL, FlashInfer; not run on a GPU).
         use_mps: start the CUDA MPS control daemon for the engines (``device="cuda"`` only).
         host: address every socket binds to; loopback unless configured otherwise.
+        put_parallel_min_bytes: a CPU put of at least this many bytes per call and
+            destination is copied by the kernels' threads together, a smaller one by the
+            calling thread (``None``: the measured default,
+            ``executor.PUT_PARALLEL_MIN_BYTES``; a huge value: always one thread).
     """
 
     max_q_rows: int = 4096
@@ -56,6 +60,7 @@ class DataPlaneConfig:
     device: str = "cpu"
     use_mps: bool = False
     host: str = "127.0.0.1"
+    put_parallel_min_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_q_rows", "max_kv_rows"):
@@ -79,6 +84,11 @@ class DataPlaneConfig:
             )
         if self.use_mps and self.device != "cuda":
             raise InvalidArgumentError("DataPlaneConfig.use_mps: needs device='cuda'")
+        b = self.put_parallel_min_bytes
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
+            raise InvalidArgumentError(
+                f"DataPlaneConfig.put_parallel_min_bytes: expected None or an int >= 0, got {b!r}"
+            )
         if not isinstance(self.host, str) or not self.host:
             raise InvalidArgumentError(
                 f"DataPlaneConfig.host: expected a non-empty str, got {self.host!r}"

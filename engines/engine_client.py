@@ -63,6 +63,8 @@ class EngineClient:
         self._transfers: dict[int, _BoundTransfer] = {}
         self._stale: dict[int, weakref.ref] = {}  # buffers handed out in retired epochs
         self._used = {"q": 0, "kv": 0}  # rows handed out in the bound epoch
+        min_bytes = driver.config.put_parallel_min_bytes
+        self._put_min_bytes = executor.PUT_PARALLEL_MIN_BYTES if min_bytes is None else min_bytes
 
     @property
     def _views(self):
@@ -290,7 +292,7 @@ class EngineClient:
         if bound.local:
             rows = bound.host[layer] if bound.host is not None else bound.buf[layer]
             for pool, runs in bound.local:
-                executor.write_runs(pool, runs, rows, layer)
+                executor.write_runs(pool, runs, rows, layer, self._put_min_bytes)
         for h, runs in bound.remote:
             tag = d.new_tag()
             ticket = d.channel.request(

@@ -172,17 +172,28 @@ def gather_runs(kv_layer: torch.Tensor, runs: list[tuple[int, int, int, int]]) -
     return torch.cat(pieces).contiguous()
 
 
+PUT_PARALLEL_MIN_BYTES: int = _C.PUT_PARALLEL_MIN_BYTES
+"""A CPU put of at least this many bytes per call is split over the kernels' threads."""
+
+
 def write_runs(
-    pool: KVPool, runs: np.ndarray, kv_layer: torch.Tensor | np.ndarray, layer: int
+    pool: KVPool,
+    runs: np.ndarray,
+    kv_layer: torch.Tensor | np.ndarray,
+    layer: int,
+    min_parallel_bytes: int = PUT_PARALLEL_MIN_BYTES,
 ) -> None:
     """Store ``kv_layer`` ``[num_rows, 2, H_kv, D]`` into one layer's pages by ``runs``
     (int32 ``[num_runs, 4]``, :meth:`PutRuns.as_array`), so a put moves each byte once. On
     CPU one C++ call copies every run (row by row, reading the rows in order: at about
-    memcpy speed, where a strided numpy or torch copy runs at half of it); ``kv_layer`` may
-    already be the rows' bytes (:func:`host_rows`, made once per bound plan, not per put)."""
+    memcpy speed, where a strided numpy or torch copy runs at half of it), split over the
+    kernels' thread pool from ``min_parallel_bytes`` on (below it handing work to another
+    thread costs more than it saves; a huge value keeps every put on the calling thread);
+    ``kv_layer`` may already be the rows' bytes (:func:`host_rows`, made once per bound
+    plan, not per put)."""
     if isinstance(kv_layer, np.ndarray) or kv_layer.device.type == "cpu":
         rows = kv_layer if isinstance(kv_layer, np.ndarray) else host_rows(kv_layer)
-        _C.write_runs(pool.host_bytes[layer], rows, runs)
+        _C.write_runs(pool.host_bytes[layer], rows, runs, min_parallel_bytes)
         return
     pages = pool.layer(layer)
     for s, n, slot, off in runs.tolist():
