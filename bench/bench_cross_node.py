@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 import tokenlake as tl
-from tokenlake.bench.bench_dataplane import add_shape_arguments, paired_median_ms, populate
+from tokenlake.bench.bench_dataplane import add_shape_arguments, populate
+from tokenlake.bench.dataplane_put import paired_median_ms
 from tokenlake.engines.dataplane_config import DataPlaneConfig
 from tokenlake.engines.mp_cluster import MPCluster
 

@@ -10,13 +10,17 @@
 * put: bandwidth of ``put`` (every layer of a chunk, timed until landed) vs a plain
   ``memcpy`` (``torch.Tensor.copy_``) of the same number of bytes, measured in the same run,
   at ``--put-kib`` bytes per call (per layer), and ``overhead_us``: put minus memcpy time per
-  call, the fixed cost of a call. Target: >= 50% of memcpy (the better of one thread and all
-  threads; ``ratio_1thread``: against one thread's). ``*_cpu_ms``/``ratio_cpu``: the
-  same in the calling thread's CPU time against the one-thread memcpy (inside one host a put
-  runs in the caller), which a busy machine skews far less than wall time. A put of at least
-  ``--put-parallel-min-kib`` per call is split over the kernels' threads (the CPU time then
-  leaves out the other threads' share); ``copy_ms`` vs ``copy_1thread_ms`` (``split_speedup``)
-  is the copy alone, split so vs on the calling thread, calls interleaved.
+  call, the fixed cost of a call. Target: >= 50% of memcpy (``ratio``: against the better of
+  one thread's and all threads' copy; ``ratio_1thread``: against one thread's). Each of the
+  three is timed in blocks of its own (its data as warm as repetition makes it), the blocks
+  alternated over ``--put-rounds`` rounds so the machine's load hits all alike;
+  ``*_paired_ms``/``ratio_paired``: put and the one-thread memcpy interleaved call by call
+  instead (the earlier protocol: each call evicts the other's data). ``*_cpu_ms``/``ratio_cpu``:
+  the calling thread's CPU time against the one-thread memcpy, which a busy machine skews far
+  less than wall time (a split put's other threads are not in it). A put of at least
+  ``--put-parallel-min-kib`` per call and destination is split over the kernels' threads;
+  ``copy_ms`` vs ``copy_1thread_ms`` (``split_speedup``) is the copy alone, split so vs on
+  the calling thread, calls interleaved.
 
 Prints a table and one JSON line per case. Run: ``python -m tokenlake.bench.bench_dataplane``.
 """
@@ -26,42 +30,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import numpy as np
 import torch
 
 import tokenlake as tl
+from tokenlake.bench.dataplane_put import ONE_THREAD, bench_put, paired_median_ms
 from tokenlake.engines import executor
 from tokenlake.engines.dataplane_config import DataPlaneConfig
 from tokenlake.engines.executor import BoundPart
 from tokenlake.engines.mp_cluster import MPCluster
-
-ONE_THREAD = 1 << 50  # put_parallel_min_bytes that keeps every put on the calling thread
-
-
-def paired_median_ms(fns, reps: int, warmup: int = 2) -> list[float]:
-    """Median wall time of each function, calls interleaved so that load from other
-    processes on the machine hits every variant alike."""
-    return [wall for wall, _ in paired_medians(fns, reps, warmup)]
-
-
-def paired_medians(fns, reps: int, warmup: int = 2) -> list[tuple[float, float]]:
-    """``(wall ms, calling thread's CPU ms)`` medians of each function, calls interleaved.
-    The CPU time leaves out the time the thread waited for a core: on a busy machine the
-    steadier measure of work done in the calling thread (a put inside one host is)."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times = [([], []) for _ in fns]
-    for _ in range(reps):
-        for fn, (wall, cpu) in zip(fns, times, strict=True):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            fn()
-            cpu.append(time.thread_time() - c0)
-            wall.append(time.perf_counter() - t0)
-    return [(1e3 * statistics.median(w), 1e3 * statistics.median(c)) for w, c in times]
 
 
 def populate(pool: tl.Pool, cluster: MPCluster, prompts: dict, gen: torch.Generator) -> None:
@@ -123,76 +101,6 @@ def bench_query(pool, cluster, chunks, reps, gen) -> dict:
     }
 
 
-def bench_put(pool, cluster, chunk, reps, gen) -> dict:
-    plans = pool.gen_plans([[chunk]])
-    tp = plans.transfer_plans[0]
-    engine = cluster.engine(tp.origin)
-    views = {i: b.views(cluster.layout) for i, b in enumerate(cluster.buffers)}  # same memory
-    dsts = tp.dst_ids.tolist()
-    min_parallel_bytes = cluster.config.put_parallel_min_bytes
-    if min_parallel_bytes is None:
-        min_parallel_bytes = executor.PUT_PARALLEL_MIN_BYTES
-    kv_buf = engine.init_transfer(tp)
-    kv_buf.copy_(torch.randn(kv_buf.shape, generator=gen).to(kv_buf.dtype))
-    nbytes = kv_buf.numel() * kv_buf.element_size()
-
-    def put_all():
-        for layer in range(kv_buf.shape[0]):
-            engine.put(kv_buf, layer)
-        cluster.synchronize()
-
-    src = torch.randn(nbytes // 4, generator=gen)
-    dst = torch.empty_like(src)
-
-    # small puts take microseconds: repeat them more, so preemption on a shared machine
-    # does not decide the median
-    reps = reps * max(1, (8 << 20) // nbytes)
-    (put_ms, put_cpu_ms), (memcpy1_ms, memcpy_cpu_ms) = paired_medians(
-        [put_all, lambda: dst.copy_(src)], reps
-    )
-    # the all-threads memcpy in a block of its own: between calls its OpenMP workers spin,
-    # and on a busy machine would take the other core from every call timed next to them
-    torch.set_num_threads(os.cpu_count() or 1)
-    try:
-        (memcpy_n_ms,) = paired_median_ms([lambda: dst.copy_(src)], reps)
-    finally:
-        torch.set_num_threads(1)
-    memcpy_ms = min(memcpy1_ms, memcpy_n_ms)  # compare against the better memcpy
-    # the copy alone, split as the engine splits it vs on the calling thread, interleaved
-    targets = [(views[h].pool, executor.put_runs(tp, k).as_array()) for k, h in enumerate(dsts)]
-    host = executor.host_rows(kv_buf)
-
-    def copy_all(min_bytes: int):
-        for layer in range(kv_buf.shape[0]):
-            for kv_pool, runs in targets:
-                executor.write_runs(kv_pool, runs, host[layer], layer, min_bytes)
-
-    (copy_ms, _), (copy1_ms, _) = paired_medians(
-        [lambda: copy_all(min_parallel_bytes), lambda: copy_all(ONE_THREAD)], reps
-    )
-    pool.abort(plans)
-    put_gbps, memcpy_gbps = nbytes / put_ms / 1e6, nbytes / memcpy_ms / 1e6
-    return {
-        "bytes": nbytes,
-        "destinations": len(tp.dst_ids),
-        "put_ms": put_ms,
-        "memcpy_ms": memcpy_ms,
-        "put_GBps": put_gbps,
-        "memcpy_GBps": memcpy_gbps,
-        "ratio": put_gbps / memcpy_gbps,
-        "memcpy_1thread_ms": memcpy1_ms,
-        "memcpy_all_threads_ms": memcpy_n_ms,
-        "ratio_1thread": memcpy1_ms / put_ms,  # a put inside one host is one thread's work
-        "put_cpu_ms": put_cpu_ms,
-        "memcpy_cpu_ms": memcpy_cpu_ms,
-        "ratio_cpu": memcpy_cpu_ms / put_cpu_ms,
-        "copy_ms": copy_ms,
-        "copy_1thread_ms": copy1_ms,
-        "split_speedup": copy1_ms / copy_ms,
-        "put_parallel_min_bytes": min_parallel_bytes,
-    }
-
-
 def run_instances(n: int, args, rng: np.random.Generator, gen: torch.Generator) -> list[dict]:
     shape = tl.ModelShape(args.layers, args.q_heads, args.kv_heads, args.head_dim, args.dtype)
     c, reqs, vocab = args.segment_len, args.decode_requests, 50_000
@@ -243,7 +151,7 @@ def run_instances(n: int, args, rng: np.random.Generator, gen: torch.Generator) 
             out.append({"case": "query", "N": n, "workload": label, **res, "target": "<= 1.2"})
         for kib, rows in zip(args.put_kib, put_rows, strict=True):
             put_chunk = tl.Chunk(f"fresh{kib}", rng.integers(0, vocab, rows), 0)
-            res = bench_put(pool, cluster, put_chunk, args.reps, gen)
+            res = bench_put(pool, cluster, put_chunk, args.reps, args.put_rounds, gen)
             res["bytes_per_call"] = res["bytes"] // shape.num_layers
             # beyond moving the bytes: the fixed cost of one put call
             res["overhead_us"] = 1e3 * (res["put_ms"] - res["memcpy_ms"]) / shape.num_layers
@@ -283,6 +191,9 @@ def main(argv: list[str] | None = None) -> None:
         help="split a put over the kernels' threads from this many KiB per call (default: "
         f"the measured {executor.PUT_PARALLEL_MIN_BYTES >> 10}; 0: always; "
         f"{ONE_THREAD >> 10}: never, the one-thread put)",
+    )
+    p.add_argument(
+        "--put-rounds", type=int, default=5, help="alternations of the put and memcpy blocks"
     )
     p.add_argument("--backend", default="cpu", choices=["cpu", "torch"])
     p.add_argument("--reps", type=int, default=15)

@@ -1,0 +1,147 @@
+"""The put case of bench_dataplane (see its docstring) and the timing helpers it shares with
+the query case: medians of calls interleaved or in blocks of their own, wall and CPU time."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+from tokenlake.engines import executor
+
+ONE_THREAD = 1 << 50  # put_parallel_min_bytes that keeps every put on the calling thread
+
+
+def paired_median_ms(fns, reps: int, warmup: int = 2) -> list[float]:
+    """Median wall time of each function, calls interleaved so that load from other
+    processes on the machine hits every variant alike."""
+    return [wall for wall, _ in paired_medians(fns, reps, warmup)]
+
+
+def paired_medians(fns, reps: int, warmup: int = 2) -> list[tuple[float, float]]:
+    """``(wall ms, calling thread's CPU ms)`` medians of each function, calls interleaved.
+    The CPU time leaves out the time the thread waited for a core: on a busy machine the
+    steadier measure of work done in the calling thread (a put inside one host is)."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times = [([], []) for _ in fns]
+    for _ in range(reps):
+        for fn, (wall, cpu) in zip(fns, times, strict=True):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            fn()
+            cpu.append(time.thread_time() - c0)
+            wall.append(time.perf_counter() - t0)
+    return [(1e3 * statistics.median(w), 1e3 * statistics.median(c)) for w, c in times]
+
+
+def block_medians(fns, reps: int, warmup: int = 2, raw: bool = False) -> list:
+    """Each function called ``reps`` times in a block of its own (after ``warmup`` calls):
+    ``(wall ms, calling thread's CPU ms)`` medians, or with ``raw`` the lists of seconds."""
+    out = []
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+        wall, cpu = [], []
+        for _ in range(reps):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            fn()
+            cpu.append(time.thread_time() - c0)
+            wall.append(time.perf_counter() - t0)
+        out.append(
+            (wall, cpu) if raw else (1e3 * statistics.median(wall), 1e3 * statistics.median(cpu))
+        )
+    return out
+
+
+def bench_put(pool, cluster, chunk, reps, rounds, gen) -> dict:
+    plans = pool.gen_plans([[chunk]])
+    tp = plans.transfer_plans[0]
+    engine = cluster.engine(tp.origin)
+    views = {i: b.views(cluster.layout) for i, b in enumerate(cluster.buffers)}  # same memory
+    dsts = tp.dst_ids.tolist()
+    min_parallel_bytes = cluster.config.put_parallel_min_bytes
+    if min_parallel_bytes is None:
+        min_parallel_bytes = executor.PUT_PARALLEL_MIN_BYTES
+    kv_buf = engine.init_transfer(tp)
+    kv_buf.copy_(torch.randn(kv_buf.shape, generator=gen).to(kv_buf.dtype))
+    nbytes = kv_buf.numel() * kv_buf.element_size()
+
+    def put_all():
+        for layer in range(kv_buf.shape[0]):
+            engine.put(kv_buf, layer)
+        cluster.synchronize()
+
+    src = torch.randn(nbytes // 4, generator=gen)
+    dst = torch.empty_like(src)
+
+    # small puts take microseconds: repeat them more, so preemption on a shared machine
+    # does not decide the median
+    reps = reps * max(1, (8 << 20) // nbytes)
+    per_block = max(1, reps // rounds)
+
+    def memcpy_all_threads():
+        # between calls its OpenMP workers spin: on a busy machine they would take the other
+        # core from every call timed next to them, so it only runs in blocks of its own
+        torch.set_num_threads(os.cpu_count() or 1)
+        try:
+            return block_medians([lambda: dst.copy_(src)], per_block, raw=True)[0]
+        finally:
+            torch.set_num_threads(1)
+
+    # each copy in blocks of its own (its data as warm as it gets when repeated), the blocks
+    # alternated over `rounds`, so that the machine's load changes hit all of them alike
+    blocks = [([], []) for _ in range(3)]
+    for _ in range(rounds):
+        timed = block_medians([put_all], per_block, raw=True)
+        timed += block_medians([lambda: dst.copy_(src)], per_block, raw=True)
+        timed += [memcpy_all_threads()]
+        for (wall, cpu), (w, c) in zip(blocks, timed, strict=True):
+            wall.extend(w)
+            cpu.extend(c)
+    (put_ms, put_cpu_ms), (memcpy1_ms, memcpy_cpu_ms), (memcpy_n_ms, _) = (
+        (1e3 * statistics.median(w), 1e3 * statistics.median(c)) for w, c in blocks
+    )
+    memcpy_ms = min(memcpy1_ms, memcpy_n_ms)  # compare against the better memcpy
+    # the previous protocol: put and the one-thread memcpy interleaved call by call
+    (put_paired_ms, _), (memcpy_paired_ms, _) = paired_medians(
+        [put_all, lambda: dst.copy_(src)], reps
+    )
+    # the copy alone, split as the engine splits it vs on the calling thread, interleaved
+    targets = [(views[h].pool, executor.put_runs(tp, k).as_array()) for k, h in enumerate(dsts)]
+    host = executor.host_rows(kv_buf)
+
+    def copy_all(min_bytes: int):
+        for layer in range(kv_buf.shape[0]):
+            for kv_pool, runs in targets:
+                executor.write_runs(kv_pool, runs, host[layer], layer, min_bytes)
+
+    (copy_ms, _), (copy1_ms, _) = paired_medians(
+        [lambda: copy_all(min_parallel_bytes), lambda: copy_all(ONE_THREAD)], reps
+    )
+    pool.abort(plans)
+    put_gbps, memcpy_gbps = nbytes / put_ms / 1e6, nbytes / memcpy_ms / 1e6
+    return {
+        "bytes": nbytes,
+        "destinations": len(tp.dst_ids),
+        "put_ms": put_ms,
+        "memcpy_ms": memcpy_ms,
+        "put_GBps": put_gbps,
+        "memcpy_GBps": memcpy_gbps,
+        "ratio": put_gbps / memcpy_gbps,
+        "memcpy_1thread_ms": memcpy1_ms,
+        "memcpy_all_threads_ms": memcpy_n_ms,
+        "ratio_1thread": memcpy1_ms / put_ms,
+        "put_cpu_ms": put_cpu_ms,
+        "memcpy_cpu_ms": memcpy_cpu_ms,
+        "ratio_cpu": memcpy_cpu_ms / put_cpu_ms,
+        "put_paired_ms": put_paired_ms,
+        "memcpy_paired_ms": memcpy_paired_ms,
+        "ratio_paired": memcpy_paired_ms / put_paired_ms,
+        "copy_ms": copy_ms,
+        "copy_1thread_ms": copy1_ms,
+        "split_speedup": copy1_ms / copy_ms,
+        "put_parallel_min_bytes": min_parallel_bytes,
+    }
