@@ -169,16 +169,25 @@ class Deciding:
             for it in inflight
         ]
         ready = [r for r in idle if r.phase is Phase.DECODE]
+        prefills = [r for r in idle if r.phase is not Phase.DECODE]
         load_now = self._cache_load(_items_of(ready), inflight) if load is None else load
         split = split_free_instances(
-            cfg, self.model, load_now, now, live, free, running, ready, self.decode_scale
+            cfg,
+            self.model,
+            load_now,
+            now,
+            live,
+            free,
+            running,
+            ready,
+            self.decode_scale,
+            prefill_waits=bool(prefills),
         )
         out = []
         if split.decodes:
             out += self._lanes(split.decodes, split.decode_instances, load_now)
         if split.prefill_instances:
             p = len(split.prefill_instances)
-            prefills = [r for r in idle if r.phase is not Phase.DECODE]
             items = self._work(prefills, requests, cfg, stored, p, inflight=chunks, now=now)
             d = self._plan(items, InstanceLimits(p, p, 0), load, inflight)
             out += [self._one(d, b, split.prefill_instances) for b in range(len(d.batches))]

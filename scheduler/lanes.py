@@ -4,7 +4,12 @@ Iterations are in flight at once, each on its own instance group. Decodes run in
 instance that finishes a decode batch decodes again at once with the requests that are ready,
 so decode never waits for a prefill elsewhere. The elastic mode keeps as few lanes as the TBT
 SLO allows (every free instance beyond them prefills), so it becomes the best fixed split by
-itself: one lane is TokenLake-(N-1)P1D; more decodes open more lanes; no decodes, no lane.
+itself: one lane is TokenLake-(N-1)P1D; more decodes open more lanes, up to N-1
+(TokenLake-1P(N-1)D); no decodes, no lane. One instance stays out of the planned lanes: once
+many requests decode, lanes would otherwise take every instance and new prompts starve (and
+even a prompt that arrives when none waited would wait for a multi-step lane to end). An N-th
+lane opens only when a ready decode's next token would otherwise miss the TBT SLO and no
+prefill work waits.
 xPyD keeps its decode instances as lanes and its prefill instances for prefill. A ready
 decode may wait for a busy lane that frees soon enough for its next token to stay within the
 TBT SLO ("what is about to free up") instead of taking a free instance from prefill.
@@ -78,15 +83,19 @@ def split_free_instances(
     running: Sequence[Running],
     ready_decodes: Sequence[Request],
     scale: float = 1.0,
+    prefill_waits: bool = False,
 ) -> Split:
     """Lanes and prefill instances among ``free`` (sorted ids) for elastic and xPyD modes.
 
     ``running`` are the iterations in flight; ``ready_decodes`` the decode-phase requests in
     none of them; ``scale`` corrects the model's decode step time (see
-    :func:`decode_step_time`). Lanes needed for all decodes (ready and in flight) are opened on free
-    instances beyond the lanes already busy; ready decodes beyond the new lanes' share wait
-    for a busy lane, unless that wait would break the TBT SLO of the oldest of them, in
-    which case one more lane opens (elastic overshoot; xPyD opens every free decode
+    :func:`decode_step_time`); ``prefill_waits``: some request not in flight waits for its
+    first chunk or has prompt left. Lanes needed for all decodes (ready and in flight), at
+    most ``len(live) - 1`` in elastic mode, are opened on free instances beyond the lanes
+    already busy; ready decodes beyond the new lanes' share wait for a busy lane, unless that
+    wait would break the TBT SLO of the oldest of them, in which case one more lane opens
+    (elastic overshoot: up to every live instance when no prefill waits, else up to
+    ``len(live) - 1``, the decode share of TokenLake-1P(N-1)D; xPyD opens every free decode
     instance it needs).
     """
     if config.mode == XPYD:
@@ -97,7 +106,9 @@ def split_free_instances(
         max_lanes = len(live) - num_prefill
     else:
         assert config.mode == ELASTIC
-        candidates, prefill_pool, max_lanes = list(free), [], len(live)
+        candidates, prefill_pool = list(free), []
+        max_lanes = max(1, len(live) - 1)
+    overshoot_max = max_lanes if prefill_waits or config.mode == XPYD else len(live)
     lanes_busy = [r for r in running if r.phase == DECODE]
     in_flight = sum(r.num_decodes for r in running)
     total = len(ready_decodes) + in_flight
@@ -113,8 +124,8 @@ def split_free_instances(
         if opened == 0:
             next_free = min(r.predicted_end for r in lanes_busy)
             step = decode_step_time(model, cap, load, scale)
-            if next_free - ready[0].ready_at + step > config.tbt_slo:
-                opened = 1
+            overdue = next_free - ready[0].ready_at + step > config.tbt_slo
+            opened = int(overdue and len(lanes_busy) < overshoot_max)
     lanes = tuple(candidates[:opened])
     if config.mode == ELASTIC:
         prefill_pool = [i for i in free if i not in lanes]

@@ -19,6 +19,7 @@ from tokenlake.scheduler import (
     ElasticScheduler,
     SchedulerConfig,
 )
+from tokenlake.scheduler.request import Phase
 
 
 class Clock:
@@ -277,3 +278,30 @@ def test_decode_step_time_is_calibrated_on_measured_iterations():
         scales.append(d.sched._deciding.decode_scale)
     assert scales[0] == pytest.approx(1.2) and scales[-1] > 1.7
     assert all(a < b for a, b in zip(scales, scales[1:], strict=False))
+
+
+def test_new_request_prefills_while_many_requests_decode():
+    """A TBT SLO no lane count meets makes every decode want a lane of its own; still, a new
+    request that arrives while eight requests decode gets an instance for its prompt before
+    any of them finishes (one instance stays out of the lanes while prefill work waits)."""
+    d = Driver(4, 400, seed=5, mode="elastic", tbt_slo=1e-4)
+    olds = [f"d{i}" for i in range(8)]
+    for i, rid in enumerate(olds):
+        d.add(rid, tokens(50 + i, 20), 40)
+    for _ in range(200):
+        d.launch()
+        if all(d.sched.request(r).phase is Phase.DECODE for r in olds):
+            break
+        d.run_one()
+    assert all(d.sched.request(r).phase is Phase.DECODE for r in olds)
+    d.add("new", tokens(1, 3 * C), 2)
+    started = False
+    for _ in range(12):
+        d.launch()
+        if any(c.request_id == "new" for it in d.inflight for c in it.decision.chunks):
+            started = True
+            break
+        d.run_one()
+    assert started and not d.finished
+    d.drain()
+    assert sorted(d.finished) == sorted([*olds, "new"]) and d.max_err <= 1e-5

@@ -27,10 +27,13 @@ def decodes(n: int, ready_at: float = 0.0, first: int = 0) -> list[Request]:
     return out
 
 
-def split(mode="elastic", free=(0, 1, 2, 3), running=(), ready=(), now=0.0, **kw):
+def split(mode="elastic", free=(0, 1, 2, 3), running=(), ready=(), now=0.0, waits=False, **kw):
     kw.setdefault("lane_tbt_fraction", 0.5)  # the cases below count in 50 ms of a 100 ms SLO
     cfg = SchedulerConfig(4, C, mode=mode, sync_iterations=False, **kw)
-    return split_free_instances(cfg, MODEL, 0.0, now, [0, 1, 2, 3], list(free), running, ready)
+    live = [0, 1, 2, 3]
+    return split_free_instances(
+        cfg, MODEL, 0.0, now, live, list(free), running, ready, prefill_waits=waits
+    )
 
 
 def test_lanes_needed_is_the_fewest_within_the_slo_share():
@@ -76,6 +79,42 @@ def test_ready_decodes_wait_for_a_lane_that_frees_soon():
     slow = Running(DECODE, (0,), 10, predicted_end=0.2)
     s = split(free=(2, 3), running=[slow, prefill], ready=ready, now=0.001, tbt_slo=0.1)
     assert s.decode_instances == (2,) and len(s.decodes) == 3 and s.prefill_instances == (3,)
+
+
+def test_planned_lanes_leave_an_instance_for_prefill():
+    """1,000 decodes want every instance as a lane (none meets the SLO share): three lanes
+    open and one instance prefills, as TokenLake-1P3D, whether prefill work waits now or not
+    (a prompt arriving next would otherwise wait for a lane's multi-step batch to end)."""
+    for waits in (False, True):
+        s = split(ready=decodes(1000), tbt_slo=0.1, waits=waits)
+        assert s.decode_instances == (0, 1, 2) and s.prefill_instances == (3,)
+        assert s.lane_cap == 334 and len(s.decodes) == 1000  # every ready decode has a lane
+    fixed = split("xpyd", ready=decodes(1000), tbt_slo=0.1, num_prefill_instances=1)
+    assert len(fixed.decode_instances) == 3 and len(fixed.prefill_instances) == 1
+    # few decodes: still one lane and three prefill instances (TokenLake-3P1D)
+    s = split(ready=decodes(8), tbt_slo=0.1, waits=True)
+    assert s.decode_instances == (0,) and s.prefill_instances == (1, 2, 3)
+
+
+def test_waiting_prefill_stops_the_lane_overshoot_at_n_minus_one():
+    """Three lanes busy too long for the ready decodes' next token: a fourth lane opens only
+    when nothing waits to prefill; otherwise the free instance prefills and the ready decodes
+    wait for a busy lane, as they would on TokenLake-1P3D's three decode instances."""
+    lanes = [Running(DECODE, (i,), 30, predicted_end=0.2) for i in range(3)]
+    ready = decodes(3, ready_at=0.0, first=100)
+    s = split(free=(3,), running=lanes, ready=ready, now=0.001, tbt_slo=0.1)
+    assert s.decode_instances == (3,) and len(s.decodes) == 3
+    s = split(free=(3,), running=lanes, ready=ready, now=0.001, tbt_slo=0.1, waits=True)
+    assert s.decode_instances == () and s.decodes == () and s.prefill_instances == (3,)
+    two = lanes[:2] + [Running(PREFILL, (2,), 0, predicted_end=0.5)]
+    s = split(free=(3,), running=two, ready=ready, now=0.001, tbt_slo=0.1, waits=True)
+    assert s.decode_instances == (3,)  # two lanes busy: the third may still open
+
+
+def test_one_live_instance_keeps_its_lane():
+    cfg = SchedulerConfig(4, C, sync_iterations=False, tbt_slo=0.1)
+    s = split_free_instances(cfg, MODEL, 0.0, 0.0, [2], [2], [], decodes(5), prefill_waits=True)
+    assert s.decode_instances == (2,) and s.prefill_instances == ()
 
 
 def test_xpyd_keeps_roles():
