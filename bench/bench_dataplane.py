@@ -7,17 +7,19 @@
   ``overhead_us`` (engine minus in-process) is the fixed cost per call. Targets: <= 1.2x in-process at N=1; <= 50 us.
   (At N=1 the only holder is the caller's own instance, whose part runs in the caller; at
   N=2 the other holder's part is a round trip to its query engine.)
-* put: bandwidth of ``put`` (every layer of a chunk, timed until landed) vs a plain
-  ``memcpy`` (``torch.Tensor.copy_``) of the same number of bytes, measured in the same run,
-  at ``--put-kib`` bytes per call (per layer), and ``overhead_us``: put minus memcpy time per
-  call, the fixed cost of a call. Target: >= 50% of memcpy (``ratio``: against the better of
-  one thread's and all threads' copy; ``ratio_1thread``: against one thread's). Each of the
-  three is timed in blocks of its own (its data as warm as repetition makes it), the blocks
-  alternated over ``--put-rounds`` rounds so the machine's load hits all alike;
-  ``*_paired_ms``/``ratio_paired``: put and the one-thread memcpy interleaved call by call
-  instead (the earlier protocol: each call evicts the other's data). ``*_cpu_ms``/``ratio_cpu``:
-  the calling thread's CPU time against the one-thread memcpy, which a busy machine skews far
-  less than wall time (a split put's other threads are not in it). A put of at least
+* put: bandwidth of ``put`` (every layer of a chunk, timed until landed) vs ``memcpy``
+  (``torch.Tensor.copy_``) of the same bytes, one layer's bytes per copy as a put moves them,
+  measured in the same run, at ``--put-kib`` bytes per call (per layer); ``overhead_us``: put
+  minus memcpy time per call, the fixed cost of a call. Target: >= 50% of memcpy (``ratio``:
+  against the better of one thread's and all threads' copy; ``ratio_1thread``: against one
+  thread's). Each is timed in blocks of its own (its data as warm as repetition makes it), the
+  blocks alternated over ``--put-rounds`` rounds so the machine's load hits all alike.
+  ``memcpy_whole_*``/``ratio_whole``: every layer's bytes in one copy (twice the bytes per
+  call at 2 layers: the all-threads copy then gives each core a cache-sized half);
+  ``*_paired_ms``/``ratio_paired``: put and that one-thread copy interleaved call by call (the
+  earlier protocol: each call evicts the other's data). ``*_cpu_ms``/``ratio_cpu``: the calling
+  thread's CPU time against the one-thread memcpy, which a busy machine skews far less than
+  wall time (a split put's other threads are not in it). A put of at least
   ``--put-parallel-min-kib`` per call and destination is split over the kernels' threads;
   ``copy_ms`` vs ``copy_1thread_ms`` (``split_speedup``) is the copy alone, split so vs on
   the calling thread, calls interleaved.

@@ -74,47 +74,56 @@ def bench_put(pool, cluster, chunk, reps, rounds, gen) -> dict:
             engine.put(kv_buf, layer)
         cluster.synchronize()
 
+    num_layers = kv_buf.shape[0]
     src = torch.randn(nbytes // 4, generator=gen)
     dst = torch.empty_like(src)
+    # per call: one layer's bytes per copy, as a put moves them
+    pairs = list(
+        zip(dst.view(num_layers, -1).unbind(0), src.view(num_layers, -1).unbind(0), strict=True)
+    )
+
+    def memcpy_per_call():
+        for d, s in pairs:
+            d.copy_(s)
+
+    def memcpy_whole():
+        dst.copy_(src)
 
     # small puts take microseconds: repeat them more, so preemption on a shared machine
     # does not decide the median
     reps = reps * max(1, (8 << 20) // nbytes)
     per_block = max(1, reps // rounds)
 
-    def memcpy_all_threads():
+    def all_threads(fns):
         # between calls its OpenMP workers spin: on a busy machine they would take the other
         # core from every call timed next to them, so it only runs in blocks of its own
         torch.set_num_threads(os.cpu_count() or 1)
         try:
-            return block_medians([lambda: dst.copy_(src)], per_block, raw=True)[0]
+            return block_medians(fns, per_block, raw=True)
         finally:
             torch.set_num_threads(1)
 
     # each copy in blocks of its own (its data as warm as it gets when repeated), the blocks
     # alternated over `rounds`, so that the machine's load changes hit all of them alike
-    blocks = [([], []) for _ in range(3)]
+    blocks = [([], []) for _ in range(5)]
     for _ in range(rounds):
-        timed = block_medians([put_all], per_block, raw=True)
-        timed += block_medians([lambda: dst.copy_(src)], per_block, raw=True)
-        timed += [memcpy_all_threads()]
+        timed = block_medians([put_all, memcpy_per_call, memcpy_whole], per_block, raw=True)
+        timed += all_threads([memcpy_per_call, memcpy_whole])
         for (wall, cpu), (w, c) in zip(blocks, timed, strict=True):
             wall.extend(w)
             cpu.extend(c)
-    (put_ms, put_cpu_ms), (memcpy1_ms, memcpy_cpu_ms), (memcpy_n_ms, _) = (
-        (1e3 * statistics.median(w), 1e3 * statistics.median(c)) for w, c in blocks
-    )
+    medians = [(1e3 * statistics.median(w), 1e3 * statistics.median(c)) for w, c in blocks]
+    (put_ms, put_cpu_ms), (memcpy1_ms, memcpy_cpu_ms), (whole1_ms, _) = medians[:3]
+    (memcpy_n_ms, _), (whole_n_ms, _) = medians[3:]
     memcpy_ms = min(memcpy1_ms, memcpy_n_ms)  # compare against the better memcpy
     # the previous protocol: put and the one-thread memcpy interleaved call by call
-    (put_paired_ms, _), (memcpy_paired_ms, _) = paired_medians(
-        [put_all, lambda: dst.copy_(src)], reps
-    )
+    (put_paired_ms, _), (memcpy_paired_ms, _) = paired_medians([put_all, memcpy_whole], reps)
     # the copy alone, split as the engine splits it vs on the calling thread, interleaved
     targets = [(views[h].pool, executor.put_runs(tp, k).as_array()) for k, h in enumerate(dsts)]
     host = executor.host_rows(kv_buf)
 
     def copy_all(min_bytes: int):
-        for layer in range(kv_buf.shape[0]):
+        for layer in range(num_layers):
             for kv_pool, runs in targets:
                 executor.write_runs(kv_pool, runs, host[layer], layer, min_bytes)
 
@@ -137,6 +146,9 @@ def bench_put(pool, cluster, chunk, reps, rounds, gen) -> dict:
         "put_cpu_ms": put_cpu_ms,
         "memcpy_cpu_ms": memcpy_cpu_ms,
         "ratio_cpu": memcpy_cpu_ms / put_cpu_ms,
+        "memcpy_whole_1thread_ms": whole1_ms,
+        "memcpy_whole_all_threads_ms": whole_n_ms,
+        "ratio_whole": min(whole1_ms, whole_n_ms) / put_ms,
         "put_paired_ms": put_paired_ms,
         "memcpy_paired_ms": memcpy_paired_ms,
         "ratio_paired": memcpy_paired_ms / put_paired_ms,
