@@ -20,9 +20,9 @@
   earlier protocol: each call evicts the other's data). ``*_cpu_ms``/``ratio_cpu``: the calling
   thread's CPU time against the one-thread memcpy, which a busy machine skews far less than
   wall time (a split put's other threads are not in it). A put of at least
-  ``--put-parallel-min-kib`` per call and destination is split over the kernels' threads;
-  ``copy_ms`` vs ``copy_1thread_ms`` (``split_speedup``) is the copy alone, split so vs on
-  the calling thread, calls interleaved.
+  ``--put-parallel-min-kib`` per call and destination is split over the kernels' threads
+  (default: never); ``copy_ms`` vs ``copy_1thread_ms`` (``split_speedup``) is the copy alone,
+  split over the kernels' threads vs on the calling thread, calls interleaved.
 
 Prints a table and one JSON line per case. Run: ``python -m tokenlake.bench.bench_dataplane``.
 """
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 import tokenlake as tl
-from tokenlake.bench.dataplane_put import ONE_THREAD, bench_put, paired_median_ms
+from tokenlake.bench.dataplane_put import bench_put, paired_median_ms
 from tokenlake.engines import executor
 from tokenlake.engines.dataplane_config import DataPlaneConfig
 from tokenlake.engines.executor import BoundPart
@@ -190,9 +190,8 @@ def main(argv: list[str] | None = None) -> None:
         "--put-parallel-min-kib",
         type=int,
         default=None,
-        help="split a put over the kernels' threads from this many KiB per call (default: "
-        f"the measured {executor.PUT_PARALLEL_MIN_BYTES >> 10}; 0: always; "
-        f"{ONE_THREAD >> 10}: never, the one-thread put)",
+        help="split a put over the kernels' threads from this many KiB per call and "
+        "destination (default: never, the engines' default; 1024: from 1 MiB)",
     )
     p.add_argument(
         "--put-rounds", type=int, default=5, help="alternations of the put and memcpy blocks"

@@ -118,7 +118,7 @@ def bench_put(pool, cluster, chunk, reps, rounds, gen) -> dict:
     memcpy_ms = min(memcpy1_ms, memcpy_n_ms)  # compare against the better memcpy
     # the previous protocol: put and the one-thread memcpy interleaved call by call
     (put_paired_ms, _), (memcpy_paired_ms, _) = paired_medians([put_all, memcpy_whole], reps)
-    # the copy alone, split as the engine splits it vs on the calling thread, interleaved
+    # the copy alone, split over the kernels' threads vs on the calling thread, interleaved
     targets = [(views[h].pool, executor.put_runs(tp, k).as_array()) for k, h in enumerate(dsts)]
     host = executor.host_rows(kv_buf)
 
@@ -128,7 +128,7 @@ def bench_put(pool, cluster, chunk, reps, rounds, gen) -> dict:
                 executor.write_runs(kv_pool, runs, host[layer], layer, min_bytes)
 
     (copy_ms, _), (copy1_ms, _) = paired_medians(
-        [lambda: copy_all(min_parallel_bytes), lambda: copy_all(ONE_THREAD)], reps
+        [lambda: copy_all(0), lambda: copy_all(ONE_THREAD)], reps
     )
     pool.abort(plans)
     put_gbps, memcpy_gbps = nbytes / put_ms / 1e6, nbytes / memcpy_ms / 1e6
@@ -155,5 +155,5 @@ def bench_put(pool, cluster, chunk, reps, rounds, gen) -> dict:
         "copy_ms": copy_ms,
         "copy_1thread_ms": copy1_ms,
         "split_speedup": copy1_ms / copy_ms,
-        "put_parallel_min_bytes": min_parallel_bytes,
+        "put_parallel_min_bytes": None if min_parallel_bytes >= ONE_THREAD else min_parallel_bytes,
     }

@@ -1,9 +1,11 @@
 #include "put_runs.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -82,15 +84,18 @@ void write_runs(uint8_t* pages, int64_t num_slots, int64_t page_len, int64_t row
     }
     return;
   }
-  // Equal shares of rows, across run boundaries; more shares than threads, so a thread
-  // that starts late (the machine is busy) leaves its share to the others.
+  // Chunks of equal rows, across run boundaries, claimed from both ends: the caller takes
+  // them from the front, the other threads from the back. So each thread copies about the
+  // same rows put after put (its caches keep them), a thread that comes late (the machine is
+  // busy) only takes what is left, and one that never comes holds nothing up.
   const std::shared_ptr<ThreadPool> pool = default_pool();
   std::vector<int64_t> starts(num_runs + 1, 0);  // first row of each run, in run order
   for (int64_t i = 0; i < num_runs; ++i) starts[i + 1] = starts[i] + runs[4 * i + 1];
-  const int64_t num_shares = std::min<int64_t>(total_rows, kPutSharesPerThread * pool->num_threads());
-  pool->parallel_for(num_shares, [&](int64_t s) {
-    int64_t lo = total_rows * s / num_shares;
-    const int64_t hi = total_rows * (s + 1) / num_shares;
+  const int64_t num_chunks = std::min<int64_t>(
+      total_rows, std::max<int64_t>(pool->num_threads(), total_bytes / kPutChunkBytes));
+  auto copy_chunk = [&](int64_t c) {
+    int64_t lo = total_rows * c / num_chunks;
+    const int64_t hi = total_rows * (c + 1) / num_chunks;
     // the run holding row lo: the last run starting at or before it
     int64_t i = std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1;
     for (; lo < hi; ++i) {
@@ -98,7 +103,24 @@ void write_runs(uint8_t* pages, int64_t num_slots, int64_t page_len, int64_t row
       copy_run(pages, page_len, row_bytes, rows, runs + 4 * i, lo - starts[i], last - starts[i]);
       lo = last;
     }
-  }, kPutSpinMicros);
+  };
+  std::atomic<uint64_t> ends{static_cast<uint64_t>(num_chunks)};  // front << 32 | back
+  const std::thread::id caller = std::this_thread::get_id();
+  pool->parallel_for(
+      pool->num_threads(),
+      [&](int64_t) {
+        const bool front = std::this_thread::get_id() == caller;
+        uint64_t cur = ends.load(std::memory_order_relaxed);
+        for (;;) {
+          const uint64_t first = cur >> 32, end = cur & 0xffffffffu;
+          if (first >= end) return;
+          const uint64_t claimed = front ? cur + (uint64_t{1} << 32) : cur - 1;
+          if (!ends.compare_exchange_weak(cur, claimed, std::memory_order_relaxed)) continue;
+          copy_chunk(static_cast<int64_t>(front ? first : end - 1));
+          cur = ends.load(std::memory_order_relaxed);
+        }
+      },
+      kPutSpinMicros);
 }
 
 }  // namespace tokenlake

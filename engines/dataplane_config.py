@@ -47,8 +47,8 @@ class DataPlaneConfig:
         host: address every socket binds to; loopback unless configured otherwise.
         put_parallel_min_bytes: a CPU put of at least this many bytes per call and
             destination is copied by the kernels' threads together, a smaller one by the
-            calling thread (``None``: the measured default,
-            ``executor.PUT_PARALLEL_MIN_BYTES``; a huge value: always one thread).
+            calling thread (``None``: ``executor.PUT_PARALLEL_MIN_BYTES``, never: measured
+            faster only while a core is idle; ``1 << 20`` for a host with cores to spare).
     """
 
     max_q_rows: int = 4096

@@ -173,7 +173,8 @@ def gather_runs(kv_layer: torch.Tensor, runs: list[tuple[int, int, int, int]]) -
 
 
 PUT_PARALLEL_MIN_BYTES: int = _C.PUT_PARALLEL_MIN_BYTES
-"""A CPU put of at least this many bytes per call is split over the kernels' threads."""
+"""By default a CPU put is split over the kernels' threads from this many bytes per call on:
+never (csrc/put_runs.h says why); ``DataPlaneConfig.put_parallel_min_bytes`` sets it."""
 
 
 def write_runs(
@@ -187,8 +188,8 @@ def write_runs(
     (int32 ``[num_runs, 4]``, :meth:`PutRuns.as_array`), so a put moves each byte once. On
     CPU one C++ call copies every run (row by row, reading the rows in order: at about
     memcpy speed, where a strided numpy or torch copy runs at half of it), split over the
-    kernels' thread pool from ``min_parallel_bytes`` on (below it handing work to another
-    thread costs more than it saves; a huge value keeps every put on the calling thread);
+    kernels' thread pool from ``min_parallel_bytes`` on (below about 1 MiB handing work to
+    another thread costs more than it saves);
     ``kv_layer`` may already be the rows' bytes (:func:`host_rows`, made once per bound
     plan, not per put)."""
     if isinstance(kv_layer, np.ndarray) or kv_layer.device.type == "cpu":

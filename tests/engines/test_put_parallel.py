@@ -84,7 +84,7 @@ def test_parallel_put_matches_an_indexing_copy(num_threads, dtype):
 
 
 def test_parallel_put_of_a_large_chunk_matches_one_thread():
-    """A put above the default threshold (split for real) equals the one-thread put."""
+    """A put split into many chunks (2 KiB rows, 64 KiB chunks) equals the one-thread put."""
     shape = tl.ModelShape(1, 4, 4, 64, "float32")
     page_len, num_rows = 64, 1500  # 1500 rows x 2 KiB: over 1 MiB
     rng = np.random.default_rng(5)
@@ -97,10 +97,9 @@ def test_parallel_put_of_a_large_chunk_matches_one_thread():
         dtype=np.int32,
     )
     kv = torch.randn((num_rows, 2, 4, 64))
-    assert kv.numel() * kv.element_size() >= executor.PUT_PARALLEL_MIN_BYTES
     one, split = KVPool(shape, 40, page_len), KVPool(shape, 40, page_len)
     executor.write_runs(one, runs, kv, 0, min_parallel_bytes=NEVER)
-    executor.write_runs(split, runs, kv, 0)
+    executor.write_runs(split, runs, kv, 0, min_parallel_bytes=1 << 20)
     assert torch.equal(one.data, split.data)
     assert torch.equal(one.data, reference(KVPool(shape, 40, page_len), runs, kv, 0))
 
