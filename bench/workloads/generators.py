@@ -7,7 +7,10 @@ each behind one long system prompt shared by every request.
   5 turns on average); the next turn is sent when the previous answer is complete.
 - ``sharegpt``: short single-turn chats, sequence < 2.4K tokens (plus the system prompt).
 - ``agentic``: coding-agent sessions (median 33 turns; context growing ~2.2K tokens per turn
-  from ~12K; input:output about 131:1; think time median 5.2 s, p99 81 s).
+  from ~12K; input:output about 131:1; think time median 5.2 s, p99 81 s). Every tenth
+  session is a long-horizon one whose turns add ``LONG_GROWTH`` times as much (whole files,
+  logs): its context outgrows one instance's KV memory (262K tokens on the default cluster)
+  after ~30 turns, so a system that keeps a session on one instance must refuse its later turns.
 
 Every length is in tokens; blocks are ``block_size`` tokens with chained global ids.
 """
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenlake.bench.workloads.request import SimRequest, Workload
+
+LONG_GROWTH = 4.0  # agentic: per-turn growth of every tenth session, times the others'
 
 
 @dataclass(frozen=True)
@@ -113,7 +118,7 @@ def _sessions(
     name: str,
     turns_of: Callable[[np.random.Generator], int],
     first_len_of: Callable[[np.random.Generator], int],
-    growth_of: Callable[[np.random.Generator], int],
+    growth_of: Callable[[np.random.Generator, int], int],
     output_of: Callable[[np.random.Generator, int], int],
     think_of: Callable[[np.random.Generator], float],
     note: str,
@@ -135,7 +140,7 @@ def _sessions(
         prefix, length, prev = list(system), max(first_len_of(rng), cfg.system_prompt_len + 1), -1
         for k in range(turns):
             if k:
-                length += max(1, growth_of(rng))
+                length += max(1, growth_of(rng, s))
             blocks = _blocks_for(prefix, len(prefix) * b, length, b, ids)
             rid = len(reqs)
             reqs.append(
@@ -161,7 +166,7 @@ def scbench(cfg: GeneratorConfig) -> Workload:
         turns_of=lambda r: int(r.integers(3, 8)),  # mean 5 turns
         # mean 227K; at most 245K so a session fits one TP2 A100 instance (262K KV tokens)
         first_len_of=lambda r: int(np.clip(_lognormal(r, 225_000, 0.12), 150_000, 245_000)),
-        growth_of=lambda r: int(r.integers(100, 900)),  # previous answer + next question
+        growth_of=lambda r, s: int(r.integers(100, 900)),  # previous answer + next question
         output_of=lambda r, n: int(r.integers(16, 192)),
         think_of=lambda r: float(r.exponential(5.0)),
         note="SCBench-like: 5-turn sessions over a private ~225K-token context (mean 227K)",
@@ -176,7 +181,9 @@ def agentic(cfg: GeneratorConfig) -> Workload:
         "agentic",
         turns_of=lambda r: int(np.clip(r.lognormal(np.log(33), 0.5), 3, 150)),
         first_len_of=lambda r: int(np.clip(_lognormal(r, 12_000, 0.3), 6_000, 40_000)),
-        growth_of=lambda r: int(np.clip(_lognormal(r, 2_242, 0.8), 64, 30_000)),
+        growth_of=lambda r, s: int(
+            np.clip(_lognormal(r, 2_242, 0.8) * (LONG_GROWTH if s % 10 == 9 else 1), 64, 30_000)
+        ),
         output_of=lambda r, n: int(np.clip(_lognormal(r, 450, 0.8), 8, 4096)),  # ~131:1
         think_of=lambda r: float(r.lognormal(np.log(5.2), sigma)),
         note="agentic-like (Codex/SWE-bench Pro statistics): median 33 turns, +2.2K tokens/turn",

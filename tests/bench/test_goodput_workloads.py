@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from tokenlake.bench.sim.step_timer import ClusterSpec
 from tokenlake.bench.traces import conversation_trace
 from tokenlake.bench.workloads import GENERATORS, GeneratorConfig, TraceConfig, trace_workload
 from tokenlake.bench.workloads.request import prompt_tokens
@@ -60,6 +61,16 @@ def test_agentic_sessions():
         for prev, cur in zip(rs, rs[1:], strict=False):
             k = prev.input_len // 512
             assert cur.after == prev.rid and cur.block_ids[:k] == prev.block_ids[:k]
+
+
+def test_agentic_long_sessions_outgrow_one_instance():
+    """Every tenth session grows LONG_GROWTH times faster; at the harness's 1,000 requests
+    (seed 0) some contexts exceed one default instance's KV memory, and only those sessions'."""
+    w = GENERATORS["agentic"](GeneratorConfig(num_requests=1000, rate=1.0, seed=0))
+    per_instance = ClusterSpec("A100-80G", "LWM-Text-1M", 4, 2).capacity_tokens
+    over = [r for r in w.requests if r.input_len + r.output_len > per_instance]
+    assert 0 < len(over) < 0.1 * len(w.requests)  # baselines can still reach 90%
+    assert {r.session % 10 for r in over} == {9}
 
 
 def test_prompt_tokens_share_exactly_the_shared_blocks():
