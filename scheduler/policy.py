@@ -81,9 +81,13 @@ def select_work(
     budget: int | None = None,
     pending: PendingPrefixes | None = None,
 ) -> list[WorkItem]:
-    """Every decode step, then prefill chunks by earliest first-token deadline (then running
-    prefills before waiting requests, then arrival) until the iteration's prefill token budget
-    is spent.
+    """Every decode step, then prefill chunks until the iteration's prefill token budget is
+    spent: first running prefills and new requests whose uncached rest fits one chunk, then
+    the other new requests; each group by earliest first-token deadline (then running
+    prefills before waiting requests, then arrival). A new request served from the cache
+    goes ahead of a longer uncached one (as SGLang's longest-prefix-match order): while it
+    waits behind a long prefill, that prefill's writes evict the prefix it came back for
+    (a multi-turn session's next turn), and it would have to recompute it all.
 
     A waiting request starts at ``min(cached_tokens(r), num_known - 1)`` (at least one token
     is computed, to produce the next output token; a preempted request recomputes the tokens
@@ -108,13 +112,28 @@ def select_work(
             budget = config.chunk_len * config.num_instances - len(items)
     admitted = 0
     prefills = [r for r in unfinished if r.phase in (Phase.PREFILL, Phase.WAITING)]
-    # earliest deadline first; among equal deadlines (none: no SLO) running prefills first
-    prefills.sort(key=lambda r: (r.deadline, r.phase is Phase.WAITING, r.arrival))
+    starts: dict[int | str, int] = {}  # a new request's start: its cached prefix
+
+    def start_of(r: Request) -> int:
+        if r.request_id not in starts:
+            starts[r.request_id] = min(cached_tokens(r), r.num_known - 1)
+        return starts[r.request_id]
+
+    def rank(r: Request) -> int:
+        """0: a running prefill, or a new request whose uncached rest fits one chunk (its
+        cached prefix is read now, before other admissions can evict it); 1: other new ones."""
+        if r.phase is Phase.PREFILL or r.num_known <= config.chunk_len:
+            return 0
+        return int(r.num_known - start_of(r) > config.chunk_len)
+
+    # cached first, then earliest deadline first; among equal deadlines (none: no SLO)
+    # running prefills first
+    prefills.sort(key=lambda r: (rank(r), r.deadline, r.phase is Phase.WAITING, r.arrival))
     for r in prefills:
         new = r.phase is Phase.WAITING
         if new and max_new_requests is not None and admitted >= max_new_requests:
             break
-        start = min(cached_tokens(r), r.num_known - 1) if new else r.num_stored
+        start = start_of(r) if new else r.num_stored
         if new and pending is not None and pending.covers(r.token_ids, start):
             continue
         end = chunk_end(start, r.num_known, min(config.chunk_len, budget), config.segment_len)

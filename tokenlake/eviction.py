@@ -19,7 +19,16 @@ room: it never demotes a prefix that is being reused. Under a cycle larger than 
 sessions already protected keep hitting and the others' recomputed contexts replace each
 other in probation, instead of every session missing.
 
-State changes happen only at commit (promotions, ghosts) or move with the node (its class is
+``"session"`` also protects a finished (or preempted) request's context, as a reuse: it is
+what a multi-turn session's next turn reads a think time later. Under ``"protect"`` a session's
+first context waits on probation until its second turn, and when sessions come and go (new
+ones arriving, old ones ending) the prefill of every new session evicts those first, while
+the protected contexts of sessions that ended stay until the cap demotes them; measured on
+SCBench-like sessions, that costs most later turns their hit. Under a strict cycle larger than
+the pool ``"session"`` behaves as LRU (every context is protected at its finish and the cap
+demotes the oldest), so ``"protect"`` stays the default.
+
+State changes happen only at commit (promotions, ghosts), at finish (``"session"``) or move with the node (its class is
 a field of :class:`~tokenlake.tree_types.Node`), so an aborted iteration that restores its
 victims restores their class too. The recency order itself stays the tree's replica LRU.
 """
@@ -37,7 +46,7 @@ from tokenlake.tree_types import Node
 if TYPE_CHECKING:
     from tokenlake.prefix_tree import PrefixTree
 
-POLICIES = ("lru", "protect")
+POLICIES = ("lru", "protect", "session")
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,8 @@ class EvictionConfig:
     reused prefixes, see the module docstring); protected_fraction (protect: share of the
     pool's slots protected nodes may hold before the least recently used are demoted);
     ghost_fraction (protect: evicted segment keys remembered, as a share of the pool's
-    slots)."""
+    slots). ``"session"``: ``"protect"``, and a finished request's context is protected as
+    well (see :meth:`EvictionPolicy.finished`)."""
 
     policy: str = "protect"
     protected_fraction: float = 0.8
@@ -75,7 +85,8 @@ class EvictionPolicy:
 
     def __init__(self, config: EvictionConfig, capacity_slots: int) -> None:
         self.config = config
-        self.protects = config.policy == "protect"
+        self.protects = config.policy != "lru"
+        self.protects_finished = config.policy == "session"
         self.max_protected = int(config.protected_fraction * capacity_slots)
         self.max_ghosts = int(config.ghost_fraction * capacity_slots)
         self.num_protected = 0  # protected nodes in the tree
@@ -136,6 +147,13 @@ class EvictionPolicy:
                     self.num_demotions += 1
                     if self.num_protected <= self.max_protected:
                         break
+
+    def finished(self, path: list[Node], tree: PrefixTree) -> None:
+        """A request left the pool (finished or preempted) with ``path`` (its prefix nodes in
+        the tree). ``"session"``: protect it as a reused prefix (demoting the least recently
+        used protected nodes beyond the cap)."""
+        if self.protects_finished:
+            self.reused(path, tree)
 
     def forgotten(self, victims: Iterable[Node], tree: PrefixTree) -> None:
         """Evictions became final: remember the keys of the nodes that left the tree (and

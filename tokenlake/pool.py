@@ -250,6 +250,7 @@ class Pool:
                 kept = res.node if res.node is not None and not res.deduped else None
             if kept is None:
                 self.allocators[loc.instance_id].free(loc.slot_id)
+        self.tree.policy.finished(state.tree_nodes, self.tree)
         self.tree.touch(state.tree_nodes)  # just used: the most recent, for LRU
         for node in state.tree_nodes:
             self.tree.unpin(node)

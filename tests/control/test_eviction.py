@@ -46,7 +46,8 @@ class NaiveModel:
     from one clock as in the tree; every choice is a min over all segments."""
 
     def __init__(self, policy: str, capacity: int, fraction: float = 0.8) -> None:
-        self.protects = policy == "protect"
+        self.protects = policy != "lru"
+        self.protects_finished = policy == "session"
         self.capacity = capacity
         self.max_protected = int(fraction * capacity)
         self.parent: dict[int, int | None] = {}
@@ -81,10 +82,7 @@ class NaiveModel:
             self.protected.discard(u)
         self._touch(path)  # commit: the admitted prefix was read
         if self.protects:
-            self.protected.update(path)
-            while len(self.protected) > self.max_protected and self.protected - set(path):
-                u = min(self.protected - set(path), key=self.stamp.__getitem__)
-                self.protected.discard(u)
+            self._reused(path)
             for u in victims:
                 if u in self.ghosts:
                     self.ghosts.remove(u)
@@ -97,8 +95,17 @@ class NaiveModel:
                 if len(self.protected) < self.max_protected:
                     self.protected.add(u)
             self._touch([u])
+        if self.protects_finished:  # finish: the context is protected too
+            self._reused(seq)
         self._touch(seq)  # finish
         return hit
+
+    def _reused(self, path: list[int]) -> None:
+        """Protect ``path``, demoting the least recently used others beyond the cap."""
+        self.protected.update(path)
+        while len(self.protected) > self.max_protected and self.protected - set(path):
+            u = min(self.protected - set(path), key=self.stamp.__getitem__)
+            self.protected.discard(u)
 
 
 def make_pool(policy: str) -> tl.Pool:
@@ -126,11 +133,25 @@ def cached(pool: tl.Pool) -> tuple[set[int], set[int]]:
     return {int(n.tokens[0]) for n in nodes}, {int(n.tokens[0]) for n in nodes if n.protected}
 
 
-def run(policy: str) -> list[int]:
+def come_and_go() -> list[tuple[int, int]]:
+    """Sessions that start one after another and end: three live at a time (their contexts
+    fit the pool together), each with four turns, served round robin."""
+    out, live = [], []
+    for s in range(3 * SESSIONS):
+        live.append([s, 0])
+        for session in list(live):
+            session[1] += 1
+            out.append((session[0], session[1]))
+            if session[1] == 4:
+                live.remove(session)
+    return out
+
+
+def run(policy: str, turns: list[tuple[int, int]] | None = None) -> list[int]:
     pool = make_pool(policy)
     model = NaiveModel(policy, NUM_INSTANCES * NUM_SLOTS)
     hits = []
-    for i, (s, t) in enumerate(schedule()):
+    for i, (s, t) in enumerate(schedule() if turns is None else turns):
         seq = prompt(s, t)
         got, want = serve(pool, f"r{i}", seq), model.serve(seq)
         assert got == want, f"request {i} (session {s}, turn {t}): pool hit {got}, model {want}"
@@ -150,6 +171,20 @@ def test_protect_keeps_hitting_where_lru_thrashes_and_both_match_the_model():
     assert lru_hits < 0.1 * context_hits
     assert protect_hits > lru_hits + 0.3 * context_hits
     assert sum(lru[: 2 * SESSIONS]) == sum(protect[: 2 * SESSIONS])  # same warm-up hits
+
+
+def test_session_keeps_the_contexts_of_sessions_that_come_and_go():
+    """Sessions that end leave protected contexts behind; under "protect" a new session's
+    first context waits on probation and is evicted first. "session" protects it at finish
+    and the cap demotes the ended sessions' contexts. On a strict cycle larger than the pool
+    it is LRU. All three match the brute-force model."""
+    turns = come_and_go()
+    later = [i for i, (_, t) in enumerate(turns) if t > 1]
+    hits = {p: run(p, turns) for p in ("lru", "protect", "session")}
+    later_hits = {p: sum(h[i] for i in later) for p, h in hits.items()}
+    assert later_hits["session"] > later_hits["protect"] + 0.3 * len(later) * CONTEXT
+    assert later_hits["session"] >= later_hits["lru"]
+    assert sum(run("session")) == sum(run("lru"))  # the strict cycle: as LRU
 
 
 def policy_state(pool: tl.Pool) -> dict:

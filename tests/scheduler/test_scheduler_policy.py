@@ -179,3 +179,29 @@ def test_prefill_goes_by_first_token_deadline():
     assert [it.request_id for it in items] == ["r2", "r0"]  # 40 + 256 of 300
     r = Request.create("d", np.arange(50, dtype=np.int32), 1, 7, now=2.0, input_token_slo=0.01)
     assert r.deadline == pytest.approx(2.5) and r.priority == (pytest.approx(2.5), 7)
+
+
+def test_cached_requests_go_before_longer_uncached_ones():
+    """A new request whose uncached rest fits one chunk (a session's next turn) is chosen
+    before an earlier-due request that must compute more; running prefills and short new
+    requests keep their deadline order among them."""
+    reqs = make_requests(
+        [
+            (2000, Phase.WAITING, 0, 0),  # cold: due first, 2000 uncached tokens
+            (900, Phase.PREFILL, 256, 0),  # running prefill
+            (2100, Phase.WAITING, 0, 0),  # next turn: 2048 cached, 52 to compute
+            (40, Phase.WAITING, 0, 0),  # short
+        ]
+    )
+    for r, deadline in zip(reqs, (1.0, 9.0, 5.0, 7.0), strict=True):
+        r.deadline = deadline
+    cached = {"r0": 0, "r2": 2048, "r3": 0}
+    cfg = SchedulerConfig(2, C, chunk_len=256, max_prefill_tokens=2000)
+    items = select_work(reqs, cfg, lambda r: cached[r.request_id])
+    assert [it.request_id for it in items] == ["r2", "r3", "r1", "r0"]
+    assert (items[0].start, items[0].end) == (2048, 2100)
+    # with the budget for one chunk only, the cached turn takes it
+    cfg = SchedulerConfig(2, C, chunk_len=256, max_prefill_tokens=64)
+    assert [it.request_id for it in select_work(reqs, cfg, lambda r: cached[r.request_id])] == [
+        "r2"
+    ]
