@@ -232,9 +232,8 @@ class Deciding:
 
     def _budget(self, num_instances: int) -> int:
         cfg = self.config
-        if cfg.max_prefill_tokens:
-            share = cfg.max_prefill_tokens * num_instances / max(1, cfg.prefill_instances)
-            return max(cfg.segment_len, int(share))
+        if cfg.max_prefill_tokens:  # per free instance, as a chunked-prefill size
+            return max(cfg.segment_len, cfg.max_prefill_tokens * num_instances)
         return cfg.chunk_len * num_instances
 
     def _plan(self, items, limits: InstanceLimits, load, inflight) -> Decision:

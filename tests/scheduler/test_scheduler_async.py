@@ -305,3 +305,20 @@ def test_new_request_prefills_while_many_requests_decode():
     assert started and not d.finished
     d.drain()
     assert sorted(d.finished) == sorted([*olds, "new"]) and d.max_err <= 1e-5
+
+
+@pytest.mark.parametrize("mode,extra", [("elastic", {}), ("xpyd", {"num_prefill_instances": 3})])
+def test_prefill_budget_is_per_free_instance(mode, extra):
+    """``max_prefill_tokens`` is each free instance's prefill budget in an asynchronous
+    decision (the baselines' chunked-prefill size is per instance too), not a share of a
+    cluster-wide budget (a quarter of it on each of four elastic instances): four free
+    elastic instances (three prefill ones in 3P1D) start one 2-segment prompt each at once."""
+    d = Driver(4, 400, mode=mode, chunk_len=2 * C, max_prefill_tokens=2 * C, **extra)
+    for i in range(8):
+        d.add(i, tokens(300 + i, 2 * C), 2)
+    d.launch()
+    started = {c.request_id for it in d.inflight for c in it.decision.chunks}
+    prefill_instances = 4 if mode == "elastic" else 3
+    assert len(started) == prefill_instances
+    d.drain()
+    assert sorted(d.finished) == list(range(8)) and d.max_err <= 1e-5
