@@ -15,7 +15,7 @@ from tokenlake.pool import Pool
 from tokenlake.prefix_tree import PrefixMatch
 from tokenlake.scheduler import memory
 from tokenlake.scheduler.config import COLOCATED, ELASTIC, XPYD, SchedulerConfig
-from tokenlake.scheduler.lanes import Running, split_free_instances
+from tokenlake.scheduler.lanes import Running, prefill_budget, split_free_instances
 from tokenlake.scheduler.latency_model import DECODE, PREFILL, LatencyModel
 from tokenlake.scheduler.pending import PendingPrefixes
 from tokenlake.scheduler.planned import IterationPlan, Planned
@@ -83,6 +83,7 @@ class Deciding:
         max_new_requests: int | None = None,
         inflight: Sequence[Chunk] = (),
         now: float = math.inf,
+        decoding: bool = False,
     ) -> list[WorkItem]:
         """Work items of ``idle`` requests that memory admits; new requests whose next
         segment a chunk ``inflight`` or chosen before them computes wait for it. Elastic on
@@ -99,7 +100,7 @@ class Deciding:
         for phases in options:
             budget = None
             if num_free is not None:
-                budget = self._budget(num_free)
+                budget = prefill_budget(config, self.model, num_free, decoding)
                 if config.mode == COLOCATED:
                     budget -= sum(r.phase is Phase.DECODE for r in idle)
             matches: dict[int | str, PrefixMatch] = {}
@@ -188,7 +189,10 @@ class Deciding:
             out += self._lanes(split.decodes, split.decode_instances, load_now)
         if split.prefill_instances:
             p = len(split.prefill_instances)
-            items = self._work(prefills, requests, cfg, stored, p, inflight=chunks, now=now)
+            decoding = cfg.mode == ELASTIC and (bool(ready) or any(r.num_decodes for r in running))
+            items = self._work(
+                prefills, requests, cfg, stored, p, inflight=chunks, now=now, decoding=decoding
+            )
             d = self._plan(items, InstanceLimits(p, p, 0), load, inflight)
             out += [self._one(d, b, split.prefill_instances) for b in range(len(d.batches))]
         return out
@@ -229,12 +233,6 @@ class Deciding:
         if cfg.decode_steps == 1 or not math.isfinite(cfg.tbt_slo):
             return cfg.decode_steps
         return max(1, min(cfg.decode_steps, int(TBT_MARGIN * cfg.tbt_slo / step) - 1))
-
-    def _budget(self, num_instances: int) -> int:
-        cfg = self.config
-        if cfg.max_prefill_tokens:  # per free instance, as a chunked-prefill size
-            return max(cfg.segment_len, cfg.max_prefill_tokens * num_instances)
-        return cfg.chunk_len * num_instances
 
     def _plan(self, items, limits: InstanceLimits, load, inflight) -> Decision:
         load = self._cache_load(items, inflight) if load is None else load

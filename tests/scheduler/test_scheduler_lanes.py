@@ -3,12 +3,21 @@ soon, elastic vs fixed splits; memory costs and the preemption victim."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 import tokenlake as tl
 from tokenlake.scheduler.config import SchedulerConfig
-from tokenlake.scheduler.lanes import Running, decode_step_time, lanes_needed, split_free_instances
+from tokenlake.scheduler.lanes import (
+    Running,
+    decode_step_time,
+    lanes_needed,
+    prefill_budget,
+    split_free_instances,
+)
 from tokenlake.scheduler.latency_model import DECODE, PREFILL, Coeffs, LatencyModel
 from tokenlake.scheduler.memory import future_slots, new_request_cost, pin_cost, victim
 from tokenlake.scheduler.request import Phase, Request
@@ -115,6 +124,18 @@ def test_one_live_instance_keeps_its_lane():
     cfg = SchedulerConfig(4, C, sync_iterations=False, tbt_slo=0.1)
     s = split_free_instances(cfg, MODEL, 0.0, 0.0, [2], [2], [], decodes(5), prefill_waits=True)
     assert s.decode_instances == (2,) and s.prefill_instances == ()
+
+
+def test_prefill_budget_per_instance_and_within_the_tbt_slo_while_decoding():
+    """``max_prefill_tokens`` per free instance; while requests decode (elastic), cut to the
+    segments one instance prefills within 2/3 of the TBT SLO (prefill: 1 ms + 10 us/token)."""
+    cfg = SchedulerConfig(4, C, max_prefill_tokens=64 * C, tbt_slo=0.015, sync_iterations=False)
+    assert prefill_budget(cfg, MODEL, 1) == 1024 and prefill_budget(cfg, MODEL, 3) == 3072
+    assert prefill_budget(cfg, MODEL, 3, decoding=True) == 3 * 896  # 1 + 8.96 ms <= 10 ms
+    assert MODEL.predict(PREFILL, [896 + C]) > 0.01
+    assert prefill_budget(replace(cfg, tbt_slo=math.inf), MODEL, 2, decoding=True) == 2048
+    assert prefill_budget(replace(cfg, tbt_slo=1e-3), MODEL, 2, decoding=True) == 2 * C
+    assert prefill_budget(replace(cfg, max_prefill_tokens=0, chunk_len=4 * C), MODEL, 2) == 8 * C
 
 
 def test_xpyd_keeps_roles():
