@@ -117,38 +117,40 @@ COMMANDS = {
     ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems $B "
     "--goodput --lo 0.3 --hi 0.8 --rel-tol 0.15 --max-evals 8 --out "
     "results/goodput/conv1000_base": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seeds 1 --goodput --lo 1 --hi 2 --rel-tol 0.15 --max-evals 4 "
-    "--wall-budget 3600": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems "
-    "tokenlake-1p3d --prefill-tokens 2048 --seeds 1 --goodput --lo 0.5 --hi 1 --rel-tol 0.15 "
-    "--max-evals 4 --wall-budget 3600": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems "
-    "tokenlake-3p1d --prefill-tokens 2048 --seeds 1 --goodput --lo 0.5 --hi 1.0 --rel-tol "
-    "0.15 --max-evals 4 --wall-budget 3600": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems $B --goodput "
     "--lo 0.5 --hi 2 --rel-tol 0.15 --max-evals 8 --wall-budget 3600 --out "
     "results/goodput/synthetic": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seeds 1 --goodput --lo 2 --hi 4 --rel-tol 0.15 --max-evals 4 "
-    "--wall-budget 3600": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems tokenlake-3p1d "
-    "--prefill-tokens 2048 --seeds 1 --rates 2.8284 --wall-budget 3600": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems $B --goodput "
     "--lo 0.5 --hi 2 --rel-tol 0.15 --max-evals 8 --wall-budget 3600 --out "
     "results/goodput/sharegpt": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems "
-    "tokenlake,tokenlake-1p3d --prefill-tokens 2048 --seeds 1 --goodput --lo 4 --hi 16 "
-    "--rel-tol 0.15 --max-evals 5 --wall-budget 3600": Tiny(GOODPUT_TINY),
+    "tokenlake-1p3d,tokenlake-3p1d --prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol "
+    "0.15 --max-evals 5 --wall-budget 3600 --lo 12 --hi 24": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems $B --goodput "
     "--lo 0.5 --hi 2 --rel-tol 0.15 --max-evals 8 --wall-budget 3600 --out "
     "results/goodput/loogle": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seeds 1 --goodput --lo 2 --hi 4 --rel-tol 0.15 --max-evals 4 "
-    "--wall-budget 3600": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems "
+    "tokenlake,tokenlake-1p3d,tokenlake-3p1d --prefill-tokens 2048 --seeds 1 --goodput "
+    "--rel-tol 0.15 --max-evals 5 --wall-budget 3600 --lo 1.2 --hi 2.4 --out "
+    "results/goodput/conversation_tl": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems "
+    "tokenlake --prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol 0.15 "
+    "--max-evals 5 --wall-budget 3600 --lo 1.7 --hi 2.4": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems "
+    "tokenlake,tokenlake-1p3d,tokenlake-3p1d --prefill-tokens 2048 --seeds 1 --goodput "
+    "--rel-tol 0.15 --max-evals 5 --wall-budget 3600 --lo 2 --hi 4 --out "
+    "results/goodput/synthetic_tl": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems "
+    "tokenlake,tokenlake-1p3d,tokenlake-3p1d --prefill-tokens 2048 --seeds 1 --goodput "
+    "--rel-tol 0.15 --max-evals 5 --wall-budget 3600 --lo 12 --hi 24 --out "
+    "results/goodput/sharegpt_tl": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seeds 3 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
+    "3600 --lo 12 --hi 24": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems "
-    "tokenlake-1p3d,tokenlake-3p1d --prefill-tokens 2048 --seeds 1 --rates 2 --wall-budget "
-    "3600": Tiny(GOODPUT_TINY),
+    "tokenlake,tokenlake-1p3d,tokenlake-3p1d --prefill-tokens 2048 --seeds 1 --goodput "
+    "--rel-tol 0.15 --max-evals 5 --wall-budget 3600 --lo 1.5 --hi 3 --out "
+    "results/goodput/loogle_tl": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems $B "
     "--prefill-tokens 2048 --goodput --lo 0.1 --hi 0.5 --rel-tol 0.15 --max-evals 6 "
     "--wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
