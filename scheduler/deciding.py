@@ -41,6 +41,8 @@ class Deciding:
         # measured / predicted time of decode iterations (EWMA): what sharing the GPUs with
         # other iterations' work costs the decode lanes beyond the model
         self.decode_scale = 1.0
+        # request id -> (request, its last prefix match): the next match resumes from it
+        self._matched: dict[int | str, tuple[Request, PrefixMatch]] = {}
 
     def observe(self, it: IterationPlan, now: float) -> None:
         """An iteration ended at ``now``: calibrate the decode step time on decode ones."""
@@ -97,6 +99,9 @@ class Deciding:
                 options = [(DECODE,), (PREFILL,)]
                 if not self._decode_turn:
                     options.reverse()
+        if len(self._matched) > 2 * len(idle) + 64:  # forget finished requests' matches
+            alive = {r.request_id for r in requests}
+            self._matched = {k: v for k, v in self._matched.items() if k in alive}
         for phases in options:
             budget = None
             if num_free is not None:
@@ -299,10 +304,13 @@ class Deciding:
 
     def _cached(self, matches: dict[int | str, PrefixMatch]):
         tree = self.pool.get_prefix_tree()
+        memo = self._matched
 
         def cached(r: Request) -> int:
-            m = tree.match(r.token_ids)
+            last = memo.get(r.request_id)
+            m = tree.match(r.token_ids, resume=last[1] if last and last[0] is r else None)
             matches[r.request_id] = m
+            memo[r.request_id] = (r, m)
             return m.num_tokens
 
         return cached

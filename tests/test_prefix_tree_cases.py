@@ -220,3 +220,41 @@ def test_dedupe_returns_existing_node_and_partial_match_of_tail():
         tree.reserve(tree.root, arr([1, 2, 0, 1]), Location(0, 2))
     assert tree.insert(tail, arr([1]), Location(0, 3)) == CommitResult(None, False)
     tree.check_invariants()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seg=st.sampled_from([2, 3]),
+    steps=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 3), max_size=9),  # a sequence to insert
+            st.integers(0, 3),  # evictions after it
+            st.integers(0, 4),  # which remembered query to match again
+            st.lists(st.integers(0, 3), max_size=4),  # tokens it grows by first
+        ),
+        min_size=1,
+        max_size=14,
+    ),
+)
+def test_resumed_match_equals_a_fresh_match(seg, steps):
+    """Matching again from an earlier match of the same (or a shorter) token list gives what
+    matching from the root gives, through inserts, evictions and key collisions."""
+    tree = PrefixTree(seg, SegmentHasher("t", key_bits=2))
+    slots = itertools.count()
+    remembered: list[tuple[list[int], object]] = []
+    for tokens, num_evict, pick, grow in steps:
+        parent, pos = tree.root, 0
+        while pos < len(tokens):
+            res = tree.insert(parent, arr(tokens[pos : pos + seg]), Location(0, next(slots)))
+            if res.node is None or len(tokens) - pos < seg:
+                break
+            parent, pos = res.node, pos + seg
+        for _ in range(num_evict):
+            tree.evict_lru()
+        remembered.append((list(tokens), tree.match(tokens)))
+        query, before = remembered[pick % len(remembered)]
+        query = query + grow
+        fresh, resumed = tree.match(query), tree.match(query, resume=before)
+        assert resumed.nodes == fresh.nodes
+        assert (resumed.partial, resumed.partial_len) == (fresh.partial, fresh.partial_len)
+        remembered[pick % len(remembered)] = (query, resumed)

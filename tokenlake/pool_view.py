@@ -9,9 +9,10 @@ class PrefixTreeView:
     def __init__(self, tree: PrefixTree) -> None:
         self._tree = tree
 
-    def match(self, token_ids) -> PrefixMatch:
-        """Cached prefix of ``token_ids`` (``.num_tokens``); does not count as an access."""
-        return self._tree.match(token_ids)
+    def match(self, token_ids, resume: PrefixMatch | None = None) -> PrefixMatch:
+        """Cached prefix of ``token_ids`` (``.num_tokens``); does not count as an access.
+        ``resume``: an earlier match of the same tokens, to go on from (same result)."""
+        return self._tree.match(token_ids, resume=resume)
 
     @property
     def segment_len(self) -> int:

@@ -111,12 +111,18 @@ class PrefixTree:
     def nodes(self) -> Iterator[Node]:
         return iter(self._nodes.values())
 
-    def match(self, token_ids: Iterable[int] | np.ndarray, touch: bool = False) -> PrefixMatch:
+    def match(
+        self,
+        token_ids: Iterable[int] | np.ndarray,
+        touch: bool = False,
+        resume: PrefixMatch | None = None,
+    ) -> PrefixMatch:
         """Longest cached prefix of ``token_ids``: full segments, then a partial continuation.
 
-        ``touch`` marks the matched nodes as accessed now (for LRU).
+        ``touch`` marks the matched nodes as accessed now (for LRU); ``resume`` is an earlier
+        match of the same tokens to go on from (see :func:`~tokenlake.tree_match.longest_prefix`).
         """
-        found = longest_prefix(self, token_ids)
+        found = longest_prefix(self, token_ids, resume)
         if touch:
             self.touch(list(found.nodes) + ([found.partial] if found.partial is not None else []))
         return found

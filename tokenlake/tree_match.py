@@ -15,13 +15,24 @@ if TYPE_CHECKING:
     from tokenlake.prefix_tree import PrefixTree
 
 
-def longest_prefix(tree: PrefixTree, token_ids: Iterable[int] | np.ndarray) -> PrefixMatch:
+def longest_prefix(
+    tree: PrefixTree, token_ids: Iterable[int] | np.ndarray, resume: PrefixMatch | None = None
+) -> PrefixMatch:
     """Full segments matched from the root by chained key (tokens compared, so a key
     collision is no match), then the child continuing the match longest (a tail or a
-    sealed segment, found through its first token)."""
+    sealed segment, found through its first token).
+
+    ``resume``: an earlier match of the same ``token_ids`` (or of a prefix of them). While its
+    last full segment is still in the tree, so are all of its ancestors (eviction takes
+    leaves first), and matching goes on from there: the same result, without comparing the
+    segments again (a long prompt waiting for admission is matched at every decision)."""
     tokens = as_tokens(token_ids)
     seg = tree.segment_len
     node, nodes, pos = tree.root, [], 0
+    if resume is not None and resume.nodes and len(resume.nodes) * seg <= len(tokens):
+        last = resume.nodes[-1]
+        if tree.get(last.key) is last:
+            node, nodes, pos = last, list(resume.nodes), len(resume.nodes) * seg
     while pos + seg <= len(tokens):
         chunk = tokens[pos : pos + seg]
         child = node.children.get(tree.hasher.key(node.key, chunk))
