@@ -152,16 +152,16 @@ COMMANDS = {
     "--rel-tol 0.15 --max-evals 5 --wall-budget 3600 --lo 1.5 --hi 3 --out "
     "results/goodput/loogle_tl": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems $B "
-    "--prefill-tokens 2048 --goodput --lo 0.1 --hi 0.5 --rel-tol 0.15 --max-evals 6 "
+    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.02 --hi 0.2 --rel-tol 0.15 --max-evals 6 "
     "--wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.5 --hi 2 --rel-tol 0.15 --max-evals 4 "
+    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.15 --hi 0.3 --rel-tol 0.15 --max-evals 6 "
     "--wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload agentic --requests 1000 --systems $B "
-    "--prefill-tokens 2048 --goodput --lo 0.1 --hi 0.5 --rel-tol 0.15 --max-evals 6 "
+    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.05 --hi 0.4 --rel-tol 0.15 --max-evals 6 "
     "--wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload agentic --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seeds 1 --goodput --lo 1 --hi 4 --rel-tol 0.15 --max-evals 4 "
+    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.7 --hi 1.4 --rel-tol 0.15 --max-evals 6 "
     "--wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake bench sim-crosscheck": Tiny(),
 }  # fmt: skip
