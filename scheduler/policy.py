@@ -82,8 +82,8 @@ def select_work(
     pending: PendingPrefixes | None = None,
 ) -> list[WorkItem]:
     """Every decode step, then prefill chunks until the iteration's prefill token budget is
-    spent: first running prefills and new requests whose uncached rest fits one chunk, then
-    the other new requests; each group by earliest first-token deadline (then running
+    spent: first running prefills and new requests with a cached prefix whose uncached rest
+    fits one chunk, then the other new requests; each group by earliest first-token deadline (then running
     prefills before waiting requests, then arrival). A new request served from the cache
     goes ahead of a longer uncached one (as SGLang's longest-prefix-match order): while it
     waits behind a long prefill, that prefill's writes evict the prefix it came back for
@@ -120,11 +120,15 @@ def select_work(
         return starts[r.request_id]
 
     def rank(r: Request) -> int:
-        """0: a running prefill, or a new request whose uncached rest fits one chunk (its
-        cached prefix is read now, before other admissions can evict it); 1: other new ones."""
-        if r.phase is Phase.PREFILL or r.num_known <= config.chunk_len:
+        """0: a running prefill, or a new request with a cached prefix whose uncached rest
+        fits one chunk (read now, before other admissions can evict it); 1: other new ones.
+        Promoting short uncached prompts too cost the conversation trace a bisection step
+        (elastic 2.02 -> 1.85 req/s); running prefills behind new requests could be starved
+        by an admission that does not fit."""
+        if r.phase is Phase.PREFILL:
             return 0
-        return int(r.num_known - start_of(r) > config.chunk_len)
+        start = start_of(r)
+        return int(start == 0 or r.num_known - start > config.chunk_len)
 
     # cached first, then earliest deadline first; among equal deadlines (none: no SLO)
     # running prefills first

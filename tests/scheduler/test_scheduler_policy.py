@@ -169,22 +169,23 @@ def test_config_validation():
 
 def test_prefill_goes_by_first_token_deadline():
     """With an input-token SLO, a short request that arrived later is due earlier than a long
-    one: its chunk is chosen first, ahead of a running long prefill too."""
+    one: its chunk is chosen before the long new request's (a running prefill keeps its
+    chunk first: only new requests with a cached prefix share its rank)."""
     reqs = make_requests(
         [(900, Phase.PREFILL, 256, 0), (2000, Phase.WAITING, 0, 0)] + [(40, Phase.WAITING, 0, 0)]
     )
     reqs[0].deadline, reqs[1].deadline, reqs[2].deadline = 9.0, 20.0, 1.4
     cfg = SchedulerConfig(2, C, chunk_len=256, max_prefill_tokens=300)
     items = select_work(reqs, cfg, lambda r: 0)
-    assert [it.request_id for it in items] == ["r2", "r0"]  # 40 + 256 of 300
+    assert [it.request_id for it in items] == ["r0", "r2"]  # 256 + 40 of 300
     r = Request.create("d", np.arange(50, dtype=np.int32), 1, 7, now=2.0, input_token_slo=0.01)
     assert r.deadline == pytest.approx(2.5) and r.priority == (pytest.approx(2.5), 7)
 
 
 def test_cached_requests_go_before_longer_uncached_ones():
-    """A new request whose uncached rest fits one chunk (a session's next turn) is chosen
-    before an earlier-due request that must compute more; running prefills and short new
-    requests keep their deadline order among them."""
+    """A new request with a cached prefix whose uncached rest fits one chunk (a session's next
+    turn) is chosen, in deadline order with running prefills, before an earlier-due request
+    that must compute more; short uncached prompts stay with the other new requests."""
     reqs = make_requests(
         [
             (2000, Phase.WAITING, 0, 0),  # cold: due first, 2000 uncached tokens
@@ -198,7 +199,7 @@ def test_cached_requests_go_before_longer_uncached_ones():
     cached = {"r0": 0, "r2": 2048, "r3": 0}
     cfg = SchedulerConfig(2, C, chunk_len=256, max_prefill_tokens=2000)
     items = select_work(reqs, cfg, lambda r: cached[r.request_id])
-    assert [it.request_id for it in items] == ["r2", "r3", "r1", "r0"]
+    assert [it.request_id for it in items] == ["r2", "r1", "r0", "r3"]
     assert (items[0].start, items[0].end) == (2048, 2100)
     # with the budget for one chunk only, the cached turn takes it
     cfg = SchedulerConfig(2, C, chunk_len=256, max_prefill_tokens=64)
