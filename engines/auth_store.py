@@ -18,7 +18,7 @@ import zmq
 
 from tokenlake import wire
 from tokenlake.engines.auth import AuthError, ClusterSecret, FrameAuth
-from tokenlake.engines.transport import bind_random
+from tokenlake.engines.peers import bind_random
 
 _MAX_FRAME = 1 << 24
 

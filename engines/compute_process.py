@@ -36,9 +36,10 @@ from tokenlake.engines.cluster_base import ClusterBase
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
 from tokenlake.engines.driver import Driver
 from tokenlake.engines.launcher import process_context, stop_processes
+from tokenlake.engines.peers import LauncherId, LinkMonitor, bind_random
 from tokenlake.engines.process_group import GroupSpec
 from tokenlake.engines.shared_buffers import InstanceBuffers, Layout
-from tokenlake.engines.transport import LauncherId, LinkMonitor, Requester, Server, bind_random
+from tokenlake.engines.transport import Requester, Server
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.plans import Chunk, Plans
 from tokenlake.wire import WireError

@@ -14,8 +14,9 @@ import zmq
 from tokenlake.engines import messages, process_group
 from tokenlake.engines.auth import ClusterSecret, FrameAuth
 from tokenlake.engines.engine_base import ROLES, EngineHost
+from tokenlake.engines.peers import LauncherId
 from tokenlake.engines.process_group import GroupSpec
-from tokenlake.engines.transport import LauncherId, Server
+from tokenlake.engines.transport import Server
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from tokenlake.engines.auth import AuthError, FrameAuth
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
 from tokenlake.engines.engine_base import EngineHost
 from tokenlake.engines.engine_process import EngineSpec, main
+from tokenlake.engines.peers import LauncherId, bind_random
 from tokenlake.engines.process_group import GroupSpec
 from tokenlake.engines.shared_buffers import InstanceBuffers
-from tokenlake.engines.transport import LauncherId, bind_random
 from tokenlake.wire import WireError
 
 Key = tuple[str, int]  # (role, instance_id)

@@ -76,7 +76,7 @@ class InstanceActor:
 
     def serve(self, recipe: ProcessRecipe) -> None:
         """Run this process's engine until it is stopped (blocks; ends the process)."""
-        from tokenlake.engines.transport import LauncherId
+        from tokenlake.engines.peers import LauncherId
 
         config = replace(recipe.config, host=self.node_ip)
         group = replace(recipe.group, host=self.node_ip) if recipe.group is not None else None

@@ -7,7 +7,7 @@ Start-up: the actors are created, the engines report their sockets, the compute 
 get every engine's, all of them and this process join the group (:mod:`.ray_rendezvous`).
 
 Death is seen two ways: the connection this process keeps to every process drops at once
-when the process dies (:class:`~tokenlake.engines.transport.LinkMonitor`), and the actor's
+when the process dies (:class:`~tokenlake.engines.peers.LinkMonitor`), and the actor's
 ``serve`` call fails when Ray notices (also a lost node). A lost instance's other processes
 are killed too, so its three actors restart together; rejoining forms a new generation of
 the group (``Regroup``) with every live process.
@@ -29,8 +29,9 @@ from tokenlake.engines import compute_process, messages, process_group
 from tokenlake.engines.auth import ClusterSecret, FrameAuth
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError, RemoteEngineError
 from tokenlake.engines.driver import Driver
+from tokenlake.engines.peers import LinkMonitor
 from tokenlake.engines.shared_buffers import Layout
-from tokenlake.engines.transport import LinkMonitor, Requester
+from tokenlake.engines.transport import Requester
 from tokenlake.serve.ray_actors import ROLES, InstanceActor, ProcessRecipe
 from tokenlake.serve.ray_rendezvous import GroupJoiner, ReadyInbox, error_of, regroup_message
 

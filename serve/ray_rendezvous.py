@@ -15,7 +15,7 @@ import zmq
 from tokenlake.engines import messages, process_group
 from tokenlake.engines.auth import AuthError, FrameAuth
 from tokenlake.engines.dataplane_config import PeerFailedError
-from tokenlake.engines.transport import bind_random
+from tokenlake.engines.peers import bind_random
 from tokenlake.wire import WireError
 
 
