@@ -16,13 +16,10 @@ from tokenlake.engines.auth import AuthError, FrameAuth
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
 from tokenlake.engines.engine_base import EngineHost
 from tokenlake.engines.engine_process import EngineSpec, main
-from tokenlake.engines.peers import LauncherId, bind_random
+from tokenlake.engines.peers import LauncherId, PeerKey, bind_random
 from tokenlake.engines.process_group import GroupSpec
 from tokenlake.engines.shared_buffers import InstanceBuffers
 from tokenlake.wire import WireError
-
-Key = tuple[str, int]  # (role, instance_id)
-
 
 _PRELOAD = [
     "tokenlake.engines.engine_process",
@@ -76,10 +73,10 @@ class EngineProcesses:
         self._buffers = buffers
         self._group = group
         self._event_handles = event_handles
-        self.processes: dict[Key, mp.Process] = {}
+        self.processes: dict[PeerKey, mp.Process] = {}
         self._finalizer = weakref.finalize(self, stop_processes, [], 0.0)
 
-    def spawn(self, keys: list[Key]) -> dict[Key, str]:
+    def spawn(self, keys: list[PeerKey]) -> dict[PeerKey, str]:
         """Start engines ``keys`` and wait until each reported ready; returns their endpoints.
         Raises :class:`PeerFailedError` if one exits or is not ready in time."""
         cfg = self.config
@@ -113,7 +110,9 @@ class EngineProcesses:
         finally:
             ready.close(linger=0)
 
-    def _wait_ready(self, ready: zmq.Socket, keys: list[Key], audience: bytes) -> dict[Key, str]:
+    def _wait_ready(
+        self, ready: zmq.Socket, keys: list[PeerKey], audience: bytes
+    ) -> dict[PeerKey, str]:
         endpoints = {}
         deadline = time.monotonic() + self.config.startup_timeout_s
         while len(endpoints) < len(keys):
@@ -132,15 +131,15 @@ class EngineProcesses:
                 endpoints[(msg.role, msg.instance_id)] = msg.endpoint
         return endpoints
 
-    def is_alive(self, key: Key) -> bool:
+    def is_alive(self, key: PeerKey) -> bool:
         p = self.processes.get(key)
         return p is not None and p.exitcode is None
 
     @property
-    def pids(self) -> dict[Key, int]:
+    def pids(self) -> dict[PeerKey, int]:
         return {key: p.pid for key, p in self.processes.items()}
 
-    def kill(self, keys: list[Key]) -> None:
+    def kill(self, keys: list[PeerKey]) -> None:
         procs = [self.processes[k] for k in keys if k in self.processes]
         for p in procs:
             if p.exitcode is None:
