@@ -21,18 +21,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from tokenlake.bench.goodput_report import GoodputReport
+from tokenlake.bench.goodput_runs import RunKey, Runs
 from tokenlake.bench.sim.confidence import TARGET, system_goodput
-from tokenlake.bench.sim.runner import (
-    EXTRA_SYSTEMS,
-    SLO_MISSED,
-    SYSTEMS,
-    RunConfig,
-    RunResult,
-    simulate,
-)
-from tokenlake.bench.sim.step_timer import ClusterSpec, make_timer
+from tokenlake.bench.sim.runner import EXTRA_SYSTEMS, SYSTEMS, RunResult
+from tokenlake.bench.sim.step_timer import ClusterSpec
 from tokenlake.bench.traces import CONVERSATION_TRACE, SYNTHETIC_TRACE, TRACES_DIR
 from tokenlake.bench.workloads import (
     GENERATORS,
@@ -177,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--window", type=float, default=5.0, help="load timeline window (s)")
     r.add_argument("--wall-budget", type=float, default=300.0, help="real seconds per run")
     r.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at once in worker processes (one per core); the systems are bisected side "
+        "by side and each bisection probes jobs/systems rates per round (1: one run at a "
+        "time, every rate in sequence)",
+    )
+    r.add_argument(
         "--horizon",
         type=float,
         default=None,
@@ -202,7 +205,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--time-scale: expected > 0, got {args.time_scale}")
     if args.horizon is not None and not args.horizon > 0:
         p.error(f"--horizon: expected > 0, got {args.horizon}")
-    for name in ("requests", "offset", "block_size", "instances", "tp", "segment_len", "seeds"):
+    names = ("requests", "offset", "block_size", "instances", "tp", "segment_len", "seeds", "jobs")
+    for name in names:
         value = getattr(args, name)
         low = 0 if name in ("requests", "offset") else 1
         if value is not None and value < low:
@@ -259,50 +263,63 @@ def run(args: argparse.Namespace) -> dict:
         seeds = seeds[:1]
     report.header(probe, seeds)
 
-    done: dict[tuple, RunResult] = {}  # whole runs, reused when a later phase asks again
+    def report_run(res: RunResult, key: RunKey) -> None:
+        report.run(res, key.rate, key.seed, key.knob, key.spec)
 
-    def run_one(
-        system: str, rate: float | None, seed: int, knob: int, sp=spec, stop_below=0.0
-    ) -> RunResult:
-        key = (system, rate, seed, knob, sp)
-        if key in done:
-            return done[key]
-        cfg = RunConfig(
-            system,
-            prefill_tokens=knob,
-            mixed_chunk=not args.no_mixed_chunk,
-            segment_len=args.segment_len,
-            wall_budget_s=args.wall_budget,
-            horizon_s=args.horizon,
-            window_s=args.window,
-            eviction=args.eviction,
-            seed=seed,
-            stop_below=stop_below,
-        )
-        res = simulate(make_workload(args, rate, seed), sp, make_timer(sp), cfg)
-        report.run(res, rate, seed, knob, sp)
-        if res.stop_reason != SLO_MISSED:
-            done[key] = res
-        return res
+    runs = Runs(args, make_workload, report_run, args.jobs)
+    try:
+        _run_phases(args, spec, report, runs, seeds)
+    finally:
+        runs.close()
+    return report.finish()
+
+
+def _run_phases(
+    args: argparse.Namespace,
+    spec: ClusterSpec,
+    report: GoodputReport,
+    runs: Runs,
+    seeds: list[int],
+) -> None:
+    def run_one(system: str, rate: float | None, seed: int, knob: int, sp=spec) -> RunResult:
+        return runs.one(RunKey(system, rate, seed, knob, sp))
 
     if args.goodput:
-        for s in args.systems:
-            g = system_goodput(
-                lambda rate, seed, knob, s=s: run_one(
-                    s, rate, seed, knob, stop_below=0.0 if args.full_runs else TARGET
-                ).summary()["slo_attainment"],
+        stop = 0.0 if args.full_runs else TARGET
+        # with jobs, the systems' bisections run side by side, each probing jobs/systems rates
+        width = max(1, args.jobs // len(args.systems))
+
+        def bisect(s: str):
+            def attainments(rates: list[float], seed: int, knob: int) -> list[float]:
+                keys = [RunKey(s, r, seed, knob, spec, stop) for r in rates]
+                return [res.summary()["slo_attainment"] for res in runs.many(keys)]
+
+            return system_goodput(
+                lambda rate, seed, knob: attainments([rate], seed, knob)[0],
                 args.prefill_tokens,
                 seeds,
                 args.lo,
                 args.hi,
                 args.rel_tol,
                 args.max_evals,
+                width,
+                attainments if width > 1 else None,
             )
+
+        if args.jobs > 1 and len(args.systems) > 1:
+            with ThreadPoolExecutor(len(args.systems)) as threads:
+                found = list(threads.map(bisect, args.systems))
+        else:
+            found = [bisect(s) for s in args.systems]
+        for s, g in zip(args.systems, found, strict=True):
             report.goodput(s, g)
         ref = report.reference_rate()
+        keys = [
+            RunKey(s, ref, seed, report.knob_of(s), spec) for s in args.systems for seed in seeds
+        ]
+        results = iter(runs.many(keys))
         for s in args.systems:
-            knob = report.knob_of(s)
-            report.at_reference(s, [run_one(s, ref, seed, knob) for seed in seeds])
+            report.at_reference(s, [next(results) for _ in seeds])
         report.goodput_table()
     if args.time_scale is not None:
         for s in args.systems:
@@ -324,7 +341,6 @@ def run(args: argparse.Namespace) -> dict:
                     cache_tokens=max(1024, int(spec.capacity_tokens * f)),
                 )
                 report.cache_point(s, f, run_one(s, rate, seeds[0], report.knob_of(s), sp))
-    return report.finish()
 
 
 def main(argv=None) -> int:

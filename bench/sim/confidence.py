@@ -17,6 +17,8 @@ from tokenlake.bench.sim.metrics import bisect_goodput
 TARGET = 0.9  # P90 goodput: the highest rate where 90% of requests meet the SLO
 # attainment(rate, seed, knob) -> SLO attainment of one run
 Attainment = Callable[[float, int, int], float]
+# attainments(rates, seed, knob) -> SLO attainments of runs at once
+Attainments = Callable[[list[float], int, int], list[float]]
 
 
 @dataclass
@@ -67,7 +69,11 @@ def system_goodput(
     hi: float,
     rel_tol: float,
     max_evals: int = 10,
+    width: int = 1,
+    attainments: Attainments | None = None,
 ) -> SystemGoodput:
+    """``width > 1``: each bisection probes that many rates per round through
+    ``attainments`` (see :func:`~tokenlake.bench.sim.metrics.bisect_goodput`)."""
     if not knobs or not seeds:
         raise ValueError("system_goodput: expected at least one knob value and one seed")
     points: list[tuple[int, int, float, float]] = []
@@ -78,7 +84,13 @@ def system_goodput(
             points.append((seed, knob, rate, a))
             return a
 
-        return bisect_goodput(at, lo, hi, TARGET, rel_tol, max_evals).goodput
+        def many(rates: list[float]) -> list[float]:
+            values = attainments(rates, seed, knob)
+            points.extend((seed, knob, r, a) for r, a in zip(rates, values, strict=True))
+            return values
+
+        wide = many if attainments is not None else None
+        return bisect_goodput(at, lo, hi, TARGET, rel_tol, max_evals, width, wide).goodput
 
     by_knob: dict[int, float] = {}
     for knob in knobs:

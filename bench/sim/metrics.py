@@ -141,13 +141,19 @@ def bisect_goodput(
     target: float = 0.9,
     rel_tol: float = 0.1,
     max_evals: int = 10,
+    width: int = 1,
+    attainments: Callable[[list[float]], list[float]] | None = None,
 ) -> GoodputResult:
     """Highest rate with ``attainment_at(rate) >= target``, by bisection in log space.
 
     Starts from ``lo`` (halved until it passes or 4 halvings fail) and ``hi`` (doubled until
     it fails, at most 4 times); stops when hi/lo <= 1 + rel_tol. Assumes attainment falls as
-    the rate rises, as it does on average (a simulation is one sample).
+    the rate rises, as it does on average (a simulation is one sample). ``width > 1`` probes
+    that many rates per round with ``attainments(rates)`` (run at once): ``lo`` and ``hi``
+    together, then ``width`` rates splitting the bracket evenly in log space.
     """
+    if width > 1:
+        return _bisect_wide(attainments, lo, hi, target, rel_tol, max_evals, width)
     points: list[tuple[float, float]] = []
 
     def ok(rate: float) -> bool:
@@ -175,4 +181,52 @@ def bisect_goodput(
             lo = mid
         else:
             hi = mid
+    return GoodputResult(lo, tuple(points))
+
+
+def _bisect_wide(
+    attainments: Callable[[list[float]], list[float]] | None,
+    lo: float,
+    hi: float,
+    target: float,
+    rel_tol: float,
+    max_evals: int,
+    width: int,
+) -> GoodputResult:
+    """:func:`bisect_goodput` with ``width`` rates per round (the same 4 halvings or
+    doublings at most; each round's rates in order up to the first that breaks the trend)."""
+    if attainments is None:
+        raise ValueError("bisect_goodput: width > 1 needs attainments(rates)")
+    points: list[tuple[float, float]] = []
+
+    def oks(rates: list[float]) -> list[bool]:
+        values = attainments(rates)
+        points.extend(zip(rates, values, strict=True))
+        return [a >= target for a in values]
+
+    lo_ok, hi_ok = oks([lo, hi])
+    if not lo_ok or hi_ok:
+        down = not lo_ok
+        edge, tried, turned = (lo if down else hi), 1, False
+        while tried < 4 and not turned:
+            k = min(width, 4 - tried)
+            rates = [edge * (0.5 if down else 2.0) ** (i + 1) for i in range(k)]
+            tried += k
+            for rate, ok in zip(rates, oks(rates), strict=True):
+                if ok != down:  # still failing going down, still passing going up
+                    edge = rate
+                    continue
+                turned = True
+                lo, hi = (rate, edge) if down else (edge, rate)
+                break
+        if not turned:
+            return GoodputResult(0.0 if down else edge, tuple(points))
+    while hi / lo > 1 + rel_tol and len(points) < max_evals:
+        k = min(width, max_evals - len(points))
+        rates = [lo * (hi / lo) ** ((i + 1) / (k + 1)) for i in range(k)]
+        for rate, ok in zip(rates, oks(rates), strict=True):
+            if not ok:
+                hi = rate
+                break
+            lo = rate
     return GoodputResult(lo, tuple(points))

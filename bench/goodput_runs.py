@@ -1,0 +1,111 @@
+"""The goodput harness's simulation runs: one at a time in this process, or ``jobs`` at once
+in worker processes (``--jobs``), each reported here as it ends and kept for reuse.
+
+A run is a pure function of its :class:`RunKey` and the harness's options (the workload, the
+cluster and the system's seed), so where it runs does not change its result; only which runs
+a bisection asks for does (:func:`tokenlake.bench.sim.metrics.bisect_goodput` with
+``width > 1`` probes several rates per round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
+from typing import NamedTuple
+
+from tokenlake.bench.sim.runner import SLO_MISSED, RunConfig, RunResult, simulate
+from tokenlake.bench.sim.step_timer import ClusterSpec, make_timer
+from tokenlake.bench.workloads import Workload
+
+
+class RunKey(NamedTuple):
+    """One simulation: ``system`` at ``rate`` (None: the trace's own timing) on ``seed`` with
+    the prefill knob ``knob`` on cluster ``spec``; it may stop once its SLO attainment cannot
+    reach ``stop_below`` any more."""
+
+    system: str
+    rate: float | None
+    seed: int
+    knob: int
+    spec: ClusterSpec
+    stop_below: float = 0.0
+
+
+# (args, rate, seed) -> the workload of one run; a module-level function, so that worker
+# processes can be handed it
+WorkloadFn = Callable[[argparse.Namespace, float | None, int], Workload]
+
+
+def simulate_key(args: argparse.Namespace, make_workload: WorkloadFn, key: RunKey) -> RunResult:
+    """Run one simulation (in whichever process calls it)."""
+    cfg = RunConfig(
+        key.system,
+        prefill_tokens=key.knob,
+        mixed_chunk=not args.no_mixed_chunk,
+        segment_len=args.segment_len,
+        wall_budget_s=args.wall_budget,
+        horizon_s=args.horizon,
+        window_s=args.window,
+        eviction=args.eviction,
+        seed=key.seed,
+        stop_below=key.stop_below,
+    )
+    workload = make_workload(args, key.rate, key.seed)
+    return simulate(workload, key.spec, make_timer(key.spec), cfg)
+
+
+class Runs:
+    """Runs simulations for the harness and reports each one (``report(result, key)``, in
+    this process, one at a time). A finished run is kept and handed out again when the same
+    key without its early stop is asked for later; a run stopped early is not kept."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        make_workload: WorkloadFn,
+        report: Callable[[RunResult, RunKey], None],
+        jobs: int = 1,
+    ) -> None:
+        self.args, self.make_workload, self.report = args, make_workload, report
+        self.jobs = jobs
+        self._done: dict[tuple, RunResult] = {}
+        self._lock = threading.Lock()
+        self._pool: Executor | None = None
+        if jobs > 1:
+            # spawn: workers start clean (no inherited threads or locks of this process)
+            ctx = multiprocessing.get_context("spawn")
+            self._pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
+
+    def one(self, key: RunKey) -> RunResult:
+        return self.many([key])[0]
+
+    def many(self, keys: Sequence[RunKey]) -> list[RunResult]:
+        """Results of ``keys``, run at once on the workers (in order here without any)."""
+        out: dict[int, RunResult] = {}
+        futures = {}
+        for i, key in enumerate(keys):
+            kept = self._done.get(key[:5])
+            if kept is not None:
+                out[i] = kept
+            elif self._pool is None:
+                out[i] = self._finish(key, simulate_key(self.args, self.make_workload, key))
+            else:
+                futures[i] = self._pool.submit(simulate_key, self.args, self.make_workload, key)
+        for i, fut in futures.items():
+            out[i] = self._finish(keys[i], fut.result())
+        return [out[i] for i in range(len(keys))]
+
+    def _finish(self, key: RunKey, res: RunResult) -> RunResult:
+        with self._lock:
+            self.report(res, key)
+            if res.stop_reason != SLO_MISSED:
+                self._done[key[:5]] = res
+        return res
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
