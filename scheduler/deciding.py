@@ -1,6 +1,6 @@
 """From requests to planned iterations: the synchronous decision over the whole cluster, the
-asynchronous one over the free instances (lanes, :mod:`.lanes`), and FCFS memory-aware
-admission (:mod:`.memory`). Reads the pool (prefix tree, free capacity, instances), never
+asynchronous one over the free instances (lanes, :mod:`.lanes`), with memory-aware
+admission (:mod:`.admitting`). Reads the pool (prefix tree, free capacity, instances), never
 changes it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tokenlake.errors import InvalidArgumentError
 from tokenlake.plans import Chunk
 from tokenlake.pool import Pool
 from tokenlake.prefix_tree import PrefixMatch
-from tokenlake.scheduler import memory
+from tokenlake.scheduler.admitting import Admission, items_of
 from tokenlake.scheduler.config import COLOCATED, ELASTIC, XPYD, SchedulerConfig
 from tokenlake.scheduler.lanes import Running, prefill_budget, split_free_instances
 from tokenlake.scheduler.latency_model import DECODE, PREFILL, LatencyModel
@@ -41,8 +41,7 @@ class Deciding:
         # measured / predicted time of decode iterations (EWMA): what sharing the GPUs with
         # other iterations' work costs the decode lanes beyond the model
         self.decode_scale = 1.0
-        # request id -> (request, its last prefix match): the next match resumes from it
-        self._matched: dict[int | str, tuple[Request, PrefixMatch]] = {}
+        self.admission = Admission(config, pool)
 
     def observe(self, it: IterationPlan, now: float) -> None:
         """An iteration ended at ``now``: calibrate the decode step time on decode ones."""
@@ -52,7 +51,7 @@ class Deciding:
             self.decode_scale += DECODE_SCALE_WEIGHT * (ratio - self.decode_scale)
 
     def capacity_slots(self) -> int:
-        return self.pool.config.num_slots * len(self.pool.live_instances)
+        return self.admission.capacity_slots()
 
     # ---- synchronous ---------------------------------------------------------------------
     def decide_sync(
@@ -65,7 +64,7 @@ class Deciding:
         reqs = list(requests)
         config = self._live_config()
         items = self._work(reqs, reqs, config, {}, max_new_requests=max_new_requests, now=now)
-        load = self._cache_load(items) if load is None else load
+        load = self.admission.cache_load(items) if load is None else load
         return plan_batches(items, config, self.model, load, self.solver)
 
     def plan_sync(
@@ -99,9 +98,7 @@ class Deciding:
                 options = [(DECODE,), (PREFILL,)]
                 if not self._decode_turn:
                     options.reverse()
-        if len(self._matched) > 2 * len(idle) + 64:  # forget finished requests' matches
-            alive = {r.request_id for r in requests}
-            self._matched = {k: v for k, v in self._matched.items() if k in alive}
+        self.admission.forget_finished(requests, len(idle))
         for phases in options:
             budget = None
             if num_free is not None:
@@ -109,14 +106,14 @@ class Deciding:
                 if config.mode == COLOCATED:
                     budget -= sum(r.phase is Phase.DECODE for r in idle)
             matches: dict[int | str, PrefixMatch] = {}
-            cached = self._cached(matches)
+            cached = self.admission.cached(matches)
             pending = None
             if config.defer_pending_prefix:
                 pending = PendingPrefixes(config.segment_len)
                 for c in inflight:
                     pending.add(c.token_ids, c.start, c.end)
             items = select_work(idle, config, cached, phases, max_new_requests, budget, pending)
-            items = self.admit(items, requests, stored, matches, now)
+            items = self.admission.admit(items, requests, stored, matches, now)
             if items:
                 return items
         return []
@@ -176,7 +173,7 @@ class Deciding:
         ]
         ready = [r for r in idle if r.phase is Phase.DECODE]
         prefills = [r for r in idle if r.phase is not Phase.DECODE]
-        load_now = self._cache_load(_items_of(ready), inflight) if load is None else load
+        load_now = self.admission.cache_load(items_of(ready), inflight) if load is None else load
         split = split_free_instances(
             cfg,
             self.model,
@@ -240,7 +237,7 @@ class Deciding:
         return max(1, min(cfg.decode_steps, int(TBT_MARGIN * cfg.tbt_slo / step) - 1))
 
     def _plan(self, items, limits: InstanceLimits, load, inflight) -> Decision:
-        load = self._cache_load(items, inflight) if load is None else load
+        load = self.admission.cache_load(items, inflight) if load is None else load
         return plan_batches(items, self.config, self.model, load, self.solver, limits)
 
     @staticmethod
@@ -255,81 +252,6 @@ class Deciding:
             d.slo_met,
             d.cost,
         )
-
-    # ---- memory and load -----------------------------------------------------------------
-    def admit(
-        self,
-        items: list[WorkItem],
-        requests: Iterable[Request],
-        stored: Mapping[int | str, int],
-        matches: Mapping[int | str, PrefixMatch],
-        now: float = math.inf,
-    ) -> list[WorkItem]:
-        """Memory-aware admission in ``items``' order (see :mod:`.memory`): up to the first
-        new request that does not fit, or, with ``admission_backfill``, past those that do
-        not fit while their first-token deadline (on the scheduler's clock; ``now``) has not
-        passed. ``requests`` are all unfinished requests; ``stored`` gives in-flight
-        requests' stored tokens after their iteration (their slots are taken already)."""
-        if not any(it.phase == PREFILL and it.request_id in matches for it in items):
-            return items
-        cfg, seg = self.config, self.config.segment_len
-        by_id = {}
-        reserved, running = 0, False
-        for req in requests:
-            by_id[req.request_id] = req
-            if req.phase in (Phase.PREFILL, Phase.DECODE):
-                stored_now = stored.get(req.request_id, req.num_stored)
-                reserved += memory.future_slots(req, stored_now, seg, cfg.output_reserve)
-                running = True
-        # the watermark is room for running requests to grow: a lone request may use it all
-        watermark = math.ceil(cfg.kv_watermark * self.capacity_slots()) if running else 0
-        avail = self.pool.free_capacity() - watermark
-        out = []
-        for it in items:
-            if it.phase == PREFILL and it.request_id in matches:
-                req, match = by_id[it.request_id], matches[it.request_id]
-                cost = memory.new_request_cost(req, match, it.start, seg, cfg.output_reserve)
-                if reserved + cost > avail and it.start % seg:
-                    # copy-on-extend holds the cached partial segment and its copy at once:
-                    # starting at the segment boundary needs one slot fewer
-                    it = it._replace(start=it.start - it.start % seg)
-                    cost = memory.new_request_cost(req, match, it.start, seg, cfg.output_reserve)
-                if reserved + cost > avail:
-                    if cfg.admission_backfill and now <= req.deadline < math.inf:
-                        continue  # smaller requests behind it may fit; it keeps its place
-                    break
-                reserved += cost
-            out.append(it)
-        return out
-
-    def _cached(self, matches: dict[int | str, PrefixMatch]):
-        tree = self.pool.get_prefix_tree()
-        memo = self._matched
-
-        def cached(r: Request) -> int:
-            last = memo.get(r.request_id)
-            m = tree.match(r.token_ids, resume=last[1] if last and last[0] is r else None)
-            matches[r.request_id] = m
-            memo[r.request_id] = (r, m)
-            return m.num_tokens
-
-        return cached
-
-    def _cache_load(self, items: Sequence[WorkItem], inflight: Iterable = ()) -> float:
-        # get_cache_load needs the pool's roofline LoadModel; without one, L = 0
-        if self.pool.load_model is None or not items:
-            return 0.0
-        reqs = [(it.start, it.num_new) for it in items]
-        reqs += [(c.start, c.num_new_tokens) for it in inflight for c in it.decision.chunks]
-        return float(self.pool.load_model.cache_load(reqs, len(self.pool.live_instances)))
-
-
-def _items_of(decodes: Iterable[Request]) -> list[WorkItem]:
-    out = []
-    for r in decodes:
-        ids = r.token_ids
-        out.append(WorkItem(r.request_id, DECODE, ids, len(ids) - 1, len(ids), r.arrival))
-    return out
 
 
 def _num_decodes(it: IterationPlan) -> int:
