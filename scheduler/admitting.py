@@ -39,10 +39,11 @@ class Admission:
         matches: Mapping[int | str, PrefixMatch],
         now: float = math.inf,
     ) -> list[WorkItem]:
-        """Memory-aware admission in ``items``' order (see :mod:`.memory`): up to the first
-        new request that does not fit, or, with ``admission_backfill``, past those that do
+        """Memory-aware admission in ``items``' order (see :mod:`.memory`): new requests up
+        to the first that does not fit, or, with ``admission_backfill``, past those that do
         not fit while their first-token deadline (on the scheduler's clock; ``now``) has not
-        passed. ``requests`` are all unfinished requests; ``stored`` gives in-flight
+        passed; running prefills and decodes always pass (their memory is reserved), also
+        behind a new request that does not fit. ``requests`` are all unfinished requests; ``stored`` gives in-flight
         requests' stored tokens after their iteration (their slots are taken already)."""
         if not any(it.phase == PREFILL and it.request_id in matches for it in items):
             return items
@@ -58,9 +59,11 @@ class Admission:
         # the watermark is room for running requests to grow: a lone request may use it all
         watermark = math.ceil(cfg.kv_watermark * self.capacity_slots()) if running else 0
         avail = self.pool.free_capacity() - watermark
-        out = []
+        out, blocked = [], False
         for it in items:
             if it.phase == PREFILL and it.request_id in matches:
+                if blocked:
+                    continue
                 req, match = by_id[it.request_id], matches[it.request_id]
                 cost = memory.new_request_cost(req, match, it.start, seg, cfg.output_reserve)
                 if reserved + cost > avail and it.start % seg:
@@ -71,7 +74,8 @@ class Admission:
                 if reserved + cost > avail:
                     if cfg.admission_backfill and now <= req.deadline < math.inf:
                         continue  # smaller requests behind it may fit; it keeps its place
-                    break
+                    blocked = True  # FCFS: no later new request either
+                    continue
                 reserved += cost
             out.append(it)
         return out

@@ -82,12 +82,14 @@ def select_work(
     pending: PendingPrefixes | None = None,
 ) -> list[WorkItem]:
     """Every decode step, then prefill chunks until the iteration's prefill token budget is
-    spent: first running prefills and new requests with a cached prefix whose uncached rest
-    fits one chunk, then the other new requests; each group by earliest first-token deadline (then running
-    prefills before waiting requests, then arrival). A new request served from the cache
-    goes ahead of a longer uncached one (as SGLang's longest-prefix-match order): while it
-    waits behind a long prefill, that prefill's writes evict the prefix it came back for
-    (a multi-turn session's next turn), and it would have to recompute it all.
+    spent: first new requests with a cached prefix whose uncached rest fits one chunk, then
+    running prefills and the other new requests; each group by earliest first-token deadline
+    (then running prefills before waiting requests, then arrival). A new request served from
+    the cache goes ahead (as SGLang's longest-prefix-match order): while it waits behind a
+    long prefill, that prefill's writes evict the prefix it came back for (a multi-turn
+    session's next turn), and it would have to recompute it all. Running prefills keep their
+    deadline order with the other new requests: putting them all first made short prompts
+    due earlier wait behind long ones (synthetic trace, 1,000 @ 2.8 req/s: 82.0% vs 99.9%).
 
     A waiting request starts at ``min(cached_tokens(r), num_known - 1)`` (at least one token
     is computed, to produce the next output token; a preempted request recomputes the tokens
@@ -120,13 +122,13 @@ def select_work(
         return starts[r.request_id]
 
     def rank(r: Request) -> int:
-        """0: a running prefill, or a new request with a cached prefix whose uncached rest
-        fits one chunk (read now, before other admissions can evict it); 1: other new ones.
+        """0: a new request with a cached prefix whose uncached rest fits one chunk (read
+        now, before other admissions can evict it); 1: running prefills and other new ones.
         Promoting short uncached prompts too cost the conversation trace a bisection step
-        (elastic 2.02 -> 1.85 req/s); running prefills behind new requests could be starved
-        by an admission that does not fit."""
+        (elastic 2.02 -> 1.85 req/s). A new request that does not fit in memory does not
+        hold back the running prefills behind it (:meth:`.Admission.admit`)."""
         if r.phase is Phase.PREFILL:
-            return 0
+            return 1
         start = start_of(r)
         return int(start == 0 or r.num_known - start > config.chunk_len)
 

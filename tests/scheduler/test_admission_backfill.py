@@ -57,3 +57,26 @@ def test_a_request_that_does_not_fit_is_passed_over_until_its_deadline(backfill,
     clock.now = 7 * C * slo + 1.0  # past big's first-token deadline: admission blocks behind it
     sched.add_request("late", _tokens(C + 4), 2)
     assert not _admitted(sched) & {"big", "late"}  # late would fit, but waits behind big
+
+
+def test_a_new_request_that_does_not_fit_does_not_hold_back_a_running_prefill():
+    """Running prefills keep their deadline order with new requests; one due later than a new
+    request that does not fit in memory still gets its chunks (FCFS blocks only later new
+    requests), and both finish."""
+    pool = tl.Pool(tl.PoolConfig(SHAPE, 2, 8, segment_len=C))
+    config = SchedulerConfig(2, C, chunk_len=C, input_token_slo=1.0, admission_backfill=False)
+    sched = ElasticScheduler(config, LATENCY, pool, clock=Clock())
+    sched.add_request("running", _tokens(6 * C), 4)  # due at 6C, ~7 of the 16 slots
+    sched.complete(sched.step())  # its first chunk: now a running prefill
+    sched.add_request("big", _tokens(5 * C), 6 * C)  # due first (5C), needs 11 slots: no room
+    it = sched.step()
+    assert {c.request_id for c in it.decision.chunks} == {"running"}
+    sched.complete(it)
+    done = set()
+    for _ in range(200):
+        it = sched.step()
+        if it is None:
+            break
+        done |= {r.request_id for r in sched.complete(it)}
+    assert done == {"running", "big"}
+    pool.check_invariants()

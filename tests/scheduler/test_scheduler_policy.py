@@ -48,7 +48,7 @@ def test_select_work_lifecycle_and_budget():
         [
             (100, Phase.WAITING, 0, 0),  # fully cached: recomputes its last token
             (200, Phase.WAITING, 0, 0),  # 40 cached tokens (partial tail: unaligned start)
-            (90, Phase.PREFILL, 32, 0),  # running prefill: goes first
+            (90, Phase.PREFILL, 32, 0),  # running prefill: after the cached turn r0 (no deadlines)
             (50, Phase.DECODE, 51, 2),
             (300, Phase.WAITING, 0, 0),
         ]
@@ -57,7 +57,7 @@ def test_select_work_lifecycle_and_budget():
     cfg = SchedulerConfig(2, C, chunk_len=64, max_prefill_tokens=150)
     items = select_work(reqs, cfg, lambda r: cached[r.request_id])
     by_id = {it.request_id: it for it in items}
-    assert [it.request_id for it in items] == ["r3", "r2", "r0", "r1", "r4"]
+    assert [it.request_id for it in items] == ["r3", "r0", "r2", "r1", "r4"]
     assert (by_id["r3"].phase, by_id["r3"].start, by_id["r3"].end) == (DECODE, 51, 52)
     assert (by_id["r2"].start, by_id["r2"].end) == (32, 90)  # ends the prompt
     assert (by_id["r0"].start, by_id["r0"].end) == (99, 100)
@@ -70,7 +70,7 @@ def test_select_work_lifecycle_and_budget():
     only_decode = select_work(reqs, cfg, lambda r: cached[r.request_id], phases=(DECODE,))
     assert [it.request_id for it in only_decode] == ["r3"]
     capped = select_work(reqs, cfg, lambda r: cached[r.request_id], max_new_requests=1)
-    assert [it.request_id for it in capped] == ["r3", "r2", "r0"]
+    assert [it.request_id for it in capped] == ["r3", "r0", "r2"]
 
 
 def test_colocated_budget_counts_decode_tokens():
@@ -169,23 +169,24 @@ def test_config_validation():
 
 def test_prefill_goes_by_first_token_deadline():
     """With an input-token SLO, a short request that arrived later is due earlier than a long
-    one: its chunk is chosen before the long new request's (a running prefill keeps its
-    chunk first: only new requests with a cached prefix share its rank)."""
+    one: its chunk is chosen before the long new request's, and before a running prefill
+    due later (putting every running prefill first made short prompts miss their first
+    tokens on the synthetic trace)."""
     reqs = make_requests(
         [(900, Phase.PREFILL, 256, 0), (2000, Phase.WAITING, 0, 0)] + [(40, Phase.WAITING, 0, 0)]
     )
     reqs[0].deadline, reqs[1].deadline, reqs[2].deadline = 9.0, 20.0, 1.4
     cfg = SchedulerConfig(2, C, chunk_len=256, max_prefill_tokens=300)
     items = select_work(reqs, cfg, lambda r: 0)
-    assert [it.request_id for it in items] == ["r0", "r2"]  # 256 + 40 of 300
+    assert [it.request_id for it in items] == ["r2", "r0"]  # 40 + 256 of 300
     r = Request.create("d", np.arange(50, dtype=np.int32), 1, 7, now=2.0, input_token_slo=0.01)
     assert r.deadline == pytest.approx(2.5) and r.priority == (pytest.approx(2.5), 7)
 
 
 def test_cached_requests_go_before_longer_uncached_ones():
     """A new request with a cached prefix whose uncached rest fits one chunk (a session's next
-    turn) is chosen, in deadline order with running prefills, before an earlier-due request
-    that must compute more; short uncached prompts stay with the other new requests."""
+    turn) is chosen before an earlier-due request that must compute more; short uncached
+    prompts and running prefills stay in deadline order with the other new requests."""
     reqs = make_requests(
         [
             (2000, Phase.WAITING, 0, 0),  # cold: due first, 2000 uncached tokens
@@ -199,7 +200,7 @@ def test_cached_requests_go_before_longer_uncached_ones():
     cached = {"r0": 0, "r2": 2048, "r3": 0}
     cfg = SchedulerConfig(2, C, chunk_len=256, max_prefill_tokens=2000)
     items = select_work(reqs, cfg, lambda r: cached[r.request_id])
-    assert [it.request_id for it in items] == ["r2", "r1", "r0", "r3"]
+    assert [it.request_id for it in items] == ["r2", "r0", "r3", "r1"]
     assert (items[0].start, items[0].end) == (2048, 2100)
     # with the budget for one chunk only, the cached turn takes it
     cfg = SchedulerConfig(2, C, chunk_len=256, max_prefill_tokens=64)
