@@ -6,7 +6,7 @@ changes it."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from tokenlake.errors import InvalidArgumentError
@@ -107,16 +107,36 @@ class Deciding:
                     budget -= sum(r.phase is Phase.DECODE for r in idle)
             matches: dict[int | str, PrefixMatch] = {}
             cached = self.admission.cached(matches)
-            pending = None
-            if config.defer_pending_prefix:
-                pending = PendingPrefixes(config.segment_len)
-                for c in inflight:
-                    pending.add(c.token_ids, c.start, c.end)
-            items = select_work(idle, config, cached, phases, max_new_requests, budget, pending)
-            items = self.admission.admit(items, requests, stored, matches, now)
+            args = (config, cached, phases, max_new_requests, budget, inflight)
+            chosen = self._select(idle, *args)
+            items = self.admission.admit(chosen, requests, stored, matches, now)
+            if len(items) < len(chosen):
+                # new requests memory holds back took prefill budget that running prefills
+                # and the requests behind them can use (else a running prefill behind a
+                # cached turn that does not fit could stall): choose again without them
+                held = {it.request_id for it in chosen} - {it.request_id for it in items}
+                chosen = self._select([r for r in idle if r.request_id not in held], *args)
+                items = self.admission.admit(chosen, requests, stored, matches, now)
             if items:
                 return items
         return []
+
+    @staticmethod
+    def _select(
+        reqs: Sequence[Request],
+        config: SchedulerConfig,
+        cached: Callable[[Request], int],
+        phases: tuple[str, ...],
+        max_new_requests: int | None,
+        budget: int | None,
+        inflight: Sequence[Chunk],
+    ) -> list[WorkItem]:
+        pending = None
+        if config.defer_pending_prefix:  # a fresh one per choice: select_work adds to it
+            pending = PendingPrefixes(config.segment_len)
+            for c in inflight:
+                pending.add(c.token_ids, c.start, c.end)
+        return select_work(reqs, config, cached, phases, max_new_requests, budget, pending)
 
     def _live_config(self) -> SchedulerConfig:
         """The config on the pool's live instances (an instance may have been dropped)."""

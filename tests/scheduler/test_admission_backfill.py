@@ -80,3 +80,24 @@ def test_a_new_request_that_does_not_fit_does_not_hold_back_a_running_prefill():
         done |= {r.request_id for r in sched.complete(it)}
     assert done == {"running", "big"}
     pool.check_invariants()
+
+
+def test_a_cached_turn_held_back_by_memory_leaves_the_budget_to_the_running_prefill():
+    """One instance of 5 slots: a second request reusing a running prefill's first chunk is a
+    cached turn (chosen first) that does not fit beside it; the prefill budget it was given
+    goes back to the running prefill, which finishes, and then the cached turn runs (the
+    state machine found this stall: the held-back turn had taken the whole budget)."""
+    pool = tl.Pool(tl.PoolConfig(SHAPE, 1, 5, segment_len=C))
+    config = SchedulerConfig(1, C, chunk_len=2 * C, output_reserve=0.0)
+    sched = ElasticScheduler(config, LATENCY, pool, clock=Clock())
+    doc = _tokens(3 * C + 4)
+    sched.add_request("first", doc, 1)
+    sched.add_request("second", doc.copy(), 1)
+    done = set()
+    for _ in range(20):
+        it = sched.step()
+        if it is None:
+            break
+        done |= {r.request_id for r in sched.complete(it)}
+    assert done == {"first", "second"} and not sched.has_work
+    pool.check_invariants()
