@@ -5,6 +5,7 @@ authentic requests."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import zmq
@@ -78,6 +79,10 @@ def test_store_answers_authentic_requests_only():
         assert sock.poll(500) == 0  # no answer, no oracle
         sock.send_multipart([b"a", b"b"])
         assert store.get("k") == b"v"  # still serving
+        # the two sockets' frames are not ordered with each other: wait (bounded) for the last
+        deadline = time.monotonic() + 5.0
+        while server.rejected < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert server.rejected == 4
         sock.close()
         ctx.term()
