@@ -114,55 +114,52 @@ COMMANDS = {
     ".venv/bin/tokenlake bench model": Tiny("--quick"),
     ".venv/bin/tokenlake bench real-cluster": Tiny("--quick"),
     "B=router,mooncake-1p3d,mooncake-3p1d": NotHere("a shell variable for the lines below"),
+    "T=tokenlake,tokenlake-1p3d,tokenlake-3p1d": NotHere("a shell variable for the lines below"),
     ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems $B "
     "--goodput --lo 0.3 --hi 0.8 --rel-tol 0.15 --max-evals 8 --out "
     "results/goodput/conv1000_base": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems $B --goodput "
-    "--lo 0.5 --hi 2 --rel-tol 0.15 --max-evals 8 --wall-budget 3600 --out "
+    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems $T "
+    "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
+    "3000 --jobs 2 --lo 1.7 --hi 2.6 --out results/goodput/conversation_tl": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems "
+    "tokenlake --prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol 0.15 "
+    "--max-evals 5 --wall-budget 3000 --jobs 2 --lo 1.7 --hi 2.6": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems $B "
+    "--goodput --lo 0.5 --hi 2 --rel-tol 0.15 --max-evals 8 --wall-budget 3600 --out "
     "results/goodput/synthetic": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems $T "
+    "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
+    "3000 --jobs 2 --lo 2.8 --hi 4.4 --out results/goodput/synthetic_tl": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems $B --goodput "
     "--lo 0.5 --hi 2 --rel-tol 0.15 --max-evals 8 --wall-budget 3600 --out "
     "results/goodput/sharegpt": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems "
-    "tokenlake-1p3d,tokenlake-3p1d --prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol "
-    "0.15 --max-evals 5 --wall-budget 3600 --lo 12 --hi 24": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems $T "
+    "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
+    "3000 --jobs 2 --lo 12 --hi 20 --out results/goodput/sharegpt_tl": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol 0.15 --max-evals 5 "
+    "--wall-budget 3000 --jobs 2 --lo 12 --hi 20": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems $B --goodput "
     "--lo 0.5 --hi 2 --rel-tol 0.15 --max-evals 8 --wall-budget 3600 --out "
     "results/goodput/loogle": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems "
-    "tokenlake,tokenlake-1p3d,tokenlake-3p1d --prefill-tokens 2048 --seeds 1 --goodput "
-    "--rel-tol 0.15 --max-evals 5 --wall-budget 3600 --lo 1.2 --hi 2.4 --out "
-    "results/goodput/conversation_tl": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems "
-    "tokenlake --prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol 0.15 "
-    "--max-evals 5 --wall-budget 3600 --lo 1.7 --hi 2.4": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems "
-    "tokenlake,tokenlake-1p3d,tokenlake-3p1d --prefill-tokens 2048 --seeds 1 --goodput "
-    "--rel-tol 0.15 --max-evals 5 --wall-budget 3600 --lo 2 --hi 4 --out "
-    "results/goodput/synthetic_tl": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems "
-    "tokenlake,tokenlake-1p3d,tokenlake-3p1d --prefill-tokens 2048 --seeds 1 --goodput "
-    "--rel-tol 0.15 --max-evals 5 --wall-budget 3600 --lo 12 --hi 24 --out "
-    "results/goodput/sharegpt_tl": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seeds 3 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
-    "3600 --lo 12 --hi 24": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems "
-    "tokenlake,tokenlake-1p3d,tokenlake-3p1d --prefill-tokens 2048 --seeds 1 --goodput "
-    "--rel-tol 0.15 --max-evals 5 --wall-budget 3600 --lo 1.5 --hi 3 --out "
-    "results/goodput/loogle_tl": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems $T "
+    "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
+    "3000 --jobs 2 --lo 2.5 --hi 4.2 --out results/goodput/loogle_tl": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems $B "
-    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.02 --hi 0.2 --rel-tol 0.15 --max-evals 6 "
-    "--wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
+    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.02 --hi 0.2 --rel-tol 0.15 "
+    "--max-evals 6 --wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.15 --hi 0.3 --rel-tol 0.15 --max-evals 6 "
-    "--wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
+    "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
+    "3000 --jobs 2 --lo 0.15 --hi 0.3 --horizon 20000": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
+    "3000 --jobs 2 --lo 0.189 --hi 0.3 --horizon 20000 --eviction session": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload agentic --requests 1000 --systems $B "
-    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.05 --hi 0.4 --rel-tol 0.15 --max-evals 6 "
-    "--wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
+    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.05 --hi 0.4 --rel-tol 0.15 "
+    "--max-evals 6 --wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload agentic --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.7 --hi 1.4 --rel-tol 0.15 --max-evals 6 "
-    "--wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
+    "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
+    "3000 --jobs 2 --lo 1.4 --hi 2.0 --horizon 20000": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake bench sim-crosscheck": Tiny(),
 }  # fmt: skip
 
@@ -208,7 +205,9 @@ def _tiny_trace(path: Path) -> None:
 
 def _argv(command: str, extra: str = "") -> list[str]:
     env_b = "router,mooncake-1p3d,mooncake-3p1d"  # the README's $B
-    argv = shlex.split(command.replace("$B", env_b)) + shlex.split(extra)
+    env_t = "tokenlake,tokenlake-1p3d,tokenlake-3p1d"  # the README's $T
+    command = command.replace("$B", env_b).replace("$T", env_t)
+    argv = shlex.split(command) + shlex.split(extra)
     if argv[0].startswith(".venv/bin/"):
         argv[0] = str(BIN / argv[0].removeprefix(".venv/bin/"))
     return argv
