@@ -44,6 +44,17 @@ def _admitted(sched) -> set:
     return {c.request_id for c in it.decision.chunks} - {"running"}
 
 
+def _run_to_end(sched, max_steps: int = 200) -> set:
+    """Step and complete (bounded) until nothing is left to run; the ids that finished."""
+    done = set()
+    for _ in range(max_steps):
+        it = sched.step()
+        if it is None:
+            break
+        done |= {r.request_id for r in sched.complete(it)}
+    return done
+
+
 @pytest.mark.parametrize(("backfill", "slo"), [(True, 1.0), (False, 1.0), (True, None)])
 def test_a_request_that_does_not_fit_is_passed_over_until_its_deadline(backfill, slo):
     sched, clock = _setup(backfill, slo)
@@ -72,12 +83,7 @@ def test_a_new_request_that_does_not_fit_does_not_hold_back_a_running_prefill():
     it = sched.step()
     assert {c.request_id for c in it.decision.chunks} == {"running"}
     sched.complete(it)
-    done = set()
-    for _ in range(200):
-        it = sched.step()
-        if it is None:
-            break
-        done |= {r.request_id for r in sched.complete(it)}
+    done = _run_to_end(sched)
     assert done == {"running", "big"}
     pool.check_invariants()
 
@@ -93,11 +99,6 @@ def test_a_cached_turn_held_back_by_memory_leaves_the_budget_to_the_running_pref
     doc = _tokens(3 * C + 4)
     sched.add_request("first", doc, 1)
     sched.add_request("second", doc.copy(), 1)
-    done = set()
-    for _ in range(20):
-        it = sched.step()
-        if it is None:
-            break
-        done |= {r.request_id for r in sched.complete(it)}
+    done = _run_to_end(sched)
     assert done == {"first", "second"} and not sched.has_work
     pool.check_invariants()
