@@ -130,6 +130,9 @@ COMMANDS = {
     ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems $T "
     "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
     "3000 --jobs 2 --lo 2.8 --hi 4.4 --out results/goodput/synthetic_tl": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol 0.15 --max-evals 5 "
+    "--wall-budget 3000 --jobs 2 --lo 2.8 --hi 4.4": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems $B --goodput "
     "--lo 0.5 --hi 2 --rel-tol 0.15 --max-evals 8 --wall-budget 3600 --out "
     "results/goodput/sharegpt": Tiny(GOODPUT_TINY),
@@ -145,6 +148,9 @@ COMMANDS = {
     ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems $T "
     "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
     "3000 --jobs 2 --lo 2.5 --hi 4.2 --out results/goodput/loogle_tl": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol 0.15 --max-evals 5 "
+    "--wall-budget 3000 --jobs 2 --lo 2.5 --hi 4.2": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems $B "
     "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.02 --hi 0.2 --rel-tol 0.15 "
     "--max-evals 6 --wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
