@@ -152,78 +152,42 @@ def bisect_goodput(
     that many rates per round with ``attainments(rates)`` (run at once): ``lo`` and ``hi``
     together, then ``width`` rates splitting the bracket evenly in log space.
     """
-    if width > 1:
-        return _bisect_wide(attainments, lo, hi, target, rel_tol, max_evals, width)
-    points: list[tuple[float, float]] = []
-
-    def ok(rate: float) -> bool:
-        a = attainment_at(rate)
-        points.append((rate, a))
-        return a >= target
-
-    hi_failed = False
-    for _ in range(4):
-        if ok(lo):
-            break
-        hi, lo, hi_failed = lo, lo / 2, True
-    else:
-        return GoodputResult(0.0, tuple(points))
-    for _ in range(4 if not hi_failed else 0):
-        if not ok(hi):
-            break
-        lo, hi = hi, hi * 2
-    else:
-        if not hi_failed:
-            return GoodputResult(lo, tuple(points))
-    while hi / lo > 1 + rel_tol and len(points) < max_evals:
-        mid = math.sqrt(lo * hi)
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return GoodputResult(lo, tuple(points))
-
-
-def _bisect_wide(
-    attainments: Callable[[list[float]], list[float]] | None,
-    lo: float,
-    hi: float,
-    target: float,
-    rel_tol: float,
-    max_evals: int,
-    width: int,
-) -> GoodputResult:
-    """:func:`bisect_goodput` with ``width`` rates per round (the same 4 halvings or
-    doublings at most; each round's rates in order up to the first that breaks the trend)."""
-    if attainments is None:
+    if width > 1 and attainments is None:
         raise ValueError("bisect_goodput: width > 1 needs attainments(rates)")
+    many = attainments or (lambda rates: [attainment_at(r) for r in rates])
     points: list[tuple[float, float]] = []
 
     def oks(rates: list[float]) -> list[bool]:
-        values = attainments(rates)
+        values = many(rates)
         points.extend(zip(rates, values, strict=True))
         return [a >= target for a in values]
 
-    lo_ok, hi_ok = oks([lo, hi])
-    if not lo_ok or hi_ok:
-        down = not lo_ok
-        edge, tried, turned = (lo if down else hi), 1, False
-        while tried < 4 and not turned:
-            k = min(width, 4 - tried)
-            rates = [edge * (0.5 if down else 2.0) ** (i + 1) for i in range(k)]
-            tried += k
-            for rate, ok in zip(rates, oks(rates), strict=True):
-                if ok != down:  # still failing going down, still passing going up
-                    edge = rate
-                    continue
-                turned = True
-                lo, hi = (rate, edge) if down else (edge, rate)
-                break
-        if not turned:
-            return GoodputResult(0.0 if down else edge, tuple(points))
+    # the bracket: lo halved while it fails, hi doubled while it passes (4 tries each); the
+    # first round is lo, and hi with it when rounds are wide
+    downs, ups = [lo / 2**i for i in range(4)], [hi * 2**i for i in range(4)]
+    first = oks([downs[0], *ups[: min(width - 1, 1)]])
+    down = not first[0]
+    walk, tried, done = (downs, 1, []) if down else (ups, len(first) - 1, first[1:])
+    edge, turned = (downs[0] if down else lo), False
+    while True:
+        for rate, ok in zip(walk[tried - len(done) : tried], done, strict=True):
+            if ok != down:  # still failing going down, still passing going up
+                edge = rate
+                continue
+            turned = True
+            lo, hi = (rate, edge) if down else (edge, rate)
+            break
+        if turned or tried >= 4:
+            break
+        nxt = walk[tried : tried + width]
+        done, tried = oks(nxt), tried + len(nxt)
+    if not turned:
+        return GoodputResult(0.0 if down else edge, tuple(points))
     while hi / lo > 1 + rel_tol and len(points) < max_evals:
         k = min(width, max_evals - len(points))
         rates = [lo * (hi / lo) ** ((i + 1) / (k + 1)) for i in range(k)]
+        if width == 1:
+            rates = [math.sqrt(lo * hi)]  # the sequential midpoint, bit for bit
         for rate, ok in zip(rates, oks(rates), strict=True):
             if not ok:
                 hi = rate
