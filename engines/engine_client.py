@@ -152,10 +152,14 @@ class EngineClient:
         d.channel.wait(tickets, "init_query")
         device = self._views.q.device
         own = self.instance_id
-        cap = d.layout.model.logit_cap
+        cap, page_len = d.layout.model.logit_cap, d.layout.segment_len
         parts = [
             BoundPart.from_part(
-                p, device, planner=d.planner if p.instance_id == own else None, logit_cap=cap
+                p,
+                device,
+                planner=d.planner if p.instance_id == own else None,
+                logit_cap=cap,
+                page_len=page_len,
             )
             for p in query_plan.parts
         ]

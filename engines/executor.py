@@ -17,6 +17,7 @@ from tokenlake import _C, kernels
 from tokenlake.engines.kv_pool import KVPool
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.kernels.cpu import CpuPart
+from tokenlake.page_groups import group_shared_pages
 from tokenlake.plans import HolderPart, TransferPlan
 
 
@@ -29,40 +30,69 @@ class BoundPart:
     """A :class:`HolderPart` as device tensors, built once per bound plan, used every layer.
 
     ``rows`` (int64 ``[num_part_rows]``) are the part's rows of the origin's ``q_buf``;
-    ``identity`` is true when they are exactly ``0..num_rows-1`` in order (no gather needed);
-    ``logit_cap`` is the model's attention soft cap (0: none).
+    ``q_index`` (int64) the rows of ``q`` the kernel reads, one per kernel row (``None``: rows
+    ``0..n-1`` in order, no gather); ``state_rows`` (int64 ``[num_states]``, or ``None``)
+    which part row each kernel row belongs to when pages read by several requests run as
+    shared groups (:mod:`tokenlake.page_groups`): the rows' states are then merged;
+    ``identity`` is true when ``rows`` are ``0..n-1`` in order; ``logit_cap`` is the model's
+    attention soft cap (0: none). The CSR is the kernel's.
     """
 
     instance_id: int
     rows: torch.Tensor
-    q_indptr: torch.Tensor  # int32 [num_part_reqs + 1]
-    kv_indptr: torch.Tensor  # int32 [num_part_reqs + 1]
+    q_indptr: torch.Tensor  # int32 [num_kernel_reqs + 1]
+    kv_indptr: torch.Tensor  # int32 [num_kernel_reqs + 1]
     kv_indices: torch.Tensor  # int32 [nnz]
-    last_len: torch.Tensor  # int32 [num_part_reqs]
-    identity: bool
+    last_len: torch.Tensor  # int32 [num_kernel_reqs]
+    q_index: torch.Tensor | None
+    identity: bool  # rows are 0..num_part_rows-1 in order (results need no scatter)
+    state_rows: torch.Tensor | None = None
     planned: object | None = None  # a FlashInferPart, planned once at bind (CUDA)
     logit_cap: float = 0.0
     cpu_part: CpuPart | None = None  # the C++ kernel's form, checked once (CPU)
 
     @classmethod
     def from_part(
-        cls, part: HolderPart, device, packed: bool = False, planner=None, logit_cap: float = 0.0
+        cls,
+        part: HolderPart,
+        device,
+        packed: bool = False,
+        planner=None,
+        logit_cap: float = 0.0,
+        page_len: int | None = None,
     ) -> BoundPart:
         """``packed``: the part's rows arrive as rows ``0..n-1`` (from another host).
         ``planner`` (a :class:`~tokenlake.kernels.flashinfer_backend.FlashInferPlanner`, made
-        with the same ``logit_cap``) plans the part's kernel once, here."""
+        with the same ``logit_cap``) plans the part's kernel once, here. ``page_len`` (the
+        pool's segment length) turns on shared-page groups; ``None`` runs the part as it is."""
         n = len(part.rows)
         rows = np.arange(n) if packed else np.asarray(part.rows, dtype=np.int64)
-        identity = bool(np.array_equal(rows, np.arange(n)))
-        csr = [
-            _i32(a, device) for a in (part.q_indptr, part.kv_indptr, part.kv_indices, part.last_len)
-        ]
+        csr = (part.q_indptr, part.kv_indptr, part.kv_indices, part.last_len)
+        groups = None
+        if page_len is not None:
+            groups = group_shared_pages(*csr, page_len)
+        q_index, state_rows = rows, None
+        if groups is not None:
+            csr = (groups.q_indptr, groups.kv_indptr, groups.kv_indices, groups.last_len)
+            q_index = rows[groups.state_rows]
+            state_rows = torch.tensor(groups.state_rows, dtype=torch.int64, device=device)
+        csr = tuple(_i32(a, device) for a in csr)
         planned = planner.plan(*csr) if planner is not None else None
         cpu_part = None
         if planned is None and torch.device(device).type == "cpu":
             cpu_part = CpuPart(*csr, causal=False, logit_cap=logit_cap)
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
-        return cls(part.instance_id, rows_t, *csr, identity, planned, logit_cap, cpu_part)
+        identity = np.array_equal(q_index, np.arange(len(q_index)))
+        return cls(
+            part.instance_id,
+            torch.tensor(rows, dtype=torch.int64, device=device),
+            *csr,
+            None if identity else torch.tensor(q_index, dtype=torch.int64, device=device),
+            bool(np.array_equal(rows, np.arange(n))),
+            state_rows,
+            planned,
+            logit_cap,
+            cpu_part,
+        )
 
     @property
     def num_rows(self) -> int:
@@ -74,25 +104,49 @@ class BoundPart:
         """Partial attention of this part's rows of ``q`` ``[>= num_rows, H_q, D]`` over
         ``pool_layer``. Returns ``o`` ``[num_part_rows, H_q, D]``, ``lse``
         ``[num_part_rows, H_q]`` float32 (natural log)."""
-        if self.identity:
-            q_part = q if q.shape[0] == self.rows.shape[0] else q[: self.num_rows]
+        if self.q_index is not None:
+            q_kernel = q.index_select(0, self.q_index)
         else:
-            q_part = q.index_select(0, self.rows)
+            n = int(self.q_indptr[-1]) if self.state_rows is not None else self.num_rows
+            q_kernel = q if q.shape[0] == n else q[:n]
         if self.planned is not None:
-            return self.planned.run(q_part, pool_layer)
-        if self.cpu_part is not None and backend in (None, "cpu"):
-            return self.cpu_part.run(q_part, pool_layer)
-        return kernels.partial_attention(
-            q_part,
-            self.q_indptr,
-            pool_layer,
-            self.kv_indptr,
-            self.kv_indices,
-            self.last_len,
-            causal=False,
-            backend=backend,
-            logit_cap=self.logit_cap,
-        )
+            o, lse = self.planned.run(q_kernel, pool_layer)
+        elif self.cpu_part is not None and backend in (None, "cpu"):
+            o, lse = self.cpu_part.run(q_kernel, pool_layer)
+        else:
+            o, lse = kernels.partial_attention(
+                q_kernel,
+                self.q_indptr,
+                pool_layer,
+                self.kv_indptr,
+                self.kv_indices,
+                self.last_len,
+                causal=False,
+                backend=backend,
+                logit_cap=self.logit_cap,
+            )
+        if self.state_rows is None:
+            return o, lse
+        return merge_states(o, lse, self.state_rows, self.num_rows)
+
+
+def merge_states(
+    o: torch.Tensor, lse: torch.Tensor, state_rows: torch.Tensor, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial states over disjoint key sets by row: state ``s`` (``o`` ``[S, H, D]``,
+    ``lse`` ``[S, H]`` float32, natural log) belongs to row ``state_rows[s]`` (int64 ``[S]``).
+    Returns ``o`` ``[num_rows, H, D]``, ``lse`` ``[num_rows, H]``; a row without a finite
+    state gets ``o = 0``, ``lse = -inf``, like a row that sees no keys."""
+    num_heads = lse.shape[1]
+    top = lse.new_full((num_rows, num_heads), -torch.inf)
+    top.scatter_reduce_(0, state_rows[:, None].expand(-1, num_heads), lse, "amax")
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weight = torch.exp(lse - top.index_select(0, state_rows))  # 0 for an lse of -inf
+    total = lse.new_zeros((num_rows, num_heads)).index_add_(0, state_rows, weight)
+    out = o.new_zeros((num_rows, *o.shape[1:])).index_add_(0, state_rows, o * weight[..., None])
+    seen = total > 0
+    out = torch.where(seen[..., None], out / torch.where(seen, total, 1.0)[..., None], 0.0)
+    return out, torch.where(seen, top + torch.log(total), -torch.inf)
 
 
 def merge_rows(

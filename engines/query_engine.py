@@ -59,7 +59,9 @@ class QueryEngine(EngineBase):
             "last_len", check_array("last_len", m.last_len, num_reqs), 1, lim.segment_len + 1
         )
         part = HolderPart(self.instance_id, rows, m.q_indptr, m.kv_indptr, m.kv_indices, m.last_len)
-        kernel = dict(planner=self.planner, logit_cap=self.layout.model.logit_cap)
+        kernel = dict(
+            planner=self.planner, logit_cap=self.layout.model.logit_cap, page_len=lim.segment_len
+        )
         binding = _QueryBinding(
             m.epoch,
             offset,

@@ -86,12 +86,18 @@ class CostModel:
             raise InvalidArgumentError(f"dop: expected an int in 1..{sum(lengths)}, got {dop!r}")
         return max(self.forward_time(p) for p in split_rows(lengths, dop))
 
-    def query_time(self, num_rows: int, num_kv_tokens: int) -> float:
+    def query_time(
+        self, num_rows: int, num_kv_tokens: int, num_read_tokens: int | None = None
+    ) -> float:
         """Seconds a holder spends on prefix attention of ``num_rows`` query rows over
-        ``num_kv_tokens`` of its cached tokens (all layers)."""
+        ``num_kv_tokens`` of its cached tokens (all layers). ``num_read_tokens`` (default
+        ``num_kv_tokens``) is how many of those tokens' KV it reads from memory: fewer when
+        rows of different requests that read the same segment run as one group (the segment
+        is read once for all of them)."""
         flops = self._attn * num_rows * num_kv_tokens
         q_and_o = num_rows * self._q_and_o_bytes
-        return self._roofline(flops, num_kv_tokens * self._kv_bytes + q_and_o)
+        read = num_kv_tokens if num_read_tokens is None else num_read_tokens
+        return self._roofline(flops, read * self._kv_bytes + q_and_o)
 
     def transfer_time(self, num_bytes: float, same_node: bool = True) -> float:
         """Seconds to send ``num_bytes`` to one peer."""

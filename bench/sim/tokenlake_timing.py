@@ -114,7 +114,8 @@ class TokenLakeTiming:
             if len(qp.entry_req):
                 holders = np.repeat(qp.holder_ids, np.diff(qp.holder_indptr))
                 tokens = (np.diff(qp.kv_indptr) - 1) * seg + qp.last_len
-                entries.append((rows[qp.entry_req], tokens, holders, o))
+                read = None if has_prefill else self.grouped_reads(qp, rows[qp.entry_req], holders)
+                entries.append((rows[qp.entry_req], tokens, holders, o, read))
             if len(tp.dst_ids):
                 cum = np.concatenate([[0], np.cumsum(tp.run_len)])
                 sent = cum[tp.dst_indptr[1:]] - cum[tp.dst_indptr[:-1]]
@@ -156,8 +157,9 @@ class TokenLakeTiming:
             holders = np.concatenate([e[2] for e in mine])
             if not has_prefill:
                 dk = np.bincount(holders, weights=tokens * rows, minlength=n)
+                read = sum(e[4] for e in mine)
                 for h in np.flatnonzero(dk).tolist():
-                    work[h] += query_time(1, int(dk[h]))
+                    work[h] += query_time(1, int(dk[h]), int(read[h]))
                 continue
             one = rows == 1
             dk = np.bincount(holders[one], weights=(tokens * rows)[one], minlength=n)
@@ -168,6 +170,25 @@ class TokenLakeTiming:
                 holders[many].tolist(), rows[many].tolist(), tokens[many].tolist(), strict=True
             ):
                 work[h] += query_time(r, t)
+
+    def grouped_reads(self, qp, steps: np.ndarray, holders: np.ndarray) -> np.ndarray:
+        """KV tokens each holder reads for one decode sub-batch whose rows that read the same
+        page run as one group (the data plane's shared-page grouping): every distinct
+        (page, valid length) once per step, for as many steps as its longest reader."""
+        seg, n = self.segment_len, self.spec.num_instances
+        num_pages = np.diff(qp.kv_indptr)
+        entry = np.repeat(np.arange(len(num_pages)), num_pages)
+        valid = np.full(len(qp.kv_indices), seg, dtype=np.int64)
+        has = num_pages > 0
+        valid[qp.kv_indptr[1:][has] - 1] = qp.last_len[has]
+        key = (holders[entry].astype(np.int64) << 32 | qp.kv_indices.astype(np.int64)) * (
+            seg + 1
+        ) + valid
+        unique, inverse = np.unique(key, return_inverse=True)
+        most = np.zeros(len(unique))
+        np.maximum.at(most, inverse, steps[entry])
+        holder = (unique // (seg + 1)) >> 32
+        return np.bincount(holder, weights=(unique % (seg + 1)) * most, minlength=n)
 
     def place(self, work, net: float, now: float, payload: object = None, reads=None):
         """Place an iteration started at ``now`` with ``work[i]`` seconds (at full speed) on
