@@ -73,6 +73,10 @@ BENCHES: dict[str, Command] = {
     "dataplane": Command(
         "tokenlake.bench.bench_dataplane", "engine query latency vs in-process kernel; put"
     ),
+    "page-groups": Command(
+        "tokenlake.bench.bench_page_groups",
+        "shared-page groups vs every request reading its copy (CPU kernel)",
+    ),
     "cross-node": Command(
         "tokenlake.bench.bench_cross_node",
         "query/put across nodes (gloo) vs inside one; Ray launch time",
