@@ -109,6 +109,7 @@ COMMANDS = {
     ),
     ".venv/bin/tokenlake bench plans": Tiny("--quick --skip-replay"),
     ".venv/bin/tokenlake bench dataplane": Tiny("--quick"),
+    ".venv/bin/tokenlake bench page-groups": Tiny("--quick"),
     ".venv/bin/tokenlake bench cross-node": Tiny("--quick --no-launch --prefixes 256 --reps 2"),
     ".venv/bin/tokenlake bench scheduler": Tiny("--quick"),
     ".venv/bin/tokenlake bench model": Tiny("--quick"),
