@@ -121,52 +121,58 @@ COMMANDS = {
     "results/goodput/conv1000_base": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems $T "
     "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
-    "3000 --jobs 2 --lo 1.7 --hi 2.6 --out results/goodput/conversation_tl": Tiny(GOODPUT_TINY),
+    "3000 --jobs 2 --lo 1.5 --hi 3 --out results/goodput/conversation_tl": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems "
-    "tokenlake --prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol 0.15 "
-    "--max-evals 5 --wall-budget 3000 --jobs 2 --lo 1.7 --hi 2.6": Tiny(GOODPUT_TINY),
+    "tokenlake,tokenlake-3p1d --prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol "
+    "0.15 --max-evals 5 --wall-budget 3000 --jobs 2 --lo 1.7 --hi 2.6": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems $B "
     "--goodput --lo 0.5 --hi 2 --rel-tol 0.15 --max-evals 8 --wall-budget 3600 --out "
     "results/goodput/synthetic": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems $T "
     "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
     "3000 --jobs 2 --lo 2.8 --hi 4.4 --out results/goodput/synthetic_tl": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol 0.15 --max-evals 5 "
-    "--wall-budget 3000 --jobs 2 --lo 2.8 --hi 4.4": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems "
+    "tokenlake,tokenlake-3p1d --prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol "
+    "0.15 --max-evals 5 --wall-budget 3000 --jobs 2 --lo 2.8 --hi 4.4": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems $B --goodput "
     "--lo 0.5 --hi 2 --rel-tol 0.15 --max-evals 8 --wall-budget 3600 --out "
     "results/goodput/sharegpt": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems $T "
-    "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
-    "3000 --jobs 2 --lo 12 --hi 20 --out results/goodput/sharegpt_tl": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol 0.15 --max-evals 5 "
-    "--wall-budget 3000 --jobs 2 --lo 12 --hi 20": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload sharegpt --requests 6000 --systems "
+    "$T,mooncake-1p3d --prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals "
+    "5 --wall-budget 3000 --jobs 2 --lo 10 --hi 80 --out results/goodput/sharegpt_tl": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload sharegpt --requests 6000 --systems "
+    "tokenlake,mooncake-1p3d --prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol "
+    "0.15 --max-evals 5 --wall-budget 3000 --jobs 2 --lo 10 --hi 120": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems $B --goodput "
     "--lo 0.5 --hi 2 --rel-tol 0.15 --max-evals 8 --wall-budget 3600 --out "
     "results/goodput/loogle": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems $T "
     "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
-    "3000 --jobs 2 --lo 2.5 --hi 4.2 --out results/goodput/loogle_tl": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol 0.15 --max-evals 5 "
-    "--wall-budget 3000 --jobs 2 --lo 2.5 --hi 4.2": Tiny(GOODPUT_TINY),
+    "3000 --jobs 2 --lo 2.5 --hi 6 --out results/goodput/loogle_tl": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems "
+    "tokenlake,tokenlake-3p1d --prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol "
+    "0.15 --max-evals 5 --wall-budget 3000 --jobs 2 --lo 3 --hi 5": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems $B "
     "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.02 --hi 0.2 --rel-tol 0.15 "
     "--max-evals 6 --wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
     "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
-    "3000 --jobs 2 --lo 0.15 --hi 0.3 --horizon 20000": Tiny(GOODPUT_TINY),
+    "3000 --jobs 2 --lo 0.12 --hi 0.3 --horizon 20000": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol 0.15 --max-evals 5 "
+    "--wall-budget 3000 --jobs 2 --lo 0.12 --hi 0.25 --horizon 20000": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
     "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
-    "3000 --jobs 2 --lo 0.189 --hi 0.3 --horizon 20000 --eviction session": Tiny(GOODPUT_TINY),
+    "3000 --jobs 2 --lo 0.14 --hi 0.3 --horizon 20000 --eviction session": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload agentic --requests 1000 --systems $B "
     "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.05 --hi 0.4 --rel-tol 0.15 "
     "--max-evals 6 --wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload agentic --requests 1000 --systems tokenlake "
     "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
-    "3000 --jobs 2 --lo 1.4 --hi 2.0 --horizon 20000": Tiny(GOODPUT_TINY),
+    "3000 --jobs 2 --lo 1.2 --hi 2.5 --horizon 20000": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload agentic --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol 0.15 --max-evals 5 "
+    "--wall-budget 3000 --jobs 2 --lo 1.2 --hi 2.5 --horizon 20000": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake bench sim-crosscheck": Tiny(),
 }  # fmt: skip
 
