@@ -22,6 +22,10 @@ import numpy as np
 
 from tokenlake.plans import frozen_i32
 
+MAX_STATES_PER_ROW = 4
+"""Default bound on partial states per row: a decode row behind a system prompt and a shared
+document takes part in three groups (prompt, document, its own pages)."""
+
 
 @dataclass(frozen=True)
 class PageGroups:
@@ -53,12 +57,15 @@ def group_shared_pages(
     kv_indices: np.ndarray,
     last_len: np.ndarray,
     page_len: int,
+    max_states_per_row: int = MAX_STATES_PER_ROW,
 ) -> PageGroups | None:
     """Group the pages of a part (CSR as in :class:`tokenlake.plans.HolderPart`: request
     ``e`` owns rows ``q_indptr[e]:q_indptr[e+1]`` and pages ``kv_indices[kv_indptr[e]:...]``,
     the last one holding ``last_len[e]`` of ``page_len`` tokens). A page is shared when two
     or more requests read it with the same valid length. Returns ``None`` when no page is
-    shared (the part runs as it is)."""
+    shared, or when the groups would hold more than ``max_states_per_row`` partial states
+    per row (the part runs as it is: a row in many reader sets costs memory and merges that
+    one read per page does not repay)."""
     kv_indptr = np.asarray(kv_indptr, dtype=np.int64)
     num_entries = len(kv_indptr) - 1
     pages = np.diff(kv_indptr)
@@ -91,6 +98,10 @@ def group_shared_pages(
         slots = [int(unique[p] // (page_len + 1)) for p in group_pages]
         groups.append((np.array(readers), slots, int(unique[group_pages[-1]] % (page_len + 1))))
     q_indptr = np.asarray(q_indptr, dtype=np.int64)
+    rows_of = np.diff(q_indptr)
+    num_states = sum(int(rows_of[readers].sum()) for readers, _, _ in groups)
+    if num_states > max_states_per_row * int(q_indptr[-1]):
+        return None
     state_rows = [
         np.concatenate([np.arange(q_indptr[e], q_indptr[e + 1]) for e in readers.tolist()])
         for readers, _, _ in groups

@@ -174,7 +174,9 @@ class TokenLakeTiming:
     def grouped_reads(self, qp, steps: np.ndarray, holders: np.ndarray) -> np.ndarray:
         """KV tokens each holder reads for one decode sub-batch whose rows that read the same
         page run as one group (the data plane's shared-page grouping): every distinct
-        (page, valid length) once per step, for as many steps as its longest reader."""
+        (page, valid length) once per step, for as many steps as its longest reader. (The data
+        plane runs a part as it is when its rows would take part in more than
+        ``MAX_STATES_PER_ROW`` groups each, which decode parts rarely do; not modelled.)"""
         seg, n = self.segment_len, self.spec.num_instances
         num_pages = np.diff(qp.kv_indptr)
         entry = np.repeat(np.arange(len(num_pages)), num_pages)

@@ -138,3 +138,20 @@ def test_merge_states_equals_pairwise_merges():
     torch.testing.assert_close(got_o, want_o, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(got_lse, want_lse, atol=1e-6, rtol=1e-5)
     assert torch.isneginf(got_lse[3:]).all() and not got_o[3:].any()
+
+
+def test_too_many_states_per_row_runs_the_part_as_it_is():
+    """Nested sharing: request e reads pages 0..e, so page p has the reader set {p..n-1} and
+    the last request's row takes part in n groups."""
+    n = 6
+    pages = [list(range(e + 1)) for e in range(n)]
+    csr = (
+        np.arange(n + 1),
+        np.concatenate([[0], np.cumsum([len(p) for p in pages])]),
+        np.array([s for p in pages for s in p]),
+        np.full(n, PAGE_LEN),
+    )
+    groups = group_shared_pages(*csr, PAGE_LEN, max_states_per_row=n)
+    assert groups is not None
+    assert len(groups.state_rows) == n * (n + 1) // 2  # row e is in e + 1 groups
+    assert group_shared_pages(*csr, PAGE_LEN, max_states_per_row=2) is None
