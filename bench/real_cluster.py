@@ -73,7 +73,7 @@ def load_model(name: str, seed: int) -> LlamaModel:
             from tokenlake.engines.model.tiny import write_tiny_random
 
             return LlamaModel.from_dir(write_tiny_random(Path(tmp) / "tiny", seed=seed))
-        from tokenlake.bench.bench_model import make_model  # transformers writes it
+        from tokenlake.bench.model_steps import make_model  # transformers writes it
 
         return LlamaModel.from_dir(make_model(Path(tmp) / "llama", seed))
 

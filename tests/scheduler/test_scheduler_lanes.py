@@ -12,6 +12,7 @@ import pytest
 import tokenlake as tl
 from tokenlake.scheduler.config import SchedulerConfig
 from tokenlake.scheduler.lanes import (
+    LANE_GAIN,
     Running,
     decode_step_time,
     lanes_needed,
@@ -58,6 +59,25 @@ def test_lanes_needed_is_the_fewest_within_the_slo_share():
         k = lanes_needed(cfg, MODEL, n, 4, 0.0)
         assert k == 4 or decode_step_time(MODEL, -(-n // k), 0.0) <= 0.05
         assert k == 1 or decode_step_time(MODEL, -(-n // (k - 1)), 0.0) > 0.05
+
+
+@pytest.mark.parametrize("fixed", [0.01, 0.03, 0.06, 0.1])
+def test_lanes_needed_past_the_slo_share_takes_the_fewest_near_the_limits_step(fixed):
+    """Brute force over decode counts: when no lane count meets the share, the fewest lanes
+    whose step is within LANE_GAIN of the limit's (a fixed cost dominating gives 1 lane)."""
+    model = LatencyModel({1: Coeffs(1e-3, 1e-5, 0)}, Coeffs(fixed, 2e-4, 0))
+    cfg = SchedulerConfig(4, C, tbt_slo=0.1, lane_tbt_fraction=0.5)
+    for n in range(1, 2000, 37):
+        for limit in (1, 2, 3, 4):
+            steps = {k: decode_step_time(model, -(-n // k), 0.0) for k in range(1, limit + 1)}
+            within = [k for k, t in steps.items() if t <= 0.05]
+            if not within:
+                within = [k for k, t in steps.items() if t <= steps[limit] * (1 + LANE_GAIN)]
+            assert lanes_needed(cfg, model, n, limit, 0.0) == min(within)
+    if fixed == 0.1:  # 100 ms + 0.2 ms a step: 4 lanes would save 6% of 1 lane's 108 ms
+        assert lanes_needed(cfg, model, 40, 4, 0.0) == 1
+    if fixed == 0.01:  # 10 ms + 0.2 ms a step, 1,000 steps: only 4 lanes come near 60 ms
+        assert lanes_needed(cfg, model, 1000, 4, 0.0) == 4
 
 
 def test_no_decodes_all_free_instances_prefill():
