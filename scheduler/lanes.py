@@ -76,14 +76,14 @@ def lanes_needed(
     trace) and only take instances from prefill."""
     if num_decodes <= 0:
         return 0
-    steps = [
-        decode_step_time(model, math.ceil(num_decodes / lanes), load, scale)
-        for lanes in range(1, limit + 1)
-    ]
     budget = config.tbt_slo * config.lane_tbt_fraction
-    if steps[-1] > budget:
-        budget = steps[-1] * (1 + LANE_GAIN)
-    return next(lanes for lanes, step in enumerate(steps, 1) if step <= budget)
+    steps = []
+    for lanes in range(1, limit + 1):
+        step = decode_step_time(model, math.ceil(num_decodes / lanes), load, scale)
+        if step <= budget:
+            return lanes
+        steps.append(step)
+    return next(lanes for lanes, step in enumerate(steps, 1) if step <= steps[-1] * (1 + LANE_GAIN))
 
 
 def prefill_budget(
