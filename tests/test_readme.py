@@ -164,6 +164,15 @@ COMMANDS = {
     ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
     "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
     "3000 --jobs 2 --lo 0.14 --hi 0.3 --horizon 20000 --eviction session": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seeds 1 --rate 0.287 --cache-fractions 1.5,2,4 --wall-budget 3000 "
+    "--horizon 20000": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seeds 1 --rate 0.287 --cache-fractions 1.5,2 --wall-budget 3000 "
+    "--horizon 20000 --eviction session": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems router "
+    "--prefill-tokens 2048 --seeds 1 --rate 0.287 --cache-fractions 4 --wall-budget 3000 "
+    "--horizon 20000": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload agentic --requests 1000 --systems $B "
     "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.05 --hi 0.4 --rel-tol 0.15 "
     "--max-evals 6 --wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
