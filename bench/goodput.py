@@ -121,7 +121,7 @@ def _run_phases(
                 keys = [RunKey(s, r, seed, knob, spec, stop) for r in rates]
                 return [res.summary()["slo_attainment"] for res in runs.many(keys)]
 
-            return system_goodput(
+            g = system_goodput(
                 lambda rate, seed, knob: attainments([rate], seed, knob)[0],
                 args.prefill_tokens,
                 seeds,
@@ -132,6 +132,20 @@ def _run_phases(
                 width,
                 attainments if width > 1 else None,
             )
+            single_knob = len(args.prefill_tokens) == 1
+            if s == "tokenlake" and args.jobs > 1 and single_knob and g.median > 0:
+                # TokenLake's goodput is the reference rate (GoodputReport.reference_rate):
+                # start every system's run there now, beside the bisections still going, and
+                # not after the slowest one (the runs are kept for the table below)
+                runs.many(reference_keys(g.median))
+            return g
+
+        def reference_keys(ref: float) -> list[RunKey]:
+            return [
+                RunKey(s, ref, seed, report.knob_of(s), spec)
+                for s in args.systems
+                for seed in seeds
+            ]
 
         if args.jobs > 1 and len(args.systems) > 1:
             with ThreadPoolExecutor(len(args.systems)) as threads:
@@ -140,11 +154,7 @@ def _run_phases(
             found = [bisect(s) for s in args.systems]
         for s, g in zip(args.systems, found, strict=True):
             report.goodput(s, g)
-        ref = report.reference_rate()
-        keys = [
-            RunKey(s, ref, seed, report.knob_of(s), spec) for s in args.systems for seed in seeds
-        ]
-        results = iter(runs.many(keys))
+        results = iter(runs.many(reference_keys(report.reference_rate())))
         for s in args.systems:
             report.at_reference(s, [next(results) for _ in seeds])
         report.goodput_table()

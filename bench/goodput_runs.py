@@ -13,7 +13,7 @@ import argparse
 import multiprocessing
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from typing import NamedTuple
 
 from tokenlake.bench.sim.runner import SLO_MISSED, RunConfig, RunResult, simulate
@@ -73,6 +73,8 @@ class Runs:
         self.jobs = jobs
         self._done: dict[tuple, RunResult] = {}
         self._lock = threading.Lock()
+        self._flying: dict[tuple, tuple[float, Future]] = {}  # key[:5] -> (stop_below, run)
+        self._reported: set[Future] = set()
         self._pool: Executor | None = None
         if jobs > 1:
             # spawn: workers start clean (no inherited threads or locks of this process)
@@ -83,23 +85,36 @@ class Runs:
         return self.many([key])[0]
 
     def many(self, keys: Sequence[RunKey]) -> list[RunResult]:
-        """Results of ``keys``, run at once on the workers (in order here without any)."""
+        """Results of ``keys``, run at once on the workers (in order here without any). A key
+        already in flight, as a run that stops no later than this one may, is not run twice:
+        this call waits for that run (callers in several threads share it)."""
         out: dict[int, RunResult] = {}
-        futures = {}
+        futures: dict[int, Future] = {}
         for i, key in enumerate(keys):
-            kept = self._done.get(key[:5])
+            with self._lock:
+                kept = self._done.get(key[:5])
+                flying = self._flying.get(key[:5])
+                if kept is None and self._pool is not None:
+                    if flying is None or flying[0] > key.stop_below:
+                        fut = self._pool.submit(simulate_key, self.args, self.make_workload, key)
+                        flying = self._flying[key[:5]] = (key.stop_below, fut)
+                    futures[i] = flying[1]
             if kept is not None:
                 out[i] = kept
             elif self._pool is None:
                 out[i] = self._finish(key, simulate_key(self.args, self.make_workload, key))
-            else:
-                futures[i] = self._pool.submit(simulate_key, self.args, self.make_workload, key)
         for i, fut in futures.items():
-            out[i] = self._finish(keys[i], fut.result())
+            out[i] = self._finish(keys[i], fut.result(), fut)
         return [out[i] for i in range(len(keys))]
 
-    def _finish(self, key: RunKey, res: RunResult) -> RunResult:
+    def _finish(self, key: RunKey, res: RunResult, fut: Future | None = None) -> RunResult:
         with self._lock:
+            if fut is not None:
+                if fut in self._reported:  # another caller waited for the same run
+                    return res
+                self._reported.add(fut)
+                if self._flying.get(key[:5], (0, None))[1] is fut:
+                    del self._flying[key[:5]]
             self.report(res, key)
             if res.stop_reason != SLO_MISSED:
                 self._done[key[:5]] = res

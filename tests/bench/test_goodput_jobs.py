@@ -91,3 +91,35 @@ def test_jobs_is_validated(capsys):
     with pytest.raises(SystemExit):
         main(["--workload", "sharegpt", "--jobs", "0"])
     assert "--jobs: expected >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_run_in_flight_is_shared_not_repeated():
+    """Two threads asking for one key get one run (reported once); a run that may stop early
+    does not answer a request for the full run, and a full run answers one that may stop."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokenlake.bench.goodput import make_workload, parse_args
+    from tokenlake.bench.goodput_runs import RunKey, Runs
+    from tokenlake.bench.sim.step_timer import ClusterSpec
+
+    args = parse_args(["--workload", "sharegpt", "--requests", "30", "--jobs", "2"])
+    spec = ClusterSpec(args.hardware, args.model, args.instances, args.tp)
+    reported: list[tuple[float, float]] = []
+    runs = Runs(args, make_workload, lambda res, key: reported.append(key[:6]), jobs=2)
+    try:
+        full = RunKey("router", 3.0, 0, 2048, spec)
+        with ThreadPoolExecutor(2) as threads:
+            a, b = threads.map(runs.one, [full, full])
+        assert a is b and reported == [full[:6]]
+        # in flight with an early stop: the full run is its own run
+        early = RunKey("tokenlake", 500.0, 0, 2048, spec, 0.9)
+        late = RunKey("tokenlake", 500.0, 0, 2048, spec)
+        with ThreadPoolExecutor(2) as threads:
+            first = threads.submit(runs.one, early)
+            second = threads.submit(runs.one, late)
+            first.result(), second.result()
+        assert sorted(reported[1:]) == sorted([early[:6], late[:6]])
+        # kept: asking again runs nothing
+        assert runs.one(late) is second.result() and len(reported) == 3
+    finally:
+        runs.close()
