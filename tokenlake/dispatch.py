@@ -52,10 +52,13 @@ def hungarian_dispatch(
         forbidden = ~allowed[:, live]
         big = (np.abs(sub_cost).sum() + 1.0) * (num_sub + 1)
         sub_cost = np.where(forbidden, big, sub_cost)
-    # imported here: scipy costs ~1 s to import and engine processes never dispatch
-    from scipy.optimize import linear_sum_assignment
+    if num_sub == 1:  # the common decode lane: the cheapest column, as the solver picks it
+        rows, cols = np.zeros(1, dtype=np.int64), np.argmin(sub_cost, axis=1)
+    else:
+        # imported here: scipy costs ~1 s to import and engine processes never dispatch
+        from scipy.optimize import linear_sum_assignment
 
-    rows, cols = linear_sum_assignment(sub_cost)
+        rows, cols = linear_sum_assignment(sub_cost)
     if allowed is not None and forbidden[rows, cols].any():
         raise InvalidArgumentError(
             "instances: no assignment of sub-batches to distinct allowed live instances exists"

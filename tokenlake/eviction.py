@@ -113,20 +113,33 @@ class EvictionPolicy:
         if self.protects and node.protected:
             self.num_protected -= 1
 
-    def candidates(self, tree: PrefixTree) -> Iterator[tuple[tuple[int, int], int]]:
+    def candidates(
+        self, tree: PrefixTree, items: list[tuple[tuple[int, int], int]] | None = None
+    ) -> Iterator[tuple[tuple[int, int], int]]:
         """Replica entries ``((key, instance_id), stamp)`` in the order eviction tries them:
-        the tree's LRU order; ``"protect"``: probation replicas first, then protected ones."""
+        the tree's LRU order; ``"protect"``: probation replicas first, then protected ones.
+        ``items``: a copy of the LRU's items taken earlier, walked instead of the LRU itself
+        (entries that left it since are skipped), so the tree may change during the walk."""
         lru = tree.lru
-        if not self.protects or not self.num_protected:
-            yield from lru.items()
+        frozen = items is not None
+        if not self.splits:
+            yield from (item for item in items if item[0] in lru) if frozen else lru.items()
             return
         get = tree.get
-        for entry, stamp in lru.items():
-            if not get(entry[0]).protected:
-                yield entry, stamp
-        for entry, stamp in lru.items():
-            if get(entry[0]).protected:
-                yield entry, stamp
+        for protected in (False, True):  # probation first
+            for entry, stamp in items if frozen else lru.items():
+                if (not frozen or entry in lru) and get(entry[0]).protected == protected:
+                    yield entry, stamp
+
+    @property
+    def splits(self) -> bool:
+        """Whether :meth:`candidates` makes two passes (probation, then protected)."""
+        return self.protects and self.num_protected > 0
+
+    @property
+    def num_class_changes(self) -> int:
+        """Promotions and demotions so far (a resumed eviction scan checks it)."""
+        return self.num_promotions + self.num_demotions
 
     # ---- the pool's hooks (at commit) --------------------------------------------------------
     def reused(self, path: list[Node], tree: PrefixTree) -> None:

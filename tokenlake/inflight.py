@@ -21,6 +21,7 @@ class InFlight:
         self.last_epoch = 0  # the last epoch handed out; epochs are never reused
         self._by_epoch: dict[int, Iteration] = {}  # in planning order
         self._epoch_of: dict[int | str, int] = {}  # request id -> epoch in flight
+        self._busy: frozenset[int] | None = frozenset()  # None: to recompute (read per plan)
 
     def __iter__(self) -> Iterator[Iteration]:
         return iter(self._by_epoch.values())
@@ -48,7 +49,9 @@ class InFlight:
     @property
     def busy_instances(self) -> frozenset[int]:
         """Compute instances running an iteration in flight (its sub-batches' origins)."""
-        return frozenset(i for it in self._by_epoch.values() for i in it.origins)
+        if self._busy is None:
+            self._busy = frozenset(i for it in self._by_epoch.values() for i in it.origins)
+        return self._busy
 
     @property
     def deciding_replication(self) -> bool:
@@ -61,6 +64,7 @@ class InFlight:
     def add(self, it: Iteration) -> None:
         self.last_epoch = it.epoch
         self._by_epoch[it.epoch] = it
+        self._busy = None
         self._epoch_of.update(dict.fromkeys(it.chunk_set.request_ids, it.epoch))
 
     def take(self, plans: Plans) -> Iteration:
@@ -82,6 +86,7 @@ class InFlight:
                 f"plans: not the Plans object gen_plans returned for epoch {plans.epoch}"
             )
         del self._by_epoch[plans.epoch]
+        self._busy = None
         for rid in it.chunk_set.request_ids:
             del self._epoch_of[rid]
         return it

@@ -68,6 +68,7 @@ class PrefixTree:
         self._by_idx: dict[int, Node] = {}
         self.pending = PendingInserts()  # read it; reserve/commit/abort change it
         self.lru = ReplicaLRU()  # read it; the tree stamps, puts and removes
+        self.eviction_scan = tree_eviction.EvictionScan()  # evictions into one journal resume
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -322,7 +323,7 @@ class PrefixTree:
     ) -> tuple[Node, Location] | None:
         """Remove the first evictable replica in the policy's order (least recently used
         first); see :func:`tree_eviction.evict_lru`."""
-        return tree_eviction.evict_lru(self, instance_id, journal)
+        return tree_eviction.evict_lru(self, instance_id, journal, self.eviction_scan)
 
     def restore(self, evicted: Sequence[Evicted], live: Iterable[int]) -> list[bool]:
         """Undo journaled evictions; see :func:`tree_eviction.restore`."""

@@ -16,6 +16,7 @@ class ReplicaLRU:
     def __init__(self) -> None:
         self._stamps: OrderedDict[Entry, int] = OrderedDict()
         self._clock = 0
+        self._version = 0  # bumped by every change (a resumed eviction scan checks it)
 
     def __len__(self) -> int:
         return len(self._stamps)
@@ -27,6 +28,14 @@ class ReplicaLRU:
     def clock(self) -> int:
         """Stamps handed out so far."""
         return self._clock
+
+    @property
+    def version(self) -> int:
+        """Changes made so far (stamps, puts, removals, resorts)."""
+        return self._version
+
+    def stamp_of(self, entry: Entry) -> int:
+        return self._stamps[entry]
 
     @property
     def last_stamp(self) -> int:
@@ -41,19 +50,23 @@ class ReplicaLRU:
     def stamp(self, entry: Entry) -> int:
         """Make ``entry`` the most recent with a new stamp."""
         self._clock += 1
+        self._version += 1
         self._stamps[entry] = self._clock
         self._stamps.move_to_end(entry)
         return self._clock
 
     def put(self, entry: Entry, stamp: int) -> None:
         """Add ``entry`` with an old stamp (last in order until :meth:`resort`)."""
+        self._version += 1
         self._stamps[entry] = stamp
 
     def remove(self, entry: Entry) -> None:
+        self._version += 1
         del self._stamps[entry]
 
     def resort(self) -> None:
         """Back to stamp order after :meth:`put` of older stamps."""
+        self._version += 1
         self._stamps = OrderedDict(sorted(self._stamps.items(), key=lambda item: item[1]))
 
     def check_invariants(self) -> None:

@@ -4,7 +4,8 @@ methods; :class:`tokenlake.prefix_tree.PrefixTree` exposes them as methods."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import heapq
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -30,33 +31,108 @@ class Evicted(NamedTuple):
 
 
 def evict_lru(
-    tree: PrefixTree, instance_id: int | None = None, journal: list[Evicted] | None = None
+    tree: PrefixTree,
+    instance_id: int | None = None,
+    journal: list[Evicted] | None = None,
+    scan: EvictionScan | None = None,
 ) -> tuple[Node, Location] | None:
     """Remove the first evictable replica in the tree's eviction policy's order (least
     recently used first, see :mod:`tokenlake.eviction`) on ``instance_id`` if given;
     ``None`` if there is none. Any copy of a segment with several may go (pinned or not); a
     last copy goes only from an unpinned leaf; no copy of a segment an in-flight iteration
     reads goes. With ``journal``, an :class:`Evicted` record is appended so :func:`restore`
-    can undo it."""
-    table = tree.table
+    can undo it; with ``scan`` too (and no ``instance_id``), the search resumes where the
+    previous eviction into the same journal stopped (:class:`EvictionScan`)."""
+    if scan is not None and journal is not None and instance_id is None:
+        return scan.evict(tree, journal)
     for (key, inst), stamp in tree.policy.candidates(tree):
         if instance_id is not None and inst != instance_id:
             continue
         node = tree.get(key)
-        idx = node.idx
-        if table.readers[idx]:
-            continue
-        if table.num_replicas[idx] > 1 or (not table.pins[idx] and not node.children):
-            parent = node.parent if table.num_replicas[idx] == 1 else None
-            access = float(table.access[idx]) if parent else 0.0
-            position = int(np.flatnonzero(table.rep_inst[idx] == inst)[0])
-            loc = tree.remove_replica(node, inst)
-            if journal is not None:
-                journal.append(
-                    Evicted(node, loc, stamp, parent, access, table.access_scale, position)
-                )
-            return node, loc
+        if evictable(tree, node):
+            return _evict(tree, node, inst, stamp, journal)
     return None
+
+
+def evictable(tree: PrefixTree, node: Node) -> bool:
+    """Whether a replica of ``node`` may go now (see :func:`evict_lru`)."""
+    table, idx = tree.table, node.idx
+    if table.readers[idx]:
+        return False
+    return table.num_replicas[idx] > 1 or (not table.pins[idx] and not node.children)
+
+
+def _evict(
+    tree: PrefixTree, node: Node, inst: int, stamp: int, journal: list[Evicted] | None
+) -> tuple[Node, Location]:
+    table, idx = tree.table, node.idx
+    parent = node.parent if table.num_replicas[idx] == 1 else None
+    access = float(table.access[idx]) if parent else 0.0
+    position = int(np.flatnonzero(table.rep_inst[idx] == inst)[0])
+    loc = tree.remove_replica(node, inst)
+    if journal is not None:
+        journal.append(Evicted(node, loc, stamp, parent, access, table.access_scale, position))
+    return node, loc
+
+
+class EvictionScan:
+    """The eviction order of one plan, walked once instead of from its start per victim.
+
+    A plan evicts one replica per slot it needs, often hundreds in a row, and every search
+    from the head of the order passes the same pinned, read and (first pass) protected
+    entries again: O(slots x replicas) per plan. Between two evictions into the same
+    journal nothing but those evictions changes the tree (checked: the LRU's and the
+    policy's change counters, the journal's length), and an eviction only makes other
+    replicas less evictable, except that a node whose last child left may now go. So the
+    walk resumes after the last victim, and such a parent, if it lies behind the walk, is
+    tried first (in the order's own order): the victims are the ones a search from the
+    head would choose (tests/control/test_eviction_scan.py checks this against it)."""
+
+    def __init__(self) -> None:
+        self._journal: list[Evicted] | None = None
+        self._signature: tuple[int, int, int] = (0, 0, 0)
+        self._walk: Iterator[tuple[tuple[int, int], int]] = iter(())
+        self._two_pass = False
+        self._at: tuple[int, int] = (0, 0)  # (pass, stamp) of the entry last walked
+        self._behind: list[tuple[tuple[int, int], tuple[int, int]]] = []  # heap
+
+    def _current(self, tree: PrefixTree, journal: list[Evicted]) -> tuple[int, int, int]:
+        return (len(journal), tree.lru.version, tree.policy.num_class_changes)
+
+    def evict(self, tree: PrefixTree, journal: list[Evicted]) -> tuple[Node, Location] | None:
+        if journal is not self._journal or self._current(tree, journal) != self._signature:
+            self._journal, self._behind = journal, []
+            self._two_pass, self._at = tree.policy.splits, (0, 0)
+            self._walk = tree.policy.candidates(tree, list(tree.lru.items()))
+        victim = self._next(tree)
+        if victim is None:
+            self._signature = self._current(tree, journal)
+            return None
+        node, inst, stamp = victim
+        parent = node.parent if tree.table.num_replicas[node.idx] == 1 else None
+        out = _evict(tree, node, inst, stamp, journal)
+        if parent is not None and parent is not tree.root and not parent.children:
+            for loc in parent.replicas:  # a new leaf: behind the walk, it comes first
+                entry = (parent.key, loc.instance_id)
+                where = (int(self._two_pass and parent.protected), tree.lru.stamp_of(entry))
+                if where < self._at:
+                    heapq.heappush(self._behind, (where, entry))
+        self._signature = self._current(tree, journal)
+        return out
+
+    def _next(self, tree: PrefixTree) -> tuple[Node, int, int] | None:
+        lru = tree.lru
+        while self._behind:
+            (_, stamp), entry = heapq.heappop(self._behind)
+            node = tree.get(entry[0])
+            if entry in lru and evictable(tree, node):
+                return node, entry[1], stamp
+        for entry, stamp in self._walk:  # entries evicted since the copy are skipped
+            node = tree.get(entry[0])
+            self._at = (int(self._two_pass and node.protected), stamp)
+            if evictable(tree, node):
+                return node, entry[1], stamp
+        return None
 
 
 def restore(tree: PrefixTree, evicted: Sequence[Evicted], live: Iterable[int]) -> list[bool]:

@@ -35,6 +35,24 @@ def test_hungarian_equals_brute_force(seed):
     assert sum(cost[u, origins[u]] for u in range(num_sub)) == pytest.approx(brute_force(cost))
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_one_sub_batch_takes_the_column_the_solver_takes(seed):
+    """One sub-batch skips the solver: the same instance it picks, ties and ``allowed``
+    included (ties are the rule: a decode lane often costs the same anywhere)."""
+    from scipy.optimize import linear_sum_assignment
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 9))
+    cost = rng.integers(0, 3, (1, n)).astype(float)
+    live = sorted(rng.choice(n, int(rng.integers(1, n + 1)), replace=False).tolist())
+    allowed = rng.random((1, n)) < 0.7
+    allowed[0, live[-1]] = True
+    for mask in (None, allowed):
+        sub = cost[:, live] if mask is None else np.where(mask[:, live], cost[:, live], 1e9)
+        expected = live[int(linear_sum_assignment(sub)[1][0])]
+        assert hungarian_dispatch(cost, live, mask).tolist() == [expected]
+
+
 def test_traffic_cost_is_bytes_not_local_to_the_origin():
     q = np.array([[3.0, 0.0, 5.0]])
     p = np.array([[0.0, 7.0, 1.0]])
