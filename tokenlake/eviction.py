@@ -120,15 +120,14 @@ class EvictionPolicy:
         the tree's LRU order; ``"protect"``: probation replicas first, then protected ones.
         ``items``: a copy of the LRU's items taken earlier, walked instead of the LRU itself
         (entries that left it since are skipped), so the tree may change during the walk."""
-        lru = tree.lru
-        frozen = items is not None
+        lru, nodes = tree.lru, tree.node_map
+        frozen, entries = items is not None, lru.entries()
         if not self.splits:
-            yield from (item for item in items if item[0] in lru) if frozen else lru.items()
+            yield from (item for item in items if item[0] in entries) if frozen else lru.items()
             return
-        get = tree.get
         for protected in (False, True):  # probation first
             for entry, stamp in items if frozen else lru.items():
-                if (not frozen or entry in lru) and get(entry[0]).protected == protected:
+                if (not frozen or entry in entries) and nodes[entry[0]].protected == protected:
                     yield entry, stamp
 
     @property

@@ -10,7 +10,8 @@ Matching is in :mod:`tokenlake.tree_match`, LRU eviction and its undo in
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 
 import numpy as np
 
@@ -96,6 +97,11 @@ class PrefixTree:
     def lru_order(self) -> list[tuple[int, int, int]]:
         """``(key, instance_id, stamp)`` of every replica, least recently used first."""
         return [(key, inst, stamp) for (key, inst), stamp in self.lru.items()]
+
+    @property
+    def node_map(self) -> Mapping[int, Node]:
+        """Key -> node, a live read-only view (for loops that look up many keys)."""
+        return MappingProxyType(self._nodes)
 
     def get(self, key: int) -> Node | None:
         return self._nodes.get(key)

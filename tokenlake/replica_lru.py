@@ -7,7 +7,7 @@ eviction) returns to its exact place once :meth:`ReplicaLRU.resort` ran.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, KeysView
 
 Entry = tuple[int, int]  # (segment key, instance id)
 
@@ -33,6 +33,10 @@ class ReplicaLRU:
     def version(self) -> int:
         """Changes made so far (stamps, puts, removals, resorts)."""
         return self._version
+
+    def entries(self) -> KeysView[Entry]:
+        """A live read-only view of the entries (membership tests at C speed)."""
+        return self._stamps.keys()
 
     def stamp_of(self, entry: Entry) -> int:
         return self._stamps[entry]

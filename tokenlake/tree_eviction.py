@@ -92,6 +92,7 @@ class EvictionScan:
         self._journal: list[Evicted] | None = None
         self._signature: tuple[int, int, int] = (0, 0, 0)
         self._walk: Iterator[tuple[tuple[int, int], int]] = iter(())
+        self._blocked: list[bool] = []
         self._two_pass = False
         self._at: tuple[int, int] = (0, 0)  # (pass, stamp) of the entry last walked
         self._behind: list[tuple[tuple[int, int], tuple[int, int]]] = []  # heap
@@ -104,6 +105,10 @@ class EvictionScan:
             self._journal, self._behind = journal, []
             self._two_pass, self._at = tree.policy.splits, (0, 0)
             self._walk = tree.policy.candidates(tree, list(tree.lru.items()))
+            # rows no eviction of this plan can take (a plan only adds readers and pins and
+            # drops replicas): skipped without the full check
+            t = tree.table
+            self._blocked = ((t.readers > 0) | ((t.num_replicas <= 1) & (t.pins > 0))).tolist()
         victim = self._next(tree)
         if victim is None:
             self._signature = self._current(tree, journal)
@@ -127,10 +132,11 @@ class EvictionScan:
             node = tree.get(entry[0])
             if entry in lru and evictable(tree, node):
                 return node, entry[1], stamp
+        blocked, nodes = self._blocked, tree.node_map
         for entry, stamp in self._walk:  # entries evicted since the copy are skipped
-            node = tree.get(entry[0])
+            node = nodes[entry[0]]
             self._at = (int(self._two_pass and node.protected), stamp)
-            if evictable(tree, node):
+            if not blocked[node.idx] and evictable(tree, node):
                 return node, entry[1], stamp
         return None
 
