@@ -85,3 +85,22 @@ def test_each_victim_is_the_first_evictable_from_the_head(monkeypatch, policy, s
         pool.check_invariants()
     # the walk did resume within plans, not only start over
     assert checked["evictions"] > 100 and checked["resumed"] > checked["evictions"] // 3
+
+
+def test_a_pool_copied_mid_walk_evicts_as_the_original():
+    """The walk is a cache: a deep copy of a pool (as the API fuzzer takes) starts its own."""
+    import copy
+
+    shape = tl.ModelShape(1, 2, 1, 8, "float32")
+    pool = tl.Pool(tl.PoolConfig(shape, 2, 4, SEG), eviction=EvictionConfig("protect"))
+    for i in range(4):
+        ids = np.arange(1 + 100 * i, 1 + 100 * i + 4 * SEG, dtype=np.int32)
+        pool.commit(pool.gen_plans([[tl.Chunk(f"r{i}", ids, 0)]]))
+        pool.finish(f"r{i}")
+    assert pool.tree.eviction_scan._journal is not None  # a walk was used
+    twin = copy.deepcopy(pool)
+    ids = np.arange(900, 900 + 2 * SEG, dtype=np.int32)
+    for p in (pool, twin):
+        p.commit(p.gen_plans([[tl.Chunk("new", ids, 0)]]))
+        p.check_invariants()
+    assert pool.tree.lru_order() == twin.tree.lru_order()
