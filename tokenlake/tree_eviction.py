@@ -97,7 +97,9 @@ class EvictionScan:
         self._at: tuple[int, int] = (0, 0)  # (pass, stamp) of the entry last walked
         self._behind: list[tuple[tuple[int, int], tuple[int, int]]] = []  # heap
 
-    def __reduce__(self) -> tuple:  # a copy (of a pool, say) starts a new walk: this is only a cache
+    def __reduce__(
+        self,
+    ) -> tuple:  # a copy (of a pool, say) starts a new walk: this is only a cache
         return (EvictionScan, ())
 
     def _current(self, tree: PrefixTree, journal: list[Evicted]) -> tuple[int, int, int]:
