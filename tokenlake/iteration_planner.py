@@ -83,7 +83,7 @@ class IterationPlanner:
                 for w in pc.writes:
                     if w.copy_from is not None and w.copy_from not in pc.source.replicas:
                         w.copy_from = pc.source.replicas[0]  # pinned: its last copy stays
-        free = [i for i in sorted(self.placement.live) if i not in busy]
+        free = [i for i in self.placement.live if i not in busy]
         plans, traffic, reads = self.builder.build(
             (self.inflight.pool_id, it.epoch),
             cs,
@@ -166,7 +166,7 @@ class IterationPlanner:
         it.decided_replication = True
         it.failover = self.failover.snapshot()
         capacity = self.config.num_slots * len(self.placement.live)
-        live = sorted(self.placement.live)
+        live = list(self.placement.live)
         orders = plan_replications(
             self.tree, self.access, live, self.balancer, capacity, failover=it.failover[1]
         )

@@ -34,7 +34,7 @@ class Placement:
         self._seed = seed
         self._ids = np.zeros(0, dtype=np.int64)
         self._salts = np.zeros(0, dtype=np.uint64)
-        self._live: tuple[int, ...] = ()  # read on every plan: kept, not rebuilt
+        self._live: tuple[int, ...] = ()  # ascending; read on every plan: kept, not rebuilt
         for instance_id in instance_ids:
             self.add(instance_id)
         if not len(self._ids):
@@ -42,6 +42,7 @@ class Placement:
 
     @property
     def live(self) -> tuple[int, ...]:
+        """The live instance ids, ascending."""
         return self._live
 
     def add(self, instance_id: int) -> None:
@@ -50,7 +51,7 @@ class Placement:
         salt = xxhash.xxh64_intdigest(f"instance/{instance_id}".encode(), seed=self._seed)
         self._ids = np.append(self._ids, np.int64(instance_id))
         self._salts = np.append(self._salts, np.uint64(salt))
-        self._live = tuple(int(i) for i in self._ids)
+        self._live = tuple(sorted(int(i) for i in self._ids))
 
     def remove(self, instance_id: int) -> None:
         where = np.nonzero(self._ids == instance_id)[0]
@@ -60,7 +61,7 @@ class Placement:
             raise InvalidArgumentError("instance_id: cannot remove the last live instance")
         self._ids = np.delete(self._ids, where)
         self._salts = np.delete(self._salts, where)
-        self._live = tuple(int(i) for i in self._ids)
+        self._live = tuple(sorted(int(i) for i in self._ids))
 
     def _weights(self, key: int) -> np.ndarray:
         return _mix(self._salts ^ np.uint64(key))

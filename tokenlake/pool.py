@@ -75,8 +75,6 @@ class Pool:
         policy = EvictionPolicy(eviction or EvictionConfig(), n * config.num_slots)
         self.tree = PrefixTree(config.segment_len, self.hasher, max_replicas=n, policy=policy)
         self.placement = Placement(range(n), seed=self.hasher.seed)
-        self._live_seen: tuple[int, ...] | None = None
-        self._live_sorted: tuple[int, ...] = ()
         self.allocators = [SlotAllocator(config.num_slots) for _ in range(n)]
         self.access = AccessStats(n, self.tree, self.balancer)
         self.stats = PoolStats(n)
@@ -96,10 +94,7 @@ class Pool:
 
     @property
     def live_instances(self) -> tuple[int, ...]:
-        live = self.placement.live
-        if live is not self._live_seen:  # membership changed: sort once, not per call
-            self._live_seen, self._live_sorted = live, tuple(sorted(live))
-        return self._live_sorted
+        return self.placement.live
 
     @property
     def busy_instances(self) -> frozenset[int]:

@@ -118,9 +118,8 @@ class EvictionScan:
         if victim is None:
             self._signature = self._current(tree, journal)
             return None
-        node, inst, stamp = victim
-        parent = node.parent if tree.table.num_replicas[node.idx] == 1 else None
-        out = _evict(tree, node, inst, stamp, journal)
+        out = _evict(tree, *victim, journal)
+        parent = journal[-1].parent  # set when the node left the tree with this copy
         if parent is not None and parent is not tree.root and not parent.children:
             for loc in parent.replicas:  # a new leaf: behind the walk, it comes first
                 entry = (parent.key, loc.instance_id)
