@@ -2,18 +2,25 @@
 in worker processes (``--jobs``), each reported here as it ends and kept for reuse.
 
 A run is a pure function of its :class:`RunKey` and the harness's options (the workload, the
-cluster and the system's seed), so where it runs does not change its result; only which runs
-a bisection asks for does (:func:`tokenlake.bench.sim.metrics.bisect_goodput` with
+cluster and the system's seed), so where or when it runs does not change its result; only which
+runs a bisection asks for does (:func:`tokenlake.bench.sim.metrics.bisect_goodput` with
 ``width > 1`` probes several rates per round).
+
+Runs waiting for a worker start lowest rate first: a run replays ``requests / rate`` seconds,
+so the lowest rate is likely the longest (longest-first scheduling), and the system bisecting
+at the lowest rates, whose chain of runs takes longest, does not wait behind shorter runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
+import itertools
+import math
 import multiprocessing
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor
 from typing import NamedTuple
 
 from tokenlake.bench.sim.runner import SLO_MISSED, RunConfig, RunResult, simulate
@@ -68,18 +75,29 @@ class Runs:
         make_workload: WorkloadFn,
         report: Callable[[RunResult, RunKey], None],
         jobs: int = 1,
+        executor: Executor | None = None,
     ) -> None:
+        """``jobs > 1`` runs that many at once in worker processes (or on ``executor``, which
+        is handed at most ``jobs`` runs at a time)."""
         self.args, self.make_workload, self.report = args, make_workload, report
         self.jobs = jobs
         self._done: dict[tuple, RunResult] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a run's done callback may come in the submitting call
         self._flying: dict[tuple, tuple[float, Future]] = {}  # key[:5] -> (stop_below, run)
         self._reported: set[Future] = set()
-        self._pool: Executor | None = None
-        if jobs > 1:
+        self._waiting: list[tuple[float, int, RunKey, Future]] = []  # heap: rate, order
+        self._order = itertools.count()
+        self._num_running = 0
+        self._pool = executor
+        if executor is None and jobs > 1:
             # spawn: workers start clean (no inherited threads or locks of this process)
             ctx = multiprocessing.get_context("spawn")
             self._pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
+
+    @property
+    def num_waiting(self) -> int:
+        """Runs asked for and waiting for a worker."""
+        return len(self._waiting)
 
     def one(self, key: RunKey) -> RunResult:
         return self.many([key])[0]
@@ -96,8 +114,7 @@ class Runs:
                 flying = self._flying.get(key[:5])
                 if kept is None and self._pool is not None:
                     if flying is None or flying[0] > key.stop_below:
-                        fut = self._pool.submit(simulate_key, self.args, self.make_workload, key)
-                        flying = self._flying[key[:5]] = (key.stop_below, fut)
+                        flying = self._flying[key[:5]] = (key.stop_below, self._queue(key))
                     futures[i] = flying[1]
             if kept is not None:
                 out[i] = kept
@@ -106,6 +123,35 @@ class Runs:
         for i, fut in futures.items():
             out[i] = self._finish(keys[i], fut.result(), fut)
         return [out[i] for i in range(len(keys))]
+
+    def _queue(self, key: RunKey) -> Future:
+        """A future for ``key``'s run, started when a worker is free (lowest rate first)."""
+        fut: Future = Future()
+        rate = math.inf if key.rate is None else key.rate
+        heapq.heappush(self._waiting, (rate, next(self._order), key, fut))
+        self._start_waiting()
+        return fut
+
+    def _start_waiting(self) -> None:
+        with self._lock:
+            while self._waiting and self._num_running < self.jobs and self._pool is not None:
+                _, _, key, fut = heapq.heappop(self._waiting)
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                self._num_running += 1
+                run = self._pool.submit(simulate_key, self.args, self.make_workload, key)
+                run.add_done_callback(lambda run, fut=fut: self._ended(run, fut))
+
+    def _ended(self, run: Future, fut: Future) -> None:
+        with self._lock:
+            self._num_running -= 1
+        if run.cancelled():  # the pool shut down under it
+            fut.set_exception(CancelledError())
+        elif run.exception() is not None:
+            fut.set_exception(run.exception())
+        else:
+            fut.set_result(run.result())
+        self._start_waiting()
 
     def _finish(self, key: RunKey, res: RunResult, fut: Future | None = None) -> RunResult:
         with self._lock:
@@ -121,6 +167,10 @@ class Runs:
         return res
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(cancel_futures=True)
-            self._pool = None
+        with self._lock:
+            pool, self._pool = self._pool, None
+            waiting, self._waiting = self._waiting, []
+        for *_, fut in waiting:
+            fut.cancel()
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)

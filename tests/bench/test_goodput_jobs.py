@@ -123,3 +123,62 @@ def test_a_run_in_flight_is_shared_not_repeated():
         assert runs.one(late) is second.result() and len(reported) == 3
     finally:
         runs.close()
+
+
+class _HeldExecutor:
+    """An executor whose runs end when the test says so; records what it was handed."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import Future
+
+        self._future = Future
+        self.handed: list = []  # (rate, future) in the order runs were handed over
+
+    def submit(self, fn, args, make_workload, key):
+        fut = self._future()
+        fut.set_running_or_notify_cancel()
+        self.handed.append((key.rate, fut))
+        return fut
+
+    def shutdown(self, cancel_futures: bool = False) -> None:
+        pass
+
+
+def test_waiting_runs_start_lowest_rate_first():
+    """With every worker busy, the waiting run at the lowest rate (the longest replay) starts
+    first, whatever order the runs were asked for in; a worker never holds two runs."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from tokenlake.bench.goodput import make_workload, parse_args
+    from tokenlake.bench.goodput_runs import RunKey, Runs
+    from tokenlake.bench.sim.step_timer import ClusterSpec
+
+    args = parse_args(["--workload", "sharegpt", "--requests", "30"])
+    spec = ClusterSpec(args.hardware, args.model, args.instances, args.tp)
+    pool = _HeldExecutor()
+    reported: list = []
+    runs = Runs(args, make_workload, lambda res, key: reported.append(key.rate), 1, pool)
+    rates = [2.0, 3.0, 0.5, 1.0]
+
+    def wait_for(cond) -> None:
+        deadline = time.monotonic() + 10
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cond()
+
+    with ThreadPoolExecutor(len(rates)) as threads:
+        results = []
+        for i, rate in enumerate(rates):  # the first takes the only worker, the rest wait
+            results.append(threads.submit(runs.one, RunKey("router", rate, 0, 2048, spec)))
+            wait_for(lambda i=i: len(pool.handed) + runs.num_waiting == i + 1)
+        assert len(pool.handed) == 1  # one worker: one run at a time
+        for step in range(len(rates)):
+            wait_for(lambda step=step: len(pool.handed) == step + 1)
+            pool.handed[step][1].set_result(SimpleNamespace(stop_reason="done"))
+        for r in results:
+            r.result(timeout=10)
+    assert [rate for rate, _ in pool.handed] == [2.0, 0.5, 1.0, 3.0]
+    assert sorted(reported) == sorted(rates)
+    runs.close()
