@@ -74,8 +74,11 @@ def check_instances(instances, batches, dops: list[int], live, busy) -> None:
                 f"{name}: instances {taken} run iterations in flight; free ones: {free}"
             )
     # every sub-batch needs its own allowed instance: a matching must exist (checked here,
-    # before anything changes, with a zero-cost assignment)
+    # before anything changes, with a zero-cost assignment; one sub-batch has one: its
+    # allowed instances, at least one, are all free)
     num_sub = sum(dops)
+    if num_sub == 1:
+        return
     allowed = np.ones((num_sub, max(live) + 1), dtype=bool)
     u = 0
     for b, dop in enumerate(dops):

@@ -46,6 +46,10 @@ def hungarian_dispatch(
             f"dops: {num_sub} sub-batches need more than the {len(live)} live instances"
         )
     sub_cost = cost[:, live]
+    if num_sub == 1 and allowed is not None:  # a decode lane of a fixed role: no matching
+        ok = np.flatnonzero(allowed[0, live])
+        if len(ok):  # the cheapest allowed column, as the solver below picks it
+            return live[ok[np.argmin(sub_cost[0, ok])]].reshape(1)
     if allowed is not None:
         # a cost above any feasible total makes a forbidden edge the last resort; if the
         # optimum still uses one, no feasible assignment exists

@@ -102,7 +102,7 @@ class TokenLakeTiming:
         overhead = cfg.prefill_overhead_s if has_prefill else cfg.decode_overhead_s
         for qp, tp in zip(plans.query_plans, plans.transfer_plans, strict=True):
             o = qp.origin
-            rows = np.diff(qp.q_indptr)
+            rows = qp.q_indptr[1:] - qp.q_indptr[:-1]
             if has_prefill:
                 first = qp.positions - qp.prefix_lens
                 pieces = list(zip(first.tolist(), (first + rows).tolist(), strict=True))
@@ -112,8 +112,8 @@ class TokenLakeTiming:
                 for num in batch[1:].tolist():  # requests still decoding at each step
                     work[o] += self._decode_step_time(num, overhead)
             if len(qp.entry_req):
-                holders = np.repeat(qp.holder_ids, np.diff(qp.holder_indptr))
-                tokens = (np.diff(qp.kv_indptr) - 1) * seg + qp.last_len
+                holders = np.repeat(qp.holder_ids, qp.holder_indptr[1:] - qp.holder_indptr[:-1])
+                tokens = (qp.kv_indptr[1:] - qp.kv_indptr[:-1] - 1) * seg + qp.last_len
                 read = None if has_prefill else self.grouped_reads(qp, rows[qp.entry_req], holders)
                 entries.append((rows[qp.entry_req], tokens, holders, o, read))
             if len(tp.dst_ids):
@@ -178,7 +178,9 @@ class TokenLakeTiming:
         plane runs a part as it is when its rows would take part in more than
         ``MAX_STATES_PER_ROW`` groups each, which decode parts rarely do; not modelled.)"""
         seg, n = self.segment_len, self.spec.num_instances
-        num_pages = np.diff(qp.kv_indptr)
+        num_pages = qp.kv_indptr[1:] - qp.kv_indptr[:-1]
+        if not len(qp.kv_indices):
+            return np.zeros(n)
         entry = np.repeat(np.arange(len(num_pages)), num_pages)
         valid = np.full(len(qp.kv_indices), seg, dtype=np.int64)
         has = num_pages > 0
@@ -186,9 +188,15 @@ class TokenLakeTiming:
         key = (holders[entry].astype(np.int64) << 32 | qp.kv_indices.astype(np.int64)) * (
             seg + 1
         ) + valid
-        unique, inverse = np.unique(key, return_inverse=True)
-        most = np.zeros(len(unique))
-        np.maximum.at(most, inverse, steps[entry])
+        # distinct keys ascending, each with the most steps of its readers: one sort
+        order = np.argsort(key, kind="stable")
+        key = key[order]
+        first = np.empty(len(key), dtype=bool)
+        first[0] = True
+        np.not_equal(key[1:], key[:-1], out=first[1:])
+        starts = np.flatnonzero(first)
+        unique = key[starts]
+        most = np.maximum.reduceat(steps[entry][order], starts)
         holder = (unique // (seg + 1)) >> 32
         return np.bincount(holder, weights=(unique % (seg + 1)) * most, minlength=n)
 
@@ -219,7 +227,9 @@ class TokenLakeTiming:
 
     def _add_traffic(self, near, far, src, dst, num_bytes) -> None:
         """Add ``num_bytes[i]`` sent by ``src[i]`` to ``dst[i]`` (nothing when they are equal)."""
-        n, remote = len(near), src != dst
-        same = self.node[src] == self.node[dst]
-        near += np.bincount(src[remote & same], weights=num_bytes[remote & same], minlength=n)
-        far += np.bincount(src[remote & ~same], weights=num_bytes[remote & ~same], minlength=n)
+        remote = src != dst
+        if not remote.any():
+            return
+        n, same = len(near), self.node[src] == self.node[dst]
+        for out, mask in ((near, remote & same), (far, remote & ~same)):
+            out += np.bincount(src[mask], weights=num_bytes[mask], minlength=n)

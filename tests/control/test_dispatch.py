@@ -51,6 +51,10 @@ def test_one_sub_batch_takes_the_column_the_solver_takes(seed):
         sub = cost[:, live] if mask is None else np.where(mask[:, live], cost[:, live], 1e9)
         expected = live[int(linear_sum_assignment(sub)[1][0])]
         assert hungarian_dispatch(cost, live, mask).tolist() == [expected]
+    none_live = np.ones((1, n), dtype=bool)
+    none_live[0, live] = False
+    with pytest.raises(InvalidArgumentError, match="no assignment"):
+        hungarian_dispatch(cost, live, none_live)
 
 
 def test_traffic_cost_is_bytes_not_local_to_the_origin():
