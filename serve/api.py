@@ -9,36 +9,30 @@ model a 404. A client that disconnects has its requests cancelled (their pins re
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenlake.engines.model.sampling import SamplingParams
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.serve import metrics
+from tokenlake.serve.api_errors import (
+    APIError,
+    error_response,
+    guarded,
+    install_error_handlers,
+    sse,
+)
 from tokenlake.serve.build import Served
 from tokenlake.serve.protocol import ChatCompletionRequest, CompletionRequest
 from tokenlake.serve.request import GenerationRequest, TokenEvent
 from tokenlake.serve.text import TextStream
 
 DISCONNECT_POLL_S = 0.5
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "BadRequestError") -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-
-
-def _error(status: int, message: str, kind: str) -> JSONResponse:
-    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
-    return JSONResponse(body, status_code=status)
 
 
 @dataclass(eq=False)
@@ -57,30 +51,12 @@ def create_app(served: Served) -> FastAPI:
     """The app serving ``served`` (its runtime must be running)."""
     app = FastAPI(title="TokenLake", version="0.1.0")
     runtime, tokenizer, name = served.runtime, served.tokenizer, served.config.model_name
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        problems = []
-        for e in exc.errors():
-            if e.get("type") == "json_invalid":
-                problems.append(f"body: invalid JSON ({e.get('ctx', {}).get('error', 'syntax')})")
-                continue
-            where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            problems.append(f"{where or 'body'}: {e.get('msg')}")
-        return _error(400, "; ".join(problems) or "invalid request", "BadRequestError")
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return _error(exc.status, exc.message, exc.kind)
-
-    @app.exception_handler(InvalidArgumentError)
-    async def _bad_argument(request: Request, exc: InvalidArgumentError):
-        return _error(400, str(exc), "BadRequestError")
+    install_error_handlers(app)
 
     @app.get("/health")
     async def health():
         if not runtime.alive:
-            return _error(503, "the runtime loop is not running", "ServiceUnavailableError")
+            return error_response(503, "the runtime loop is not running", "ServiceUnavailableError")
         return JSONResponse({})
 
     @app.get("/v1/models")
@@ -222,14 +198,14 @@ def create_app(served: Served) -> FastAPI:
                     }
                     if body.return_token_ids and c.text.token_ids:
                         choice["token_ids"] = c.text.token_ids[-1:]
-                    yield _sse({"id": base, "object": "text_completion", "created": created,
+                    yield sse({"id": base, "object": "text_completion", "created": created,
                                 "model": name, "choices": [choice]})  # fmt: skip
                 if body.stream_options and body.stream_options.include_usage:
-                    yield _sse({"id": base, "object": "text_completion", "created": created,
+                    yield sse({"id": base, "object": "text_completion", "created": created,
                                 "model": name, "choices": [], "usage": usage(choices)})  # fmt: skip
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(_guarded(stream()), media_type="text/event-stream")
+            return StreamingResponse(guarded(stream()), media_type="text/event-stream")
         async for _ in events(choices, queue, request):
             pass
         echo = [tokenizer.decode(c.prompt_ids) if body.echo and tokenizer else "" for c in choices]
@@ -275,21 +251,21 @@ def create_app(served: Served) -> FastAPI:
                     "delta": {"role": "assistant", "content": ""},
                     "finish_reason": None,
                 }
-                yield _sse({**head, "choices": [first]})
+                yield sse({**head, "choices": [first]})
                 async for _, delta in events(choices, queue, request):
                     reason = c.finish_reason
                     content = {"content": delta} if delta or reason is None else {}
-                    yield _sse(
+                    yield sse(
                         {
                             **head,
                             "choices": [{"index": 0, "delta": content, "finish_reason": reason}],
                         }
                     )
                 if body.stream_options and body.stream_options.include_usage:
-                    yield _sse({**head, "choices": [], "usage": usage(choices)})
+                    yield sse({**head, "choices": [], "usage": usage(choices)})
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(_guarded(stream()), media_type="text/event-stream")
+            return StreamingResponse(guarded(stream()), media_type="text/event-stream")
         async for _ in events(choices, queue, request):
             pass
         message = {"role": "assistant", "content": c.text.text}
@@ -312,19 +288,3 @@ def create_app(served: Served) -> FastAPI:
         }
 
     return app
-
-
-async def _guarded(stream: AsyncIterator[str]) -> AsyncIterator[str]:
-    """A stream whose headers went out cannot change its status: an error becomes an
-    error event, then the end of the stream."""
-    try:
-        async for item in stream:
-            yield item
-    except APIError as e:
-        body = {"object": "error", "message": e.message, "type": e.kind, "code": e.status}
-        yield _sse({"error": body})
-        yield "data: [DONE]\n\n"
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,6 +1,6 @@
 """The Ray actors of one instance: its compute engine, query engine and transfer engine, one
 process each, every one running the data plane's own entry point
-(:func:`tokenlake.engines.compute_process.main`, :func:`tokenlake.engines.engine_process.main`)
+(:func:`tokenlake.engines.compute_worker.main`, :func:`tokenlake.engines.engine_process.main`)
 with a spec built inside the actor from a :class:`ProcessRecipe` — the buffers of the
 instances on its node are mapped there (:mod:`.ray_buffers`) and every socket binds to the
 node's cluster address.
@@ -83,16 +83,16 @@ class InstanceActor:
         secret_path = recipe.secret_paths[self.node_id]
         me = LauncherId.this_process()  # Ray ends this process; nothing else launched it
         if self.role == "compute":
-            from tokenlake.engines import compute_process
+            from tokenlake.engines import compute_worker
 
             n = recipe.layout.num_instances
-            spec = compute_process.ComputeSpec(
+            spec = compute_worker.ComputeSpec(
                 (self.instance_id,), config, recipe.layout, recipe.backend,
                 tuple(self.buffers.get(j) for j in range(n)), dict(recipe.endpoints),
                 frozenset(recipe.lost), secret_path, recipe.make_program,
                 recipe.ready_endpoint, me, group=group, hosts=recipe.hosts,
             )  # fmt: skip
-            compute_process.main(spec)
+            compute_worker.main(spec)
             return
         from tokenlake.engines import engine_process
         from tokenlake.engines.engine_base import EngineHost
