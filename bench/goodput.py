@@ -117,9 +117,16 @@ def _run_phases(
         width = max(1, args.jobs // len(args.systems))
 
         def bisect(s: str):
-            def attainments(rates: list[float], seed: int, knob: int) -> list[float]:
-                keys = [RunKey(s, r, seed, knob, spec, stop) for r in rates]
-                return [res.summary()["slo_attainment"] for res in runs.many(keys)]
+            def attainments(rates: list[float], seed: int, knob: int, then=None) -> list[float]:
+                def key(rate: float) -> RunKey:
+                    return RunKey(s, rate, seed, knob, spec, stop)
+
+                def ahead(known: dict[int, RunResult]) -> list[RunKey]:
+                    passed = {rates[i]: passes(res) for i, res in known.items()}
+                    return [key(r) for r in then(passed)]
+
+                results = runs.many([key(r) for r in rates], ahead if then else None)
+                return [res.summary()["slo_attainment"] for res in results]
 
             g = system_goodput(
                 lambda rate, seed, knob: attainments([rate], seed, knob)[0],
@@ -130,7 +137,8 @@ def _run_phases(
                 args.rel_tol,
                 args.max_evals,
                 width,
-                attainments if width > 1 else None,
+                attainments if args.jobs > 1 else None,
+                ahead=args.jobs > 1,
             )
             single_knob = len(args.prefill_tokens) == 1
             if s == "tokenlake" and args.jobs > 1 and single_knob and g.median > 0:
@@ -178,6 +186,11 @@ def _run_phases(
                     cache_tokens=max(1024, int(spec.capacity_tokens * f)),
                 )
                 report.cache_point(s, f, run_one(s, rate, seeds[0], report.knob_of(s), sp))
+
+
+def passes(res: RunResult) -> bool:
+    """Whether a run meets the P90 goodput's SLO attainment."""
+    return res.summary()["slo_attainment"] >= TARGET
 
 
 def main(argv=None) -> int:

@@ -9,6 +9,10 @@ runs a bisection asks for does (:func:`tokenlake.bench.sim.metrics.bisect_goodpu
 Runs waiting for a worker start lowest rate first: a run replays ``requests / rate`` seconds,
 so the lowest rate is likely the longest (longest-first scheduling), and the system bisecting
 at the lowest rates, whose chain of runs takes longest, does not wait behind shorter runs.
+A worker with nothing waiting starts a run a bisection will ask for next if the runs it waits
+for pass (``many(keys, then)``): a run that fails mostly stops early, so one still going
+is likely to pass, and a wrong guess is a run at a higher rate, likely to stop early too.
+A run started ahead is reported only when asked for; one never asked for is not reported.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import itertools
+import logging
 import math
 import multiprocessing
 import threading
@@ -40,6 +45,8 @@ class RunKey(NamedTuple):
     spec: ClusterSpec
     stop_below: float = 0.0
 
+
+log = logging.getLogger("tokenlake.progress")
 
 # (args, rate, seed) -> the workload of one run; a module-level function, so that worker
 # processes can be handed it
@@ -88,6 +95,9 @@ class Runs:
         self._waiting: list[tuple[float, int, RunKey, Future]] = []  # heap: rate, order
         self._order = itertools.count()
         self._num_running = 0
+        # many() calls waiting, with what they would ask for next: (then, kept, futures)
+        self._ahead: dict[int, tuple[Callable, dict, dict]] = {}
+        self.num_ahead = 0  # runs started before anyone asked for them
         self._pool = executor
         if executor is None and jobs > 1:
             # spawn: workers start clean (no inherited threads or locks of this process)
@@ -102,10 +112,16 @@ class Runs:
     def one(self, key: RunKey) -> RunResult:
         return self.many([key])[0]
 
-    def many(self, keys: Sequence[RunKey]) -> list[RunResult]:
+    def many(
+        self,
+        keys: Sequence[RunKey],
+        then: Callable[[dict[int, RunResult]], Sequence[RunKey]] | None = None,
+    ) -> list[RunResult]:
         """Results of ``keys``, run at once on the workers (in order here without any). A key
         already in flight, as a run that stops no later than this one may, is not run twice:
-        this call waits for that run (callers in several threads share it)."""
+        this call waits for that run (callers in several threads share it). ``then(known)``:
+        the keys a caller would ask for next if the runs of ``keys`` not in ``known`` (index
+        -> result) pass; while this call waits, an idle worker may start them."""
         out: dict[int, RunResult] = {}
         futures: dict[int, Future] = {}
         for i, key in enumerate(keys):
@@ -120,8 +136,17 @@ class Runs:
                 out[i] = kept
             elif self._pool is None:
                 out[i] = self._finish(key, simulate_key(self.args, self.make_workload, key))
-        for i, fut in futures.items():
-            out[i] = self._finish(keys[i], fut.result(), fut)
+        token = next(self._order)
+        if then is not None and futures:
+            with self._lock:
+                self._ahead[token] = (then, dict(out), futures)
+                self._start_waiting()
+        try:
+            for i, fut in futures.items():
+                out[i] = self._finish(keys[i], fut.result(), fut)
+        finally:
+            with self._lock:
+                self._ahead.pop(token, None)
         return [out[i] for i in range(len(keys))]
 
     def _queue(self, key: RunKey) -> Future:
@@ -141,6 +166,26 @@ class Runs:
                 self._num_running += 1
                 run = self._pool.submit(simulate_key, self.args, self.make_workload, key)
                 run.add_done_callback(lambda run, fut=fut: self._ended(run, fut))
+            if self._num_running < self.jobs and self._pool is not None:
+                key = self._next_ahead()
+                if key is not None:  # starts it, and looks for another while workers idle
+                    self.num_ahead += 1
+                    log.info("an idle worker starts %s at %s req/s ahead", key.system, key.rate)
+                    self._flying[key[:5]] = (key.stop_below, self._queue(key))
+
+    def _next_ahead(self) -> RunKey | None:
+        """A run a waiting caller would ask for next if its runs still going pass."""
+        for then, kept, futures in self._ahead.values():
+            known = dict(kept)
+            for i, fut in futures.items():
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    known[i] = fut.result()
+            if len(known) == len(kept) + len(futures):
+                continue  # all in: the caller asks for its next runs itself
+            for key in then(known):
+                if key[:5] not in self._done and key[:5] not in self._flying:
+                    return key
+        return None
 
     def _ended(self, run: Future, fut: Future) -> None:
         with self._lock:
@@ -167,6 +212,8 @@ class Runs:
         return res
 
     def close(self) -> None:
+        if self.num_ahead:
+            log.info("%d runs were started ahead on idle workers", self.num_ahead)
         with self._lock:
             pool, self._pool = self._pool, None
             waiting, self._waiting = self._waiting, []

@@ -17,8 +17,9 @@ from tokenlake.bench.sim.metrics import bisect_goodput
 TARGET = 0.9  # P90 goodput: the highest rate where 90% of requests meet the SLO
 # attainment(rate, seed, knob) -> SLO attainment of one run
 Attainment = Callable[[float, int, int], float]
-# attainments(rates, seed, knob) -> SLO attainments of runs at once
-Attainments = Callable[[list[float], int, int], list[float]]
+# attainments(rates, seed, knob[, then]) -> SLO attainments of runs at once (``then``: see
+# system_goodput's ``ahead``)
+Attainments = Callable[..., list[float]]
 
 
 @dataclass
@@ -71,9 +72,12 @@ def system_goodput(
     max_evals: int = 10,
     width: int = 1,
     attainments: Attainments | None = None,
+    ahead: bool = False,
 ) -> SystemGoodput:
     """``width > 1``: each bisection probes that many rates per round through
-    ``attainments`` (see :func:`~tokenlake.bench.sim.metrics.bisect_goodput`)."""
+    ``attainments`` (see :func:`~tokenlake.bench.sim.metrics.bisect_goodput`); ``ahead``:
+    its rounds call ``attainments(rates, seed, knob, then)``, ``then`` the next round's
+    rates if the rates not yet known pass (a run may start before it is asked for)."""
     if not knobs or not seeds:
         raise ValueError("system_goodput: expected at least one knob value and one seed")
     points: list[tuple[int, int, float, float]] = []
@@ -84,13 +88,15 @@ def system_goodput(
             points.append((seed, knob, rate, a))
             return a
 
-        def many(rates: list[float]) -> list[float]:
-            values = attainments(rates, seed, knob)
+        def many(rates: list[float], then=None) -> list[float]:
+            values = attainments(rates, seed, knob, *([then] if then else []))
             points.extend((seed, knob, r, a) for r, a in zip(rates, values, strict=True))
             return values
 
         wide = many if attainments is not None else None
-        return bisect_goodput(at, lo, hi, TARGET, rel_tol, max_evals, width, wide).goodput
+        return bisect_goodput(
+            at, lo, hi, TARGET, rel_tol, max_evals, width, wide, ahead and wide is not None
+        ).goodput
 
     by_knob: dict[int, float] = {}
     for knob in knobs:

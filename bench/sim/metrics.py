@@ -142,7 +142,8 @@ def bisect_goodput(
     rel_tol: float = 0.1,
     max_evals: int = 10,
     width: int = 1,
-    attainments: Callable[[list[float]], list[float]] | None = None,
+    attainments: Callable[..., list[float]] | None = None,
+    ahead: bool = False,
 ) -> GoodputResult:
     """Highest rate with ``attainment_at(rate) >= target``, by bisection in log space.
 
@@ -151,14 +152,19 @@ def bisect_goodput(
     the rate rises, as it does on average (a simulation is one sample). ``width > 1`` probes
     that many rates per round with ``attainments(rates)`` (run at once): ``lo`` and ``hi``
     together, then ``width`` rates splitting the bracket evenly in log space.
+
+    ``ahead``: each bisection round calls ``attainments(rates, then)``, where
+    ``then(passed)`` gives the next round's rates if the rates not in ``passed`` (a dict
+    rate -> bool of those already known) pass, ``[]`` if the search would end there — what a
+    caller may start early on an idle worker. The rates probed do not change.
     """
     if width > 1 and attainments is None:
         raise ValueError("bisect_goodput: width > 1 needs attainments(rates)")
     many = attainments or (lambda rates: [attainment_at(r) for r in rates])
     points: list[tuple[float, float]] = []
 
-    def oks(rates: list[float]) -> list[bool]:
-        values = many(rates)
+    def oks(rates: list[float], then: Callable | None = None) -> list[bool]:
+        values = many(rates) if then is None else many(rates, then)
         points.extend(zip(rates, values, strict=True))
         return [a >= target for a in values]
 
@@ -183,14 +189,28 @@ def bisect_goodput(
         done, tried = oks(nxt), tried + len(nxt)
     if not turned:
         return GoodputResult(0.0 if down else edge, tuple(points))
-    while hi / lo > 1 + rel_tol and len(points) < max_evals:
-        k = min(width, max_evals - len(points))
-        rates = [lo * (hi / lo) ** ((i + 1) / (k + 1)) for i in range(k)]
+
+    def next_rates(lo: float, hi: float, num_points: int) -> list[float]:
+        if hi / lo <= 1 + rel_tol or num_points >= max_evals:
+            return []
         if width == 1:
-            rates = [math.sqrt(lo * hi)]  # the sequential midpoint, bit for bit
-        for rate, ok in zip(rates, oks(rates), strict=True):
+            return [math.sqrt(lo * hi)]  # the sequential midpoint, bit for bit
+        k = min(width, max_evals - num_points)
+        return [lo * (hi / lo) ** ((i + 1) / (k + 1)) for i in range(k)]
+
+    def narrow(lo: float, hi: float, rates: list[float], passed: list[bool]) -> tuple:
+        for rate, ok in zip(rates, passed, strict=True):
             if not ok:
-                hi = rate
-                break
+                return lo, rate
             lo = rate
+        return lo, hi
+
+    def then_of(lo: float, hi: float, rates: list[float]) -> Callable[[dict], list[float]]:
+        n = len(points) + len(rates)
+        return lambda passed: next_rates(
+            *narrow(lo, hi, rates, [passed.get(r, True) for r in rates]), n
+        )
+
+    while rates := next_rates(lo, hi, len(points)):
+        lo, hi = narrow(lo, hi, rates, oks(rates, then_of(lo, hi, rates) if ahead else None))
     return GoodputResult(lo, tuple(points))

@@ -182,3 +182,80 @@ def test_waiting_runs_start_lowest_rate_first():
     assert [rate for rate, _ in pool.handed] == [2.0, 0.5, 1.0, 3.0]
     assert sorted(reported) == sorted(rates)
     runs.close()
+
+
+@pytest.mark.parametrize("width", [1, 2, 3])
+@pytest.mark.parametrize("capacity", [0.37, 1.0, 1.7, 3.3, 12.0])
+def test_ahead_names_the_next_round_and_changes_no_probe(width, capacity):
+    """``then`` of a round, given that round's real outcomes, is the next round's rates
+    (``[]`` after the last); the rates probed are those of the search without it."""
+    rounds: list[tuple[list[float], object]] = []
+
+    def attainments(rates, then=None):
+        rounds.append((list(rates), then))
+        return [1.0 if r <= capacity else 0.5 for r in rates]
+
+    res = bisect_goodput(
+        None, 1.0, 2.0, rel_tol=0.02, max_evals=12, width=width, attainments=attainments,
+        ahead=True,
+    )  # fmt: skip
+    plain = bisect_goodput(
+        None, 1.0, 2.0, rel_tol=0.02, max_evals=12, width=width, attainments=_step(capacity, [])
+    )
+    assert res.points == plain.points and res.goodput == plain.goodput
+    bisecting = [i for i, (_, then) in enumerate(rounds) if then is not None]
+    assert bisecting and bisecting == list(range(bisecting[0], len(rounds)))
+    for i in bisecting:
+        rates, then = rounds[i]
+        passed = {r: r <= capacity for r in rates}
+        following = rounds[i + 1][0] if i + 1 < len(rounds) else []
+        assert then(passed) == following
+        # nothing known yet: the next round as if every rate passes
+        assert then({}) == then({r: True for r in rates})
+
+
+def test_an_idle_worker_starts_the_next_run_ahead():
+    """With a worker idle, the run a waiting caller would ask for next (if its run passes)
+    starts at once; asked for later it is that run, reported once; never asked for, it is
+    not reported."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from tokenlake.bench.goodput import make_workload, parse_args
+    from tokenlake.bench.goodput_runs import RunKey, Runs
+    from tokenlake.bench.sim.step_timer import ClusterSpec
+
+    args = parse_args(["--workload", "sharegpt", "--requests", "30"])
+    spec = ClusterSpec(args.hardware, args.model, args.instances, args.tp)
+    pool = _HeldExecutor()
+    reported: list = []
+    runs = Runs(args, make_workload, lambda res, key: reported.append(key.rate), 2, pool)
+    first, second, third = (RunKey("router", r, 0, 2048, spec, 0.9) for r in (1.0, 1.5, 1.2))
+    seen: list[dict] = []
+
+    def then(known):
+        seen.append(dict(known))
+        return [second] if not known else [third]
+
+    def wait_for(cond) -> None:
+        deadline = time.monotonic() + 10
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cond()
+
+    with ThreadPoolExecutor(1) as threads:
+        asked = threads.submit(runs.many, [first], then)
+        wait_for(lambda: len(pool.handed) == 2)
+        assert [rate for rate, _ in pool.handed] == [1.0, 1.5] and runs.num_ahead == 1
+        assert seen == [{}]  # nothing known while the first run goes
+        pool.handed[0][1].set_result(SimpleNamespace(stop_reason="done"))
+        asked.result(timeout=10)
+        assert reported == [1.0]  # the run started ahead is not reported until asked for
+        later = threads.submit(runs.one, second)
+        time.sleep(0.1)
+        assert len(pool.handed) == 2  # the same run, not a new one
+        pool.handed[1][1].set_result(SimpleNamespace(stop_reason="done"))
+        assert later.result(timeout=10) is pool.handed[1][1].result()
+    assert reported == [1.0, 1.5] and runs.num_ahead == 1
+    runs.close()
