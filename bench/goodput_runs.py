@@ -98,6 +98,8 @@ class Runs:
         # many() calls waiting, with what they would ask for next: (then, kept, futures)
         self._ahead: dict[int, tuple[Callable, dict, dict]] = {}
         self.num_ahead = 0  # runs started before anyone asked for them
+        self.num_ahead_used = 0  # ... and asked for later
+        self._unused_ahead: set[Future] = set()
         self._pool = executor
         if executor is None and jobs > 1:
             # spawn: workers start clean (no inherited threads or locks of this process)
@@ -131,6 +133,9 @@ class Runs:
                 if kept is None and self._pool is not None:
                     if flying is None or flying[0] > key.stop_below:
                         flying = self._flying[key[:5]] = (key.stop_below, self._queue(key))
+                    elif flying[1] in self._unused_ahead:
+                        self._unused_ahead.discard(flying[1])
+                        self.num_ahead_used += 1
                     futures[i] = flying[1]
             if kept is not None:
                 out[i] = kept
@@ -170,8 +175,10 @@ class Runs:
                 key = self._next_ahead()
                 if key is not None:  # starts it, and looks for another while workers idle
                     self.num_ahead += 1
-                    log.info("an idle worker starts %s at %s req/s ahead", key.system, key.rate)
-                    self._flying[key[:5]] = (key.stop_below, self._queue(key))
+                    log.info("an idle worker starts %s at %.4g req/s ahead", key.system, key.rate)
+                    fut = self._queue(key)
+                    self._unused_ahead.add(fut)
+                    self._flying[key[:5]] = (key.stop_below, fut)
 
     def _next_ahead(self) -> RunKey | None:
         """A run a waiting caller would ask for next if its runs still going pass."""
@@ -213,7 +220,11 @@ class Runs:
 
     def close(self) -> None:
         if self.num_ahead:
-            log.info("%d runs were started ahead on idle workers", self.num_ahead)
+            log.info(
+                "%d runs were started ahead on idle workers, %d of them asked for",
+                self.num_ahead,
+                self.num_ahead_used,
+            )
         with self._lock:
             pool, self._pool = self._pool, None
             waiting, self._waiting = self._waiting, []

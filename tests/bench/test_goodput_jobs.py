@@ -248,6 +248,7 @@ def test_an_idle_worker_starts_the_next_run_ahead():
         asked = threads.submit(runs.many, [first], then)
         wait_for(lambda: len(pool.handed) == 2)
         assert [rate for rate, _ in pool.handed] == [1.0, 1.5] and runs.num_ahead == 1
+        assert runs.num_ahead_used == 0
         assert seen == [{}]  # nothing known while the first run goes
         pool.handed[0][1].set_result(SimpleNamespace(stop_reason="done"))
         asked.result(timeout=10)
@@ -257,5 +258,5 @@ def test_an_idle_worker_starts_the_next_run_ahead():
         assert len(pool.handed) == 2  # the same run, not a new one
         pool.handed[1][1].set_result(SimpleNamespace(stop_reason="done"))
         assert later.result(timeout=10) is pool.handed[1][1].result()
-    assert reported == [1.0, 1.5] and runs.num_ahead == 1
+    assert reported == [1.0, 1.5] and runs.num_ahead == runs.num_ahead_used == 1
     runs.close()
