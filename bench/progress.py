@@ -20,7 +20,7 @@ class Progress:
         self.total, self.label = total, label
         self.start = self._last = time.perf_counter()
         self.done = 0
-        self._logged = False  # a plain line was written: close() writes the last one
+        self._logged_done: int | None = None  # done in the last plain line written
         self._bar = None
         if self.tty:
             from tqdm import tqdm
@@ -38,7 +38,7 @@ class Progress:
         now = time.perf_counter()
         if not force and now - self._last < self.every_s:
             return
-        self._last, self._logged = now, True
+        self._last, self._logged_done = now, done
         pct = 100.0 * done / self.total if self.total else 100.0
         log.info("%s: %d/%d (%.1f%%) %.1fs %s", self.label, done, self.total, pct,
                  now - self.start, extra)  # fmt: skip
@@ -49,5 +49,5 @@ class Progress:
                 self._bar.set_postfix_str(extra)
             self._bar.close()
             return
-        if self._logged:
-            self.update(self.done, extra, force=True)
+        if self._logged_done is not None and (self._logged_done != self.done or extra):
+            self.update(self.done, extra, force=True)  # the last line, unless just written
