@@ -122,8 +122,10 @@ def _run_phases(
                     return RunKey(s, rate, seed, knob, spec, stop)
 
                 def ahead(known: dict[int, RunResult]) -> list[RunKey]:
-                    passed = {rates[i]: passes(res) for i, res in known.items()}
-                    return [key(r) for r in then(passed)]
+                    attained = {
+                        rates[i]: res.summary()["slo_attainment"] for i, res in known.items()
+                    }
+                    return [key(r) for r in then(attained)]
 
                 results = runs.many([key(r) for r in rates], ahead if then else None)
                 return [res.summary()["slo_attainment"] for res in results]
@@ -186,11 +188,6 @@ def _run_phases(
                     cache_tokens=max(1024, int(spec.capacity_tokens * f)),
                 )
                 report.cache_point(s, f, run_one(s, rate, seeds[0], report.knob_of(s), sp))
-
-
-def passes(res: RunResult) -> bool:
-    """Whether a run meets the P90 goodput's SLO attainment."""
-    return res.summary()["slo_attainment"] >= TARGET
 
 
 def main(argv=None) -> int:

@@ -9,6 +9,8 @@ import numpy as np
 
 from tokenlake.errors import InvalidArgumentError
 
+_NO_ASSIGNMENT = "instances: no assignment of sub-batches to distinct allowed live instances exists"
+
 
 def traffic_cost(
     query_rows: np.ndarray, put_tokens: np.ndarray, q_row_bytes: float, kv_token_bytes: float
@@ -46,27 +48,23 @@ def hungarian_dispatch(
             f"dops: {num_sub} sub-batches need more than the {len(live)} live instances"
         )
     sub_cost = cost[:, live]
-    if num_sub == 1 and allowed is not None:  # a decode lane of a fixed role: no matching
-        ok = np.flatnonzero(allowed[0, live])
-        if len(ok):  # the cheapest allowed column, as the solver below picks it
-            return live[ok[np.argmin(sub_cost[0, ok])]].reshape(1)
+    if num_sub == 1:  # the common decode lane: the cheapest allowed column, as the solver picks it
+        ok = np.arange(len(live)) if allowed is None else np.flatnonzero(allowed[0, live])
+        if not len(ok):
+            raise InvalidArgumentError(_NO_ASSIGNMENT)
+        return live[ok[np.argmin(sub_cost[0, ok])]].reshape(1)
     if allowed is not None:
         # a cost above any feasible total makes a forbidden edge the last resort; if the
         # optimum still uses one, no feasible assignment exists
         forbidden = ~allowed[:, live]
         big = (np.abs(sub_cost).sum() + 1.0) * (num_sub + 1)
         sub_cost = np.where(forbidden, big, sub_cost)
-    if num_sub == 1:  # the common decode lane: the cheapest column, as the solver picks it
-        rows, cols = np.zeros(1, dtype=np.int64), np.argmin(sub_cost, axis=1)
-    else:
-        # imported here: scipy costs ~1 s to import and engine processes never dispatch
-        from scipy.optimize import linear_sum_assignment
+    # imported here: scipy costs ~1 s to import and engine processes never dispatch
+    from scipy.optimize import linear_sum_assignment
 
-        rows, cols = linear_sum_assignment(sub_cost)
+    rows, cols = linear_sum_assignment(sub_cost)
     if allowed is not None and forbidden[rows, cols].any():
-        raise InvalidArgumentError(
-            "instances: no assignment of sub-batches to distinct allowed live instances exists"
-        )
+        raise InvalidArgumentError(_NO_ASSIGNMENT)
     origins = np.empty(num_sub, dtype=np.int64)
     origins[rows] = live[cols]
     return origins

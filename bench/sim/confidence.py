@@ -77,7 +77,7 @@ def system_goodput(
     """``width > 1``: each bisection probes that many rates per round through
     ``attainments`` (see :func:`~tokenlake.bench.sim.metrics.bisect_goodput`); ``ahead``:
     its rounds call ``attainments(rates, seed, knob, then)``, ``then`` the next round's
-    rates if the rates not yet known pass (a run may start before it is asked for)."""
+    rates if the rates not yet run pass (a run may start before it is asked for)."""
     if not knobs or not seeds:
         raise ValueError("system_goodput: expected at least one knob value and one seed")
     points: list[tuple[int, int, float, float]] = []

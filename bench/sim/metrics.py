@@ -154,9 +154,9 @@ def bisect_goodput(
     together, then ``width`` rates splitting the bracket evenly in log space.
 
     ``ahead``: each bisection round calls ``attainments(rates, then)``, where
-    ``then(passed)`` gives the next round's rates if the rates not in ``passed`` (a dict
-    rate -> bool of those already known) pass, ``[]`` if the search would end there — what a
-    caller may start early on an idle worker. The rates probed do not change.
+    ``then(known)`` gives the next round's rates if the rates not in ``known`` (a dict
+    rate -> attainment of those already run) pass, ``[]`` if the search would end there — what
+    a caller may start early on an idle worker. The rates probed do not change.
     """
     if width > 1 and attainments is None:
         raise ValueError("bisect_goodput: width > 1 needs attainments(rates)")
@@ -207,8 +207,8 @@ def bisect_goodput(
 
     def then_of(lo: float, hi: float, rates: list[float]) -> Callable[[dict], list[float]]:
         n = len(points) + len(rates)
-        return lambda passed: next_rates(
-            *narrow(lo, hi, rates, [passed.get(r, True) for r in rates]), n
+        return lambda known: next_rates(
+            *narrow(lo, hi, rates, [known.get(r, target) >= target for r in rates]), n
         )
 
     while rates := next_rates(lo, hi, len(points)):

@@ -207,11 +207,11 @@ def test_ahead_names_the_next_round_and_changes_no_probe(width, capacity):
     assert bisecting and bisecting == list(range(bisecting[0], len(rounds)))
     for i in bisecting:
         rates, then = rounds[i]
-        passed = {r: r <= capacity for r in rates}
+        attained = {r: 1.0 if r <= capacity else 0.5 for r in rates}
         following = rounds[i + 1][0] if i + 1 < len(rounds) else []
-        assert then(passed) == following
+        assert then(attained) == following
         # nothing known yet: the next round as if every rate passes
-        assert then({}) == then({r: True for r in rates})
+        assert then({}) == then({r: 1.0 for r in rates})
 
 
 def test_an_idle_worker_starts_the_next_run_ahead():
