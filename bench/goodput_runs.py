@@ -98,8 +98,7 @@ class Runs:
         # many() calls waiting, with what they would ask for next: (then, kept, futures)
         self._ahead: dict[int, tuple[Callable, dict, dict]] = {}
         self.num_ahead = 0  # runs started before anyone asked for them
-        self.num_ahead_used = 0  # ... and asked for later
-        self._unused_ahead: set[Future] = set()
+        self._unused_ahead: set[Future] = set()  # ... and not asked for yet
         self._pool = executor
         if executor is None and jobs > 1:
             # spawn: workers start clean (no inherited threads or locks of this process)
@@ -135,7 +134,6 @@ class Runs:
                         flying = self._flying[key[:5]] = (key.stop_below, self._queue(key))
                     elif flying[1] in self._unused_ahead:
                         self._unused_ahead.discard(flying[1])
-                        self.num_ahead_used += 1
                     futures[i] = flying[1]
             if kept is not None:
                 out[i] = kept
@@ -153,6 +151,11 @@ class Runs:
             with self._lock:
                 self._ahead.pop(token, None)
         return [out[i] for i in range(len(keys))]
+
+    @property
+    def num_ahead_used(self) -> int:
+        """Runs started ahead that a caller asked for later."""
+        return self.num_ahead - len(self._unused_ahead)
 
     def _queue(self, key: RunKey) -> Future:
         """A future for ``key``'s run, started when a worker is free (lowest rate first)."""
