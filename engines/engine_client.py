@@ -3,8 +3,8 @@
 
 Plans are bound per ``(origin, epoch)``: binding a plan of a newer epoch at this instance
 retires the older ones, and :meth:`EngineClient.retire` retires an epoch the control plane
-committed or aborted; plans and buffers of a retired epoch raise ``StalePlanError``. The
-client never asks the control plane anything.
+committed or aborted; plans and buffers of a retired epoch raise ``StalePlanError``
+(:mod:`.epoch_bindings`). The client never asks the control plane anything.
 
 Where each part runs: this instance's own part of a query in this process (its memory is
 here), every other holder's part in that holder's query engine. ``q_buf``/``kv_buf`` are
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import time
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,11 +23,11 @@ import torch
 
 from tokenlake.engines import executor, messages, process_group
 from tokenlake.engines.driver import Driver
+from tokenlake.engines.epoch_bindings import EpochBindings
 from tokenlake.engines.executor import BoundPart
 from tokenlake.engines.kv_pool import KVPool
-from tokenlake.errors import InvalidArgumentError, StalePlanError
 from tokenlake.plans import QueryPlan, TransferPlan
-from tokenlake.validate import check_int, check_tensor
+from tokenlake.validate import check_int
 
 
 @dataclass(eq=False)
@@ -57,12 +56,7 @@ class EngineClient:
     def __init__(self, instance_id: int, driver: Driver) -> None:
         self.instance_id = instance_id
         self._driver = driver
-        self._epoch: int | None = None  # the epoch bound here; older ones are retired
-        self._retired: set[int] = set()
-        self._queries: dict[int, _BoundQuery] = {}
-        self._transfers: dict[int, _BoundTransfer] = {}
-        self._stale: dict[int, weakref.ref] = {}  # buffers handed out in retired epochs
-        self._used = {"q": 0, "kv": 0}  # rows handed out in the bound epoch
+        self._bindings = EpochBindings(instance_id)
         min_bytes = driver.config.put_parallel_min_bytes
         self._put_min_bytes = executor.PUT_PARALLEL_MIN_BYTES if min_bytes is None else min_bytes
 
@@ -75,57 +69,20 @@ class EngineClient:
         return self._driver.layout
 
     # ---- epochs --------------------------------------------------------------------------
-    def _admit(self, name: str, plan, kind: type) -> None:
-        executor.check_plan(name, plan, kind, self.instance_id)
-        epoch = plan.epoch
-        if epoch in self._retired or (self._epoch is not None and epoch < self._epoch):
-            raise StalePlanError(
-                f"{name}: from iteration {epoch}, which is retired at instance "
-                f"{self.instance_id} (bound: {self._epoch})"
-            )
-        if epoch != self._epoch:
-            self._drop_bindings()
-            self._retired = {e for e in self._retired if e > epoch}
-            self._epoch = epoch
-
-    def _check_live(self, name: str, epoch: int) -> None:
-        if epoch != self._epoch or epoch in self._retired:
-            raise StalePlanError(f"{name}: bound in iteration {epoch}, which is retired")
-
     def retire(self, epoch: int) -> None:
         """The control plane committed or aborted ``epoch``: its plans and buffers are stale
         from now on. Waits for this instance's puts still in flight."""
         epoch = check_int("epoch", epoch, low=0)
         self._driver.flush(f"retiring iteration {epoch}")
-        self._retired.add(epoch)
-        if epoch == self._epoch:
-            self._drop_bindings()
-
-    def _drop_bindings(self) -> None:
-        self._stale = {k: r for k, r in self._stale.items() if r() is not None}
-        for bound in (*self._queries.values(), *self._transfers.values()):
-            self._stale[id(bound.buf)] = weakref.ref(bound.buf)
-        self._queries, self._transfers = {}, {}
-        self._used = {"q": 0, "kv": 0}
-
-    def _reserve(self, kind: str, rows: int, name: str, capacity: int) -> int:
-        """First row of ``rows`` fresh rows of this instance's ``kind`` buffer."""
-        used = self._used[kind]
-        if used + max(rows, 1) > capacity:
-            raise InvalidArgumentError(
-                f"{name}: needs {rows} {kind} rows, but only {capacity - used} of the "
-                f"instance's {capacity} (DataPlaneConfig.max_{kind}_rows) are free this iteration"
-            )
-        self._used[kind] = used + max(rows, 1)  # never two buffers with one data_ptr
-        return used
+        self._bindings.retire(epoch)
 
     # ---- query ---------------------------------------------------------------------------
     def init_query(self, query_plan: QueryPlan) -> torch.Tensor:
         """Bind a query plan; returns ``q_buf`` ``[num_rows, H_q, D]`` (model dtype), a view of
         this instance's q buffer, for the compute engine to write q into per layer."""
-        self._admit("query_plan", query_plan, QueryPlan)
+        self._bindings.admit("query_plan", query_plan, QueryPlan)
         n = query_plan.num_rows
-        offset = self._reserve("q", n, "query_plan", self._layout.max_q_rows)
+        offset = self._bindings.reserve("q", n, "query_plan", self._layout.max_q_rows)
         d = self._driver
         binding = d.new_binding()
         tickets = []
@@ -164,7 +121,7 @@ class EngineClient:
             for p in query_plan.parts
         ]
         buf = self._views.q[offset : offset + n]
-        self._queries[buf.data_ptr()] = _BoundQuery(query_plan, binding, offset, buf, parts)
+        self._bindings.add("q", _BoundQuery(query_plan, binding, offset, buf, parts))
         return buf
 
     def query(self, q_buf: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,7 +135,7 @@ class EngineClient:
         fails or does not answer within the timeout.
         """
         start = time.perf_counter()
-        bound = self._bound(self._queries, "q_buf", q_buf, "init_query")
+        bound = self._bindings.lookup("q", "q_buf", q_buf, "init_query")
         layer = check_int("layer", layer, low=0, high=self._layout.model.num_layers)
         d = self._driver
         d.wait_puts(layer, f"puts of layer {layer}")
@@ -245,10 +202,10 @@ class EngineClient:
         """Bind a transfer plan and run its segment copies; returns ``kv_buf``
         ``[num_layers, num_rows, 2, H_kv, D]`` (model dtype), a view of this instance's kv
         buffer, for the compute engine's new K and V."""
-        self._admit("transfer_plan", transfer_plan, TransferPlan)
+        self._bindings.admit("transfer_plan", transfer_plan, TransferPlan)
         d = self._driver
         n = transfer_plan.num_rows
-        offset = self._reserve("kv", n, "transfer_plan", self._layout.max_kv_rows)
+        offset = self._bindings.reserve("kv", n, "transfer_plan", self._layout.max_kv_rows)
         d.run_copies(transfer_plan)
         binding = d.new_binding()
         tickets, local, remote = [], [], []
@@ -279,8 +236,8 @@ class EngineClient:
         buf = self._views.kv[:, offset : offset + n]
         host = executor.host_rows(buf) if buf.device.type == "cpu" and local else None
         layer_bytes = buf[0].numel() * buf.element_size()
-        self._transfers[buf.data_ptr()] = _BoundTransfer(
-            transfer_plan, binding, buf, local, remote, host, layer_bytes
+        self._bindings.add(
+            "kv", _BoundTransfer(transfer_plan, binding, buf, local, remote, host, layer_bytes)
         )
         return buf
 
@@ -290,7 +247,7 @@ class EngineClient:
         data lands before any later ``query`` of ``layer`` from this instance, and before
         :meth:`synchronize` returns). Do not rewrite ``kv_buf[layer]`` until then."""
         start = time.perf_counter()
-        bound = self._bound(self._transfers, "kv_buf", kv_buf, "init_transfer")
+        bound = self._bindings.lookup("kv", "kv_buf", kv_buf, "init_transfer")
         layer = check_int("layer", layer, low=0, high=self._layout.model.num_layers)
         d = self._driver
         if bound.local:
@@ -316,22 +273,3 @@ class EngineClient:
             import torch.cuda
 
             torch.cuda.current_stream().synchronize()
-
-    def _bound(self, table: dict, name: str, buf: object, init: str):
-        if isinstance(buf, torch.Tensor):  # the very view handed out: nothing more to check
-            bound = table.get(buf.data_ptr())
-            if bound is not None and bound.buf is buf:
-                self._check_live(name, bound.plan.epoch)
-                return bound
-        check_tensor(name, buf)
-        ref = self._stale.get(id(buf))
-        if ref is not None and ref() is buf:
-            raise StalePlanError(f"{name}: a buffer of a retired iteration")
-        bound = table.get(buf.data_ptr())
-        if bound is None:
-            raise InvalidArgumentError(f"{name}: not a buffer returned by this engine's {init}()")
-        check_tensor(
-            name, buf, shape=tuple(bound.buf.shape), dtype=bound.buf.dtype, device=bound.buf.device
-        )
-        self._check_live(name, bound.plan.epoch)
-        return bound

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.keys import as_tokens
+from tokenlake.plans import Chunk
 
 VOCAB = 32000  # synthetic next tokens, when the caller supplies none
 
@@ -18,6 +20,29 @@ VOCAB = 32000  # synthetic next tokens, when the caller supplies none
 def synthetic_token(last: int) -> int:
     """The deterministic token that follows ``last`` when no model samples one."""
     return (int(last) * 7919 + 17) % VOCAB
+
+
+def next_tokens(
+    chunks: Sequence[Chunk], requests: Mapping[int | str, Request], given: Mapping[int | str, int]
+) -> dict[int | str, int]:
+    """The token each chunk's request samples next: ``given[request_id]``, checked to be an int
+    in ``[0, 2**31)``, else the synthetic one. A chunk past the known tokens (multi-step
+    decode on synthetic tokens) can be given none. Raises before anything is used."""
+    tokens = {}
+    for chunk in chunks:
+        req = requests[chunk.request_id]
+        if chunk.end > req.num_known and chunk.request_id in given:
+            raise InvalidArgumentError(
+                f"new_token_ids: request {chunk.request_id!r} ran {chunk.num_new_tokens} "
+                "decode steps on synthetic tokens (decode_steps > 1); none can be given"
+            )
+        token = given.get(chunk.request_id, synthetic_token(req.tokens[chunk.end - 1]))
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+            raise InvalidArgumentError(f"new_token_ids: expected int tokens, got {token!r}")
+        if not 0 <= token < 2**31:
+            raise InvalidArgumentError(f"new_token_ids: token {token} out of [0, 2**31)")
+        tokens[chunk.request_id] = int(token)
+    return tokens
 
 
 class Phase(enum.Enum):

@@ -19,8 +19,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 
-import numpy as np
-
 from tokenlake.errors import InvalidArgumentError, PoolFullError, UnknownRequestError
 from tokenlake.plans import Chunk
 from tokenlake.pool import Pool
@@ -30,7 +28,7 @@ from tokenlake.scheduler.deciding import Deciding
 from tokenlake.scheduler.latency_model import LatencyModel
 from tokenlake.scheduler.planned import IterationPlan, Planned
 from tokenlake.scheduler.policy import SOLVERS, Decision
-from tokenlake.scheduler.request import Phase, Request, synthetic_token
+from tokenlake.scheduler.request import Phase, Request, next_tokens
 
 
 class ElasticScheduler:
@@ -285,27 +283,14 @@ class ElasticScheduler:
         Returns the requests that finished; the pool has released them (``pool.finish``).
         """
         self._check(iteration)
-        given = new_token_ids or {}
-        tokens = {}
-        for chunk in iteration.decision.chunks:  # validate before anything changes
-            req = self._requests[chunk.request_id]
-            if chunk.end > req.num_known and chunk.request_id in given:
-                raise InvalidArgumentError(
-                    f"new_token_ids: request {chunk.request_id!r} ran {chunk.num_new_tokens} "
-                    "decode steps on synthetic tokens (decode_steps > 1); none can be given"
-                )
-            token = given.get(chunk.request_id, synthetic_token(req.tokens[chunk.end - 1]))
-            if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
-                raise InvalidArgumentError(f"new_token_ids: expected int tokens, got {token!r}")
-            if not 0 <= token < 2**31:
-                raise InvalidArgumentError(f"new_token_ids: token {token} out of [0, 2**31)")
-            tokens[chunk.request_id] = int(token)
+        chunks = iteration.decision.chunks
+        tokens = next_tokens(chunks, self._requests, new_token_ids or {})  # validates first
         self._take(iteration)
         self.pool.commit(iteration.plans)
         now = self.clock()
         self._deciding.observe(iteration, now)
         finished = []
-        for chunk in iteration.decision.chunks:
+        for chunk in chunks:
             req = self._requests[chunk.request_id]
             req.advance(chunk.end, tokens[chunk.request_id], now)
             if req.phase is Phase.FINISHED:

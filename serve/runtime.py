@@ -24,6 +24,7 @@ from tokenlake.engines.model.engine import ModelEngine
 from tokenlake.engines.model.sampling import sample
 from tokenlake.errors import InvalidArgumentError, PoolFullError, UnknownRequestError
 from tokenlake.scheduler import ElasticScheduler
+from tokenlake.serve.membership import Membership
 from tokenlake.serve.request import GenerationRequest, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class Runtime:
         self.pool_stats: dict = scheduler.pool.get_stats()
         self.engine_stats: dict = {}  # the data plane's counters, refreshed by the loop
         self._engine_stats_at = -math.inf
+        self.membership = Membership(scheduler, engine, self.counters, self._end_all)
 
     # ---- client side (any thread) ---------------------------------------------------------
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
@@ -159,7 +161,7 @@ class Runtime:
         try:
             while True:
                 self._refresh_engine_stats()
-                self._membership()  # also while idle: a death is seen within the wait below
+                self.membership.poll()  # also while idle: a death is seen within the wait below
                 with self._cond:
                     if self._stopping:
                         break
@@ -231,11 +233,11 @@ class Runtime:
         chunks = {c.request_id: c for c in it.decision.chunks}
         try:
             logits = self.engine.run(it.plans, chunks)
-        except PeerFailedError as e:  # recomputed on the instances left (see _fail_over)
+        except PeerFailedError as e:  # recomputed on the instances left (see Membership.fail_over)
             log.warning("runtime: iteration %d: %s", it.plans.epoch, e)
             self.scheduler.abort(it)
             self.engine.retire(it.plans)
-            self._fail_over(e.instance_id)
+            self.membership.fail_over(e.instance_id)
             return
         except Exception as e:
             log.exception("runtime: iteration %d failed", it.plans.epoch)
@@ -261,37 +263,9 @@ class Runtime:
         self.pool_stats = self.scheduler.pool.get_stats()
         self.iteration_seconds += time.perf_counter() - t0
 
-    def _membership(self) -> None:
-        """Apply the engine's news (a distributed engine reports dead and rejoined instances;
-        a local one has none)."""
-        changes = getattr(self.engine, "membership_changes", None)
-        for instance_id, alive in changes() if changes is not None else ():
-            if not alive:
-                self._fail_over(instance_id)
-            elif instance_id not in self.scheduler.pool.live_instances:
-                self.scheduler.pool.restore_instance(instance_id)
-                self.counters["instances_rejoined"] += 1
-                log.info("runtime: instance %d rejoined", instance_id)
-
-    def _fail_over(self, instance_id: int) -> None:
-        """An instance died (no iteration in flight): drop it from the pool and the engine;
-        running requests whose KV was only there are recomputed from what is still cached
-        (their streams go on: a recomputed request yields the token it would have)."""
-        pool = self.scheduler.pool
-        if instance_id not in pool.live_instances:
-            return
-        self.counters["instance_failures"] += 1
-        if len(pool.live_instances) == 1:  # nothing left to serve on
-            log.error("runtime: the last live instance %d failed", instance_id)
-            for rid in list(self._live):
-                self._end(rid, None, "error", f"instance {instance_id} failed")
-            return
-        failed = pool.drop_instance(instance_id)
-        self.engine.mark_lost(instance_id)
-        for rid in failed:
-            self.scheduler.preempt(rid)
-        self.counters["recomputed_requests"] += len(failed)
-        log.warning("runtime: instance %d lost; %d requests recomputed", instance_id, len(failed))
+    def _end_all(self, error: str) -> None:
+        for rid in list(self._live):
+            self._end(rid, None, "error", error)
 
     def _emit(self, rid: str, token: int, finished: bool) -> None:
         live = self._live[rid]

@@ -26,7 +26,7 @@ from tokenlake.plans import Chunk, Plans
 from tokenlake.pool_checks import check_pool_invariants
 from tokenlake.pool_view import PrefixTreeView
 from tokenlake.prefix_tree import PrefixTree
-from tokenlake.requests import RequestState, free_private_segments
+from tokenlake.requests import RequestState, release_finished
 from tokenlake.slots import SlotAllocator
 from tokenlake.stats import PoolStats
 from tokenlake.validate import check_bool, check_int, check_request_id, check_sequence, fail
@@ -241,20 +241,7 @@ class Pool:
                 "abort it first"
             )
         del self.requests[state.request_id]
-        if state.open is not None:
-            loc = state.open.location
-            kept = None
-            if not state.detached:
-                parent = state.nodes[-1] if state.nodes else self.tree.root
-                res = self.tree.insert(parent, state.open.tokens, loc)
-                kept = res.node if res.node is not None and not res.deduped else None
-            if kept is None:
-                self.allocators[loc.instance_id].free(loc.slot_id)
-        self.tree.policy.finished(state.tree_nodes, self.tree)
-        self.tree.touch(state.tree_nodes)  # just used: the most recent, for LRU
-        for node in state.tree_nodes:
-            self.tree.unpin(node)
-        free_private_segments(state, self.tree, self.allocators)
+        release_finished(state, self.tree, self.allocators)
 
     # ---- membership ----------------------------------------------------------------------
     def drop_instance(self, instance_id: int) -> list[int | str]:

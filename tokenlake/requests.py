@@ -98,3 +98,26 @@ def free_private_segments(
         if loc.instance_id != skip_instance:
             allocators[loc.instance_id].free(loc.slot_id)
         tree.free_private(node)
+
+
+def release_finished(
+    state: RequestState, tree: PrefixTree, allocators: list[SlotAllocator]
+) -> None:
+    """Release a finished request (no longer in the pool's running set): keep its open
+    partial segment as a leaf tail (its slot freed if the tree refuses or already has it),
+    hand its path to the eviction policy and the LRU as just used, unpin it, and free its
+    private segments."""
+    if state.open is not None:
+        loc = state.open.location
+        kept = None
+        if not state.detached:
+            parent = state.nodes[-1] if state.nodes else tree.root
+            res = tree.insert(parent, state.open.tokens, loc)
+            kept = res.node if res.node is not None and not res.deduped else None
+        if kept is None:
+            allocators[loc.instance_id].free(loc.slot_id)
+    tree.policy.finished(state.tree_nodes, tree)
+    tree.touch(state.tree_nodes)  # just used: the most recent, for LRU
+    for node in state.tree_nodes:
+        tree.unpin(node)
+    free_private_segments(state, tree, allocators)
