@@ -72,7 +72,9 @@ def make_workload(args: argparse.Namespace, rate: float | None, seed: int) -> Wo
         )
         return trace_workload(cfg)
     n = args.requests or DEFAULT_REQUESTS.get(args.workload, 200)
-    return GENERATORS[args.workload](GeneratorConfig(n, rate or 1.0, args.system_prompt, seed=seed))
+    think_scale = 1.0 if args.think_scale is None else args.think_scale
+    cfg = GeneratorConfig(n, rate or 1.0, args.system_prompt, seed=seed, think_scale=think_scale)
+    return GENERATORS[args.workload](cfg)
 
 
 def run(args: argparse.Namespace) -> dict:

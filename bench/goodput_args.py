@@ -8,7 +8,7 @@ import argparse
 
 from tokenlake.bench.sim.runner import EXTRA_SYSTEMS, SYSTEMS
 from tokenlake.bench.traces import CONVERSATION_TRACE, SYNTHETIC_TRACE, TRACES_DIR
-from tokenlake.bench.workloads import GENERATORS
+from tokenlake.bench.workloads import GENERATORS, SESSION_WORKLOADS
 from tokenlake.eviction import POLICIES
 
 # name: (path, first request, jitter bucket in s, Poisson gaps)
@@ -93,6 +93,14 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     )
     w.add_argument("--poisson", action="store_true", help="redraw trace gaps as Poisson")
     w.add_argument("--system-prompt", type=int, default=4096, help="generators' shared prompt")
+    w.add_argument(
+        "--think-scale",
+        type=float,
+        default=None,
+        help=f"session generators ({', '.join(SESSION_WORKLOADS)}): the think time between "
+        "a session's turns times this (default 1; 0: a turn is sent as soon as the previous "
+        "answer is complete, as SCBench's own harness sends them)",
+    )
     c = p.add_argument_group("cluster and systems")
     c.add_argument(
         "--systems",
@@ -178,6 +186,10 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
         p.error("--time-scale replays the trace's own timing; drop --goodput/--rates")
     if args.time_scale is not None and not args.time_scale > 0:
         p.error(f"--time-scale: expected > 0, got {args.time_scale}")
+    if args.think_scale is not None and args.workload not in SESSION_WORKLOADS:
+        p.error(f"--think-scale: only for {', '.join(SESSION_WORKLOADS)}")
+    if args.think_scale is not None and not 0 <= args.think_scale < float("inf"):
+        p.error(f"--think-scale: expected a number >= 0, got {args.think_scale}")
     if args.horizon is not None and not args.horizon > 0:
         p.error(f"--horizon: expected > 0, got {args.horizon}")
     names = ("requests", "offset", "block_size", "instances", "tp", "segment_len", "seeds", "jobs")

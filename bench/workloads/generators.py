@@ -31,17 +31,22 @@ LONG_GROWTH = 4.0  # agentic: per-turn growth of every tenth session, times the 
 class GeneratorConfig:
     """Args: num_requests (approximate for session workloads: whole sessions are kept),
     rate (requests/s, open-loop arrivals or session starts scaled to this request rate),
-    system_prompt_len (shared by every request), block_size, seed."""
+    system_prompt_len (shared by every request), block_size, seed, think_scale (session
+    workloads: the think time between turns times this; 0 sends a turn as soon as the
+    previous answer is complete; the random draws are the same at every scale)."""
 
     num_requests: int = 200
     rate: float = 1.0
     system_prompt_len: int = 4096
     block_size: int = 512
     seed: int = 0
+    think_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_requests < 1 or self.rate <= 0 or self.block_size < 1:
             raise ValueError("GeneratorConfig: num_requests >= 1, rate > 0, block_size >= 1")
+        if not 0 <= self.think_scale < float("inf"):
+            raise ValueError(f"GeneratorConfig.think_scale: expected >= 0, got {self.think_scale}")
         if self.system_prompt_len % self.block_size:
             raise ValueError("GeneratorConfig.system_prompt_len: expected a multiple of block_size")
 
@@ -125,7 +130,7 @@ def _sessions(
 ) -> Workload:
     """Closed-loop sessions: turn k+1's prompt is turn k's prompt (whole blocks reused) plus
     new tokens (the previous answer, tool output or question); it is sent ``think`` seconds
-    after turn k finishes. Session starts are Poisson, scaled so requests arrive at ``rate``."""
+    (times ``cfg.think_scale``) after turn k finishes. Session starts are Poisson, scaled so requests arrive at ``rate``."""
     rng, ids, b = np.random.default_rng(cfg.seed), _Blocks(), cfg.block_size
     system = ids.fresh(cfg.system_prompt_len // b)
     plans, total_turns = [], 0
@@ -152,10 +157,12 @@ def _sessions(
                     blocks,
                     s,
                     after=prev,
-                    delay_s=think_of(rng) if k else 0.0,
+                    delay_s=cfg.think_scale * think_of(rng) if k else 0.0,
                 )
             )
             prefix, prev = list(blocks[: length // b]), rid
+    if cfg.think_scale != 1:
+        note += f"; think time x{cfg.think_scale:g}"
     return Workload(name, tuple(reqs), b, note)
 
 
@@ -190,6 +197,7 @@ def agentic(cfg: GeneratorConfig) -> Workload:
     )
 
 
+SESSION_WORKLOADS = ("agentic", "scbench")  # closed-loop sessions with think time
 GENERATORS: dict[str, Callable[[GeneratorConfig], Workload]] = {
     "loogle": loogle,
     "scbench": scbench,

@@ -1,6 +1,7 @@
 """Workload generators match their target statistics; trace replay scales, jitters, re-blocks
 and scopes ids as configured."""
 
+import dataclasses
 import gzip
 import json
 
@@ -61,6 +62,39 @@ def test_agentic_sessions():
         for prev, cur in zip(rs, rs[1:], strict=False):
             k = prev.input_len // 512
             assert cur.after == prev.rid and cur.block_ids[:k] == prev.block_ids[:k]
+
+
+@pytest.mark.parametrize("name", ["scbench", "agentic"])
+def test_think_scale_scales_only_the_think_time(name):
+    base = GENERATORS[name](GeneratorConfig(num_requests=200, rate=2.0, seed=3))
+    for scale in (0.0, 2.5):
+        cfg = GeneratorConfig(num_requests=200, rate=2.0, seed=3, think_scale=scale)
+        w = GENERATORS[name](cfg)
+        assert len(w.requests) == len(base.requests)
+        for a, b in zip(base.requests, w.requests, strict=True):
+            assert b.delay_s == pytest.approx(scale * a.delay_s)
+            assert dataclasses.replace(b, delay_s=a.delay_s) == a  # same arrivals, lengths, blocks
+        assert any(r.delay_s > 0 for r in base.requests)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="think_scale"):
+            GeneratorConfig(think_scale=bad)
+
+
+def test_cli_think_scale_reaches_the_workload_and_is_validated(capsys):
+    from tokenlake.bench.goodput import make_workload, parse_args
+
+    args = parse_args(["--workload", "scbench", "--requests", "40", "--think-scale", "0"])
+    w = make_workload(args, 0.5, 0)
+    assert all(r.delay_s == 0 for r in w.requests) and "think time x0" in w.note
+    default = make_workload(parse_args(["--workload", "scbench", "--requests", "40"]), 0.5, 0)
+    assert any(r.delay_s > 0 for r in default.requests) and "think" not in default.note
+    for argv, message in (
+        (["--workload", "sharegpt", "--think-scale", "0"], "--think-scale: only for"),
+        (["--workload", "agentic", "--think-scale", "-1"], "expected a number >= 0"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert message in capsys.readouterr().err
 
 
 def test_agentic_long_sessions_outgrow_one_instance():
