@@ -99,7 +99,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         default=None,
         help=f"session generators ({', '.join(SESSION_WORKLOADS)}): the think time between "
         "a session's turns times this (default 1; 0: a turn is sent as soon as the previous "
-        "answer is complete, as SCBench's own harness sends them)",
+        "answer is complete, as SCBench's evaluation script runs them)",
     )
     c = p.add_argument_group("cluster and systems")
     c.add_argument(

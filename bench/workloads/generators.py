@@ -4,7 +4,9 @@ each behind one long system prompt shared by every request.
 - ``loogle``: shared long documents (mean sequence 24K tokens), a short question each, short
   answers; open-loop Poisson arrivals.
 - ``scbench``: multi-turn sessions over one long private context (mean sequence 227K tokens,
-  5 turns on average); the next turn is sent when the previous answer is complete.
+  5 turns on average); the next turn is sent a think time (exponential, mean 5 s) after the
+  previous answer is complete (``think_scale=0``: at once, as SCBench's evaluation script
+  runs them).
 - ``sharegpt``: short single-turn chats, sequence < 2.4K tokens (plus the system prompt).
 - ``agentic``: coding-agent sessions (median 33 turns; context growing ~2.2K tokens per turn
   from ~12K; input:output about 131:1; think time median 5.2 s, p99 81 s). Every tenth
@@ -130,7 +132,8 @@ def _sessions(
 ) -> Workload:
     """Closed-loop sessions: turn k+1's prompt is turn k's prompt (whole blocks reused) plus
     new tokens (the previous answer, tool output or question); it is sent ``think`` seconds
-    (times ``cfg.think_scale``) after turn k finishes. Session starts are Poisson, scaled so requests arrive at ``rate``."""
+    (times ``cfg.think_scale``) after turn k finishes. Session starts are Poisson, scaled so
+    requests arrive at ``rate``."""
     rng, ids, b = np.random.default_rng(cfg.seed), _Blocks(), cfg.block_size
     system = ids.fresh(cfg.system_prompt_len // b)
     plans, total_turns = [], 0
