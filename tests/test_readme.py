@@ -173,6 +173,28 @@ COMMANDS = {
     ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems router "
     "--prefill-tokens 2048 --seeds 1 --rate 0.287 --cache-fractions 4 --wall-budget 3000 "
     "--horizon 20000": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems router "
+    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.05 --hi 0.3 --rel-tol 0.15 "
+    "--max-evals 6 --wall-budget 3600 --horizon 20000 --think-scale 0": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems router "
+    "--prefill-tokens 2048 --seed 1 --seeds 2 --goodput --lo 0.05 --hi 0.3 --rel-tol 0.15 "
+    "--max-evals 6 --wall-budget 3600 --horizon 20000 --think-scale 0": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems "
+    "mooncake-1p3d,mooncake-3p1d --prefill-tokens 2048 --seeds 1 --goodput --lo 0.01 --hi "
+    "0.1 --rel-tol 0.15 --max-evals 6 --wall-budget 3600 --horizon 20000 --think-scale 0": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
+    "3000 --lo 0.287 --hi 0.6 --horizon 20000 --eviction session --think-scale 0": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol 0.15 --max-evals 5 "
+    "--wall-budget 3000 --jobs 2 --lo 0.287 --hi 0.6 --horizon 20000 --eviction session "
+    "--think-scale 0": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
+    "3000 --lo 0.2 --hi 0.6 --horizon 20000 --think-scale 0": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol 0.15 --max-evals 5 "
+    "--wall-budget 3000 --jobs 2 --lo 0.2 --hi 0.6 --horizon 20000 --think-scale 0": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload agentic --requests 1000 --systems $B "
     "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.05 --hi 0.4 --rel-tol 0.15 "
     "--max-evals 6 --wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
