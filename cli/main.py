@@ -43,7 +43,7 @@ COMMANDS: dict[str, Command] = {
         passes_log_level=True,
     ),
     "demo": Command(
-        "tokenlake.bench.demo",
+        "tokenlake.benchmarks.demo",
         "serve tiny-random and replay multi-turn trace sessions against it (make demo)",
         needs="model,serve",
     ),
@@ -53,51 +53,51 @@ COMMANDS: dict[str, Command] = {
         function="bench_main",
     ),
     "goodput": Command(
-        "tokenlake.bench.goodput",
+        "tokenlake.benchmarks.goodput",
         "goodput harness: a preset or your own trace through simulated clusters",
         needs="bench",
     ),
     "trace": Command(
-        "tokenlake.bench.trace_tool",
+        "tokenlake.benchmarks.trace_tool",
         "inspect a Mooncake-format trace (counts, lengths, infinite-cache hit rate) or convert it",
     ),
 }
 
 BENCHES: dict[str, Command] = {
     "attention": Command(
-        "tokenlake.bench.bench_attention", "C++ kernel vs torch reference vs SDPA; memcpy"
+        "tokenlake.benchmarks.bench_attention", "C++ kernel vs torch reference vs SDPA; memcpy"
     ),
     "plans": Command(
-        "tokenlake.bench.bench_plans", "gen_plans latency; trace replays: load CV, hit rate"
+        "tokenlake.benchmarks.bench_plans", "gen_plans latency; trace replays: load CV, hit rate"
     ),
     "dataplane": Command(
-        "tokenlake.bench.bench_dataplane", "engine query latency vs in-process kernel; put"
+        "tokenlake.benchmarks.bench_dataplane", "engine query latency vs in-process kernel; put"
     ),
     "page-groups": Command(
-        "tokenlake.bench.bench_page_groups",
+        "tokenlake.benchmarks.bench_page_groups",
         "shared-page groups vs every request reading its copy (CPU kernel)",
     ),
     "cross-node": Command(
-        "tokenlake.bench.bench_cross_node",
+        "tokenlake.benchmarks.bench_cross_node",
         "query/put across nodes (gloo) vs inside one; Ray launch time",
         needs="cluster",
     ),
-    "scheduler": Command("tokenlake.bench.bench_scheduler", "the scheduler DP's latency"),
+    "scheduler": Command("tokenlake.benchmarks.bench_scheduler", "the scheduler DP's latency"),
     "model": Command(
-        "tokenlake.bench.bench_model",
+        "tokenlake.benchmarks.bench_model",
         "model engine vs transformers: decode, batch-16, cached prefill",
         needs="model",
     ),
     "real-cluster": Command(
-        "tokenlake.bench.real_cluster",
+        "tokenlake.benchmarks.real_cluster",
         "goodput on a real CPU mini-cluster: TokenLake vs cache-aware router",
         needs="model",
     ),
     "sim-crosscheck": Command(
-        "tokenlake.bench.sim_crosscheck", "simulator step times vs published A100 figures"
+        "tokenlake.benchmarks.sim_crosscheck", "simulator step times vs published A100 figures"
     ),
     "sglang-e2e": Command(
-        "tokenlake.bench.sglang_e2e", "SGLang end to end, tokenlake vs flashinfer (GPU only)"
+        "tokenlake.benchmarks.sglang_e2e", "SGLang end to end, tokenlake vs flashinfer (GPU only)"
     ),
 }
 
@@ -189,7 +189,7 @@ def _run(command: Command, name: str, argv: list[str]) -> int:
 
 
 def bench_main(argv: list[str]) -> int:
-    """``tokenlake bench NAME [ARGS]``: one of the micro-benchmarks in ``tokenlake.bench``."""
+    """``tokenlake bench NAME [ARGS]``: one of the micro-benchmarks in ``tokenlake.benchmarks``."""
     p = argparse.ArgumentParser(
         prog="tokenlake bench",
         usage="tokenlake bench [-h] NAME [ARGS ...]",

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import zmq
 
-from tokenlake import plan_wire, wire
+from tokenlake import wire
 from tokenlake.engines import messages
 from tokenlake.engines.auth import AuthError, FrameAuth
 from tokenlake.engines.compute_worker import ComputeSpec, main
@@ -33,6 +33,7 @@ from tokenlake.engines.launcher import process_context, stop_processes
 from tokenlake.engines.peers import LauncherId, bind_random
 from tokenlake.engines.transport import Requester
 from tokenlake.errors import InvalidArgumentError
+from tokenlake.planning import wire as plan_wire
 from tokenlake.plans import Chunk, Plans
 from tokenlake.wire import WireError
 

@@ -2,7 +2,7 @@
 :class:`~tokenlake.engines.compute_process.ComputeProcesses`): its engine clients for every
 instance, and a server loop answering the scheduler process's authenticated requests — run an
 iteration's part with the program built in the process, regroup after a membership change,
-report counters, stop. Whatever arrives is decoded and checked (:mod:`tokenlake.plan_wire`)
+report counters, stop. Whatever arrives is decoded and checked (:mod:`tokenlake.planning.wire`)
 before it runs."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from tokenlake import plan_wire, wire
+from tokenlake import wire
 from tokenlake.engines import messages, process_group
 from tokenlake.engines.auth import ClusterSecret, FrameAuth
 from tokenlake.engines.cluster_base import ClusterBase
@@ -27,6 +27,7 @@ from tokenlake.engines.process_group import GroupSpec
 from tokenlake.engines.shared_buffers import InstanceBuffers, Layout
 from tokenlake.engines.transport import Requester, Server
 from tokenlake.errors import InvalidArgumentError
+from tokenlake.planning import wire as plan_wire
 from tokenlake.plans import Chunk, Plans
 
 

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenlake import plan_wire, wire
+from tokenlake import wire
 from tokenlake.config import ModelShape
 from tokenlake.engines import messages, process_group
 from tokenlake.engines.flashinfer_attention import make_planner
 from tokenlake.engines.shared_buffers import InstanceBuffers, InstanceViews, Layout
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.plan_wire import check_id
+from tokenlake.planning import wire as plan_wire
+from tokenlake.planning.wire import check_id
 
 ROLES = ("query", "transfer")
 BACKENDS = ("", "torch", "cpu", "flashinfer")

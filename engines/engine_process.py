@@ -46,7 +46,7 @@ def main(spec: EngineSpec) -> None:
         from tokenlake.engines.query_engine import QueryEngine as engine_cls
 
         if spec.kernel_threads and spec.host.buffers[instance_id].raw["pool"].is_cpu:
-            from tokenlake.kernels import cpu
+            from tokenlake.engines.kernels import cpu
 
             cpu.set_num_threads(spec.kernel_threads)
     else:

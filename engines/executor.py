@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenlake import _C, kernels
+from tokenlake import _C
+from tokenlake.engines import kernels
+from tokenlake.engines.kernels.cpu import CpuPart
 from tokenlake.engines.kv_pool import KVPool
+from tokenlake.engines.page_groups import group_shared_pages
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.kernels.cpu import CpuPart
-from tokenlake.page_groups import group_shared_pages
 from tokenlake.plans import HolderPart, TransferPlan
 
 
@@ -33,7 +34,7 @@ class BoundPart:
     ``q_index`` (int64) the rows of ``q`` the kernel reads, one per kernel row (``None``: rows
     ``0..n-1`` in order, no gather); ``state_rows`` (int64 ``[num_states]``, or ``None``)
     which part row each kernel row belongs to when pages read by several requests run as
-    shared groups (:mod:`tokenlake.page_groups`): the rows' states are then merged;
+    shared groups (:mod:`tokenlake.engines.page_groups`): the rows' states are then merged;
     ``identity`` is true when ``rows`` are ``0..n-1`` in order; ``logit_cap`` is the model's
     attention soft cap (0: none). The CSR is the kernel's.
     """
@@ -62,7 +63,7 @@ class BoundPart:
         page_len: int | None = None,
     ) -> BoundPart:
         """``packed``: the part's rows arrive as rows ``0..n-1`` (from another host).
-        ``planner`` (a :class:`~tokenlake.kernels.flashinfer_backend.FlashInferPlanner`, made
+        ``planner`` (a :class:`~tokenlake.engines.kernels.flashinfer_backend.FlashInferPlanner`, made
         with the same ``logit_cap``) plans the part's kernel once, here. ``page_len`` (the
         pool's segment length) turns on shared-page groups; ``None`` runs the part as it is."""
         n = len(part.rows)

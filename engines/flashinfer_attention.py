@@ -1,8 +1,8 @@
 """FlashInfer at the engines' edge (CUDA): each engine owns one planner for its layout.
 
 NOT RUN ON A GPU: this machine has none. The implementation is
-:mod:`tokenlake.kernels.flashinfer_backend` (the only one): an engine's
-:class:`~tokenlake.kernels.flashinfer_backend.FlashInferPlanner` holds the workspace and the
+:mod:`tokenlake.engines.kernels.flashinfer_backend` (the only one): an engine's
+:class:`~tokenlake.engines.kernels.flashinfer_backend.FlashInferPlanner` holds the workspace and the
 model's attention shape and soft cap, and plans each bound part once
 (:class:`~tokenlake.engines.executor.BoundPart`); the part runs every layer. Nothing is global.
 """
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from tokenlake.kernels.flashinfer_backend import FlashInferPlanner
+from tokenlake.engines.kernels.flashinfer_backend import FlashInferPlanner
 
 
 def make_planner(layout, backend: str | None, device: torch.device) -> FlashInferPlanner | None:
     """A planner when parts on ``device`` run on FlashInfer (CUDA, backend ``None`` or
     ``"flashinfer"``, a 16-bit pool); ``None`` otherwise (the kernels of
-    :mod:`tokenlake.kernels` run each call)."""
+    :mod:`tokenlake.engines.kernels` run each call)."""
     if device.type != "cuda" or backend not in (None, "flashinfer"):
         return None
     m = layout.model

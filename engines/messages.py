@@ -169,7 +169,7 @@ class Stop:
 @dataclass(frozen=True)
 class RunStep:
     """Scheduler → compute process: run one iteration's sub-batches of the instances this
-    process drives. ``plans`` is a :mod:`tokenlake.plan_wire` encoding of a ``Plans``
+    process drives. ``plans`` is a :mod:`tokenlake.planning.wire` encoding of a ``Plans``
     holding only those sub-batches; ``chunks`` one encoded ``Chunk`` per request."""
 
     seq: int

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenlake import kernels
 from tokenlake.config import check_logit_cap
+from tokenlake.engines import kernels
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.validate import check_tensor
 
@@ -168,7 +168,7 @@ def attend_with_prefix(
             so a request may have more new keys than q rows (a chunk split across instances).
         sm_scale: softmax scale, default ``1 / sqrt(D)``.
         backend: kernel backend (``"torch"``, ``"cpu"``, ``"flashinfer"``; ``None`` by device).
-        logit_cap: the attention soft cap (0: none; see :func:`tokenlake.kernels.partial_attention`),
+        logit_cap: the attention soft cap (0: none; see :func:`tokenlake.engines.kernels.partial_attention`),
             the same the prefix partial was computed with.
     Returns:
         ``(o, lse)``: ``o`` ``[T_q, H_q, D]`` float32, attention of every row over its whole

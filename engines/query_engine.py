@@ -17,7 +17,7 @@ from tokenlake.engines import messages, process_group
 from tokenlake.engines.engine_base import EngineBase, EngineHost
 from tokenlake.engines.executor import BoundPart
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.plan_wire import check_array, check_id, check_indptr, check_values
+from tokenlake.planning.wire import check_array, check_id, check_indptr, check_values
 from tokenlake.plans import HolderPart
 
 

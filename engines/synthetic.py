@@ -15,7 +15,7 @@ import torch
 
 from tokenlake.config import ModelShape
 from tokenlake.engines.forward import RowBatch, run_forward
-from tokenlake.kernels.reference import attend
+from tokenlake.engines.kernels.reference import attend
 from tokenlake.plans import Chunk, Plans
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from tokenlake.engines import executor, messages, process_group
 from tokenlake.engines.engine_base import TAG_SPACE, EngineBase, EngineHost
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.plan_wire import check_array, check_runs, check_values
+from tokenlake.planning.wire import check_array, check_runs, check_values
 
 
 @dataclass(eq=False)

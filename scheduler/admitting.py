@@ -8,12 +8,12 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from tokenlake.pool import Pool
-from tokenlake.prefix_tree import PrefixMatch
 from tokenlake.scheduler import memory
 from tokenlake.scheduler.config import SchedulerConfig
 from tokenlake.scheduler.latency_model import DECODE, PREFILL
 from tokenlake.scheduler.policy import WorkItem
 from tokenlake.scheduler.request import Phase, Request
+from tokenlake.tree.prefix_tree import PrefixMatch
 
 
 class Admission:

@@ -1,4 +1,4 @@
-"""Roofline cost of forwards on simulated hardware (profiles in :mod:`tokenlake.profiles`).
+"""Roofline cost of forwards on simulated hardware (profiles in :mod:`tokenlake.cluster.profiles`).
 
 Each forward takes ``max(FLOPs / peak_flops, bytes / mem_bandwidth)``: one instance reads its
 weights once per iteration, writes the new tokens' KV, and does the matmuls of every new token
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tokenlake.cluster.profiles import HardwareProfile, ModelProfile
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.profiles import HardwareProfile, ModelProfile
 from tokenlake.scheduler.latency_model import (
     DECODE,
     PREFILL,

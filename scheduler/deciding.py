@@ -12,7 +12,6 @@ from dataclasses import replace
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.plans import Chunk
 from tokenlake.pool import Pool
-from tokenlake.prefix_tree import PrefixMatch
 from tokenlake.scheduler.admitting import Admission, items_of
 from tokenlake.scheduler.config import COLOCATED, ELASTIC, XPYD, SchedulerConfig
 from tokenlake.scheduler.lanes import Running, prefill_budget, split_free_instances
@@ -27,6 +26,7 @@ from tokenlake.scheduler.policy import (
     select_work,
 )
 from tokenlake.scheduler.request import Phase, Request
+from tokenlake.tree.prefix_tree import PrefixMatch
 
 TBT_MARGIN = 0.6  # share of the TBT SLO multi-step decode plans to (the rest: misprediction)
 DECODE_SCALE_WEIGHT = 0.2  # EWMA weight of the latest decode iteration's measured/predicted

@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from tokenlake.prefix_tree import PrefixMatch
 from tokenlake.scheduler.request import Phase, Request
+from tokenlake.tree.prefix_tree import PrefixMatch
 
 
 def segments(num_tokens: int, segment_len: int) -> int:

@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tokenlake
+from tokenlake.cluster.slots import SlotAllocator
 from tokenlake.config import ModelShape, PoolConfig
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.keys import SegmentHasher, as_tokens
-from tokenlake.slots import SlotAllocator
 
 TOKENS = st.lists(st.integers(0, 2**31 - 1), max_size=40)
 

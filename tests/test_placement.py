@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tokenlake.cluster.placement import Placement
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.keys import SegmentHasher
-from tokenlake.placement import Placement
 
 NUM_KEYS = 100_000
 

@@ -20,7 +20,7 @@ from hypothesis.stateful import (
 
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.keys import SegmentHasher
-from tokenlake.prefix_tree import CommitResult, Location, Node, PrefixTree
+from tokenlake.tree.prefix_tree import CommitResult, Location, Node, PrefixTree
 
 NUM_INSTANCES = 3
 TOKEN = st.integers(0, 2)

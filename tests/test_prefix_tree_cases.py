@@ -12,7 +12,7 @@ from test_prefix_tree import arr, lcp
 
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.keys import SegmentHasher
-from tokenlake.prefix_tree import CommitResult, Location, Node, PrefixTree
+from tokenlake.tree.prefix_tree import CommitResult, Location, Node, PrefixTree
 
 # ---- collisions (2-bit keys: a quarter of all key pairs collide) ---------------------------
 SEGS2 = list(itertools.product(range(4), repeat=2))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenlake.bench.traces import CONVERSATION_TRACE, SYNTHETIC_TRACE
+from tokenlake.benchmarks.traces import CONVERSATION_TRACE, SYNTHETIC_TRACE
 
 ROOT = Path(__file__).parents[1]
 README = ROOT / "README.md"

@@ -13,10 +13,10 @@ from tokenlake.errors import (
     TokenLakeError,
     UnknownRequestError,
 )
-from tokenlake.eviction import EvictionConfig
 from tokenlake.keys import SegmentHasher
 from tokenlake.plans import Chunk, Plans, QueryPlan, TransferPlan
 from tokenlake.pool import Pool, PrefixTreeView
+from tokenlake.tree.policy import EvictionConfig
 
 __all__ = [
     "Chunk",

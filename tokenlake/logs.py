@@ -1,7 +1,7 @@
 """Logging set-up for TokenLake's commands: standard ``logging`` to stderr at one level.
 
 Library code only logs (``logging.getLogger(__name__)``); the commands (``tokenlake ...``,
-``python -m tokenlake.serve``, ``python -m tokenlake.bench.*``) call :func:`setup_logging` once.
+``python -m tokenlake.serve``, ``python -m tokenlake.benchmarks.*``) call :func:`setup_logging` once.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class HolderPart:
 
     ``rows`` are the rows of the sub-batch's ``q_buf`` it needs, request by request;
     ``q_indptr`` / ``kv_indptr`` / ``kv_indices`` / ``last_len`` are ready for
-    :func:`tokenlake.kernels.partial_attention` on that holder's pool.
+    :func:`tokenlake.engines.kernels.partial_attention` on that holder's pool.
     """
 
     instance_id: int

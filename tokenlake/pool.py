@@ -1,7 +1,7 @@
 """The control-plane facade: validates every call, then composes the prefix tree, placement,
-slot allocators, the iteration planner (:mod:`tokenlake.iteration_planner`: plan, settle,
-release), the iterations in flight (:mod:`tokenlake.inflight`) and fail-over
-(:mod:`tokenlake.instance_loss`); owns the running requests."""
+slot allocators, the iteration planner (:mod:`tokenlake.iteration.planner`: plan, settle,
+release), the iterations in flight (:mod:`tokenlake.iteration.inflight`) and fail-over
+(:mod:`tokenlake.iteration.instance_loss`); owns the running requests."""
 
 from __future__ import annotations
 
@@ -11,24 +11,24 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tokenlake import admission, instance_loss
-from tokenlake.balancer import AccessStats, BalancerConfig
+from tokenlake.cluster.balancer import AccessStats, BalancerConfig
+from tokenlake.cluster.load_model import LoadModel
+from tokenlake.cluster.placement import Placement
+from tokenlake.cluster.slots import SlotAllocator
 from tokenlake.config import PoolConfig
 from tokenlake.errors import InvalidArgumentError, IterationStateError, UnknownRequestError
-from tokenlake.eviction import EvictionConfig, EvictionPolicy
-from tokenlake.inflight import InFlight
-from tokenlake.iteration import Iteration
-from tokenlake.iteration_planner import IterationPlanner
+from tokenlake.iteration import admission, instance_loss
+from tokenlake.iteration.checks import check_pool_invariants
+from tokenlake.iteration.inflight import InFlight
+from tokenlake.iteration.planner import IterationPlanner
+from tokenlake.iteration.record import Iteration
+from tokenlake.iteration.requests import RequestState, release_finished
 from tokenlake.keys import SegmentHasher
-from tokenlake.load_model import LoadModel
-from tokenlake.placement import Placement
 from tokenlake.plans import Chunk, Plans
-from tokenlake.pool_checks import check_pool_invariants
-from tokenlake.pool_view import PrefixTreeView
-from tokenlake.prefix_tree import PrefixTree
-from tokenlake.requests import RequestState, release_finished
-from tokenlake.slots import SlotAllocator
 from tokenlake.stats import PoolStats
+from tokenlake.tree.policy import EvictionConfig, EvictionPolicy
+from tokenlake.tree.prefix_tree import PrefixTree
+from tokenlake.tree.view import PrefixTreeView
 from tokenlake.validate import check_bool, check_int, check_request_id, check_sequence, fail
 
 
@@ -41,7 +41,7 @@ class Pool:
     each over its own requests and its own compute instances (``free_instances``); each is
     committed or aborted on its own, in any order. ``finish`` releases a request's pins and
     keeps its partial tail for a later turn. ``load_model`` enables :meth:`get_cache_load`;
-    ``eviction`` picks what goes when the pool is full (:mod:`tokenlake.eviction`).
+    ``eviction`` picks what goes when the pool is full (:mod:`tokenlake.tree.policy`).
 
     The components (``tree``, ``allocators``, ``placement``, ``access``, ``requests``,
     ``inflight``, ``failover``, ``iterations``) are exposed for inspection and tests; change
@@ -288,10 +288,25 @@ class Pool:
 
     def get_stats(self) -> dict:
         """One plain dict of counters; see :meth:`tokenlake.stats.PoolStats.as_dict`."""
-        return self.stats.as_dict(self)
+        return self.stats.as_dict(
+            tree=self.tree,
+            access=self.access,
+            allocators=self.allocators,
+            live=self.live_instances,
+            segment_bytes=self.config.segment_bytes,
+            num_running=len(self.requests),
+            num_in_flight=len(self.active_epochs),
+        )
 
     def check_invariants(self) -> None:
-        check_pool_invariants(self)
+        check_pool_invariants(
+            tree=self.tree,
+            allocators=self.allocators,
+            requests=self.requests,
+            iterations=self.iterations_in_flight(),
+            live=self.live_instances,
+            in_flight_epoch=self.in_flight_epoch,
+        )
 
     # ---- internals -----------------------------------------------------------------------
     def _check_view(self, tree) -> None:

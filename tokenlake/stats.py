@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tokenlake import latency
+from tokenlake.cluster.balancer import AccessStats, coefficient_of_variation
 
 if TYPE_CHECKING:
-    from tokenlake.plan_builder import Traffic
-    from tokenlake.pool import Pool
-
-
-def coefficient_of_variation(values: np.ndarray) -> float:
-    """std / mean (0 when the mean is 0)."""
-    values = np.asarray(values, dtype=np.float64)
-    mean = float(values.mean()) if values.size else 0.0
-    return float(values.std() / mean) if mean > 0 else 0.0
+    from tokenlake.cluster.slots import SlotAllocator
+    from tokenlake.planning.builder import Traffic
+    from tokenlake.tree.prefix_tree import PrefixTree
 
 
 class PoolStats:
@@ -63,8 +59,19 @@ class PoolStats:
         self.replication_bytes += traffic.replication_bytes
         self.num_replications += traffic.num_replications
 
-    def as_dict(self, pool: Pool) -> dict:
-        """Counters since the pool was created.
+    def as_dict(
+        self,
+        *,
+        tree: PrefixTree,
+        access: AccessStats,
+        allocators: Sequence[SlotAllocator],
+        live: Sequence[int],
+        segment_bytes: int,
+        num_running: int,
+        num_in_flight: int,
+    ) -> dict:
+        """Counters since the pool was created, with the pool's parts that hold the rest:
+        ``num_running`` requests, ``num_in_flight`` iterations.
 
         - ``hit_rate``: prompt tokens served from the pool / prompt tokens admitted.
         - ``instance_load``: prefix tokens read per instance (query rows × tokens), in total;
@@ -82,14 +89,12 @@ class PoolStats:
           iterations: ``buckets`` ``[[upper bound s, count <= it], ...]`` (cumulative, last
           bound ``inf``), ``sum``, ``count``.
         """
-        window = pool.access.window_load
-        access = pool.access
-        live = list(pool.live_instances)
-        seg_bytes = pool.config.segment_bytes
-        slots_used = [a.num_used for a in pool.allocators]
+        window = access.window_load
+        live = list(live)
+        slots_used = [a.num_used for a in allocators]
         return {
             "num_requests": self.num_requests,
-            "num_running_requests": len(pool.requests),
+            "num_running_requests": num_running,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_hit_tokens": self.num_hit_tokens,
             "hit_rate": self.num_hit_tokens / self.num_prompt_tokens
@@ -109,15 +114,15 @@ class PoolStats:
             "num_replications": self.num_replications,
             "num_put_tokens": self.num_put_tokens,
             "num_copy_tokens": self.num_copy_tokens,
-            "num_segments": pool.tree.num_nodes,
-            "num_replicas": pool.tree.num_replicas,
-            "num_replicated_segments": int((pool.tree.table.num_replicas > 1).sum()),
+            "num_segments": tree.num_nodes,
+            "num_replicas": tree.num_replicas,
+            "num_replicated_segments": int((tree.table.num_replicas > 1).sum()),
             "num_dedup_segments": self.num_dedup_segments,
             "num_evictions": self.num_evictions,
-            "num_iterations_in_flight": len(pool.active_epochs),
+            "num_iterations_in_flight": num_in_flight,
             "slots_used": slots_used,
-            "bytes_stored": sum(slots_used) * seg_bytes,
-            "bytes_saved_by_dedup": self.num_dedup_segments * seg_bytes,
+            "bytes_stored": sum(slots_used) * segment_bytes,
+            "bytes_saved_by_dedup": self.num_dedup_segments * segment_bytes,
             "live_instances": live,
             "gen_plans_seconds": _histogram_dict(self.latency, "gen_plans"),
         }

@@ -40,7 +40,7 @@ def test_help_lists_every_command_fast_and_without_torch():
             main(["--help"])
         except SystemExit:
             pass
-        print(sorted(m for m in ("torch", "tokenlake.bench", "tokenlake.serve") if m in sys.modules))
+        print(sorted(m for m in ("torch", "tokenlake.benchmarks", "tokenlake.serve") if m in sys.modules))
         """
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
@@ -93,7 +93,7 @@ def test_one_log_level_for_every_command():
     quiet = run("--log-level", "warning", *args)
     loud = run("--log-level", "info", *args)
     assert quiet.returncode == loud.returncode == 0
-    assert "INFO tokenlake.bench.trace_tool" in loud.stderr
+    assert "INFO tokenlake.benchmarks.trace_tool" in loud.stderr
     assert "INFO" not in quiet.stderr
     assert quiet.stdout == loud.stdout  # logging never goes to stdout
 
@@ -115,7 +115,7 @@ def test_no_bare_print_in_library_code():
 
 def test_product_code_never_imports_bench_or_cli():
     """DESIGN §2: tokenlake/, engines/, scheduler/, serve/ never import the benchmarks
-    (``tokenlake.bench``) nor the command (``tokenlake.cli``); only the command reaches both."""
+    (``tokenlake.benchmarks``) nor the command (``tokenlake.cli``); only the command reaches both."""
     import ast
 
     root = Path(__file__).parents[2]

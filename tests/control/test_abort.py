@@ -16,9 +16,9 @@ from harness import Harness, tokens
 from pool_state import assert_restored, assert_same_state, pool_state
 
 import tokenlake as tl
-from tokenlake.balancer import BalancerConfig
+from tokenlake.cluster.balancer import BalancerConfig
 from tokenlake.errors import StalePlanError
-from tokenlake.prefix_tree import Location
+from tokenlake.tree.prefix_tree import Location
 
 
 def crowded(seed: int, num_slots: int = 9, replicate: bool = True) -> tuple[Harness, dict]:

@@ -9,9 +9,9 @@ from harness import Harness, tokens
 
 import tokenlake as tl
 from tokenlake import _C
-from tokenlake.balancer import AccessStats, BalancerConfig, heavy_hitters
+from tokenlake.cluster.balancer import AccessStats, BalancerConfig, heavy_hitters
 from tokenlake.keys import SegmentHasher
-from tokenlake.prefix_tree import Location, PrefixTree
+from tokenlake.tree.prefix_tree import Location, PrefixTree
 
 
 @pytest.mark.parametrize("decay", [1.0, 0.9])

@@ -12,9 +12,9 @@ from harness import Harness, tokens
 from pool_state import assert_restored, assert_same_state, pool_state
 
 import tokenlake as tl
-from tokenlake.balancer import BalancerConfig
+from tokenlake.cluster.balancer import BalancerConfig
 from tokenlake.errors import IterationStateError, PoolFullError
-from tokenlake.prefix_tree import Location
+from tokenlake.tree.prefix_tree import Location
 
 SEG = 8
 

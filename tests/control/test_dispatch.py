@@ -9,8 +9,8 @@ import pytest
 from harness import Harness, tokens
 
 import tokenlake as tl
-from tokenlake.dispatch import hungarian_dispatch, traffic_cost
 from tokenlake.errors import InvalidArgumentError
+from tokenlake.planning.dispatch import hungarian_dispatch, traffic_cost
 
 
 def brute_force(cost: np.ndarray) -> float:

@@ -8,7 +8,7 @@ import pytest
 from harness import Harness, tokens
 
 import tokenlake as tl
-from tokenlake.balancer import BalancerConfig
+from tokenlake.cluster.balancer import BalancerConfig
 from tokenlake.errors import InvalidArgumentError, IterationStateError
 
 

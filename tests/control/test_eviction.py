@@ -1,4 +1,4 @@
-"""Eviction policies (``tokenlake.eviction``) against a brute-force model of each.
+"""Eviction policies (``tokenlake.tree.policy``) against a brute-force model of each.
 
 Cyclic multi-turn sessions whose contexts add up to twice the pool: every session runs two
 turns back to back (the second reuses the first's prompt), then the sessions take turns
@@ -17,9 +17,9 @@ from pool_state import assert_restored, pool_state
 from test_concurrent_iterations import ConcurrentIterations
 
 import tokenlake as tl
-from tokenlake.balancer import BalancerConfig
-from tokenlake.eviction import EvictionConfig, EvictionPolicy
-from tokenlake.prefix_tree import Location, PrefixTree
+from tokenlake.cluster.balancer import BalancerConfig
+from tokenlake.tree.policy import EvictionConfig, EvictionPolicy
+from tokenlake.tree.prefix_tree import Location, PrefixTree
 
 SEG = 4
 NUM_INSTANCES = 2

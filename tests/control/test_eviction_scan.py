@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 
 import tokenlake as tl
-from tokenlake import tree_eviction
-from tokenlake.balancer import BalancerConfig
-from tokenlake.eviction import EvictionConfig
-from tokenlake.tree_eviction import EvictionScan
+from tokenlake.cluster.balancer import BalancerConfig
+from tokenlake.tree import eviction as tree_eviction
+from tokenlake.tree.eviction import EvictionScan
+from tokenlake.tree.policy import EvictionConfig
 
 SEG = 4
 
 
 def first_from_head(tree) -> tuple[int, int] | None:
-    for (key, inst), _ in tree.policy.candidates(tree):
+    for (key, inst), _ in tree.policy.candidates(tree.lru, tree.node_map):
         if tree_eviction.evictable(tree, tree.get(key)):
             return key, inst
     return None

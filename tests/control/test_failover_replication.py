@@ -14,9 +14,9 @@ from harness import Harness, tokens
 from pool_state import assert_restored, pool_state
 
 import tokenlake as tl
-from tokenlake.balancer import BalancerConfig, plan_replications
+from tokenlake.cluster.balancer import BalancerConfig, plan_replications
 from tokenlake.engines.dataplane_config import PeerFailedError
-from tokenlake.prefix_tree import Location
+from tokenlake.tree.prefix_tree import Location
 
 SEG = 16
 # decisions only at epoch 1 and 1001 (any other is fail-over's), no instance ever counts as

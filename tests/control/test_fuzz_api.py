@@ -24,11 +24,11 @@ import pytest
 from pool_state import pool_state
 
 import tokenlake as tl
-from tokenlake.balancer import BalancerConfig
+from tokenlake.cluster.balancer import BalancerConfig
+from tokenlake.cluster.load_model import LoadModel
+from tokenlake.cluster.profiles import A100_80G, LLAMA2_7B
 from tokenlake.errors import TokenLakeError
-from tokenlake.eviction import EvictionConfig
-from tokenlake.load_model import LoadModel
-from tokenlake.profiles import A100_80G, LLAMA2_7B
+from tokenlake.tree.policy import EvictionConfig
 
 SEG = 8
 SHAPE = tl.ModelShape(2, 4, 2, 8)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import tokenlake as tl
+from tokenlake.cluster.load_model import LoadModel
+from tokenlake.cluster.profiles import A100_80G, H200, LLAMA2_7B, calibrate_cpu
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.load_model import LoadModel
-from tokenlake.profiles import A100_80G, H200, LLAMA2_7B, calibrate_cpu
 
 
 def pool_with(load_model, n=8):

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import tokenlake as tl
-from tokenlake import _C, page_gather
-from tokenlake.balancer import BalancerConfig
+from tokenlake import _C
+from tokenlake.cluster.balancer import BalancerConfig
+from tokenlake.planning import page_gather
 
 MASK = (1 << 64) - 1
 

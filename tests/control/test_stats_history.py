@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 import tokenlake as tl
-from tokenlake.balancer import BalancerConfig
-from tokenlake.stats import coefficient_of_variation
+from tokenlake.cluster.balancer import BalancerConfig, coefficient_of_variation
 
 
 def test_load_cv_history_is_a_ring_buffer_with_exact_count_and_mean():

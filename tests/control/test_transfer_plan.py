@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tokenlake import _C
-from tokenlake.plan_builder import PlanBuilder, _PieceInfo
-from tokenlake.segment_table import SegmentTable
+from tokenlake.planning.builder import PlanBuilder, _PieceInfo
+from tokenlake.tree.segment_table import SegmentTable
 
 
 def per_group_indptr(starts, bounds, total):

@@ -19,7 +19,7 @@ from harness import Harness, tokens
 from pool_state import assert_same_state, pool_state
 
 import tokenlake as tl
-from tokenlake.balancer import BalancerConfig
+from tokenlake.cluster.balancer import BalancerConfig
 from tokenlake.errors import InvalidArgumentError, PoolFullError, UnknownRequestError
 
 NOT_INTS = [1.0, 0.0, np.float64(1.0), True, False, np.bool_(True), "1", None, torch.tensor(1)]

@@ -1,6 +1,6 @@
 """Every FlashInfer call TokenLake makes, checked against the released 0.7.x signatures
 (``inspect.signature`` of the installed package): the planner (engine-owned, or the one-shot
-``tokenlake.kernels`` backend's) is run with a recording stand-in for the module on CPU, and
+``tokenlake.engines.kernels`` backend's) is run with a recording stand-in for the module on CPU, and
 each recorded call must bind to the real method. Skipped when flashinfer is not installed (it
 imports on CPU with ``--no-deps``)."""
 
@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from tokenlake.kernels import PagedAttentionInputs, flashinfer_backend
-from tokenlake.kernels.flashinfer_backend import FlashInferPlanner
+from tokenlake.engines.kernels import PagedAttentionInputs, flashinfer_backend
+from tokenlake.engines.kernels.flashinfer_backend import FlashInferPlanner
 
 flashinfer = pytest.importorskip("flashinfer")
 SHAPE = (8, 2, 64, 16)  # H_q, H_kv, D, page size
@@ -63,7 +63,7 @@ def test_every_flashinfer_call_matches_the_released_signatures(monkeypatch):
     # row 0 of the causal plan's first request (3 rows, 2 keys) sees no key: exactly empty
     lse = causal.run(torch.zeros((5, 8, 64), dtype=torch.bfloat16), pool_layer)[1]
     assert torch.isneginf(lse[0]).all() and torch.isfinite(lse[1:]).all()
-    # the one-shot backend of tokenlake.kernels plans its own planner, on the same calls
+    # the one-shot backend of tokenlake.engines.kernels plans its own planner, on the same calls
     monkeypatch.setitem(sys.modules, "flashinfer", recorder)
     num_calls = len(recorder.calls)
     args = PagedAttentionInputs(

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from tokenlake.kernels import flashinfer_backend as fb
-from tokenlake.kernels import partial_attention, reference
+from tokenlake.engines.kernels import flashinfer_backend as fb
+from tokenlake.engines.kernels import partial_attention, reference
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -10,7 +10,7 @@ from engine_helpers import CAPACITY, child_pids, shm_entries
 from harness import Harness, tokens
 
 import tokenlake as tl
-from tokenlake.balancer import BalancerConfig
+from tokenlake.cluster.balancer import BalancerConfig
 from tokenlake.engines.dataplane_config import DataPlaneConfig
 from tokenlake.engines.mp_cluster import MPCluster
 

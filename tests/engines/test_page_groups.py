@@ -1,4 +1,4 @@
-"""Shared-page groups (tokenlake/page_groups.py, BoundPart): every row still attends to
+"""Shared-page groups (engines/page_groups.py, BoundPart): every row still attends to
 exactly its own pages, each shared page is read once, and the merged result equals the
 monolithic reference (the torch backend over the part as it was)."""
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from tokenlake import kernels
+from tokenlake.engines import kernels
 from tokenlake.engines.executor import BoundPart, merge_states
-from tokenlake.page_groups import group_shared_pages, read_tokens
+from tokenlake.engines.page_groups import group_shared_pages, read_tokens
 from tokenlake.plans import HolderPart
 
 PAGE_LEN = 8

@@ -11,8 +11,8 @@ import torch
 
 import tokenlake as tl
 from tokenlake.engines import executor
+from tokenlake.engines.kernels import cpu
 from tokenlake.engines.kv_pool import KVPool
-from tokenlake.kernels import cpu
 
 ALWAYS, NEVER = 0, 1 << 62  # min_parallel_bytes: split every put / none
 

@@ -1,6 +1,6 @@
 """A seeded, deterministic fuzzer of the kernels' boundary.
 
-Mixes valid and hostile calls of ``tokenlake.kernels.partial_attention``, ``merge`` and
+Mixes valid and hostile calls of ``tokenlake.engines.kernels.partial_attention``, ``merge`` and
 ``self_attention`` (through every CPU backend) and of ``tokenlake._C`` called directly. Every
 valid call must equal the torch reference (``backend="torch"``, the oracle) within tolerance,
 with the empty-state semantics exact (``lse = -inf`` and ``o = 0`` where no key is seen, never
@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel_fuzz_cases import MUTATIONS, VALID, Case, hostile_case, paged_case  # noqa: E402
 
-from tokenlake import _C, kernels  # noqa: E402
+from tokenlake import _C  # noqa: E402
+from tokenlake.engines import kernels  # noqa: E402
 from tokenlake.errors import InvalidArgumentError  # noqa: E402
 
 ATOL = 2e-4  # both backends accumulate in fp32 over the same (bf16 or fp32) inputs

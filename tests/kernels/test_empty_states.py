@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tokenlake.kernels import merge, partial_attention, self_attention
+from tokenlake.engines.kernels import merge, partial_attention, self_attention
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 BACKENDS = [

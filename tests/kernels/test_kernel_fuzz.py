@@ -8,7 +8,7 @@ import pytest
 from kernel_fuzz import CORE_CASES, fuzz
 from kernel_fuzz_cases import MUTATIONS
 
-from tokenlake.kernels import inputs
+from tokenlake.engines.kernels import inputs
 
 NUM_CALLS = 1200
 

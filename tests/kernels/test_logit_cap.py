@@ -11,9 +11,9 @@ import torch
 from test_partial_attention import make_case
 
 import tokenlake as tl
+from tokenlake.engines.kernels import cpu, merge, partial_attention, self_attention
 from tokenlake.engines.prefix_attention import attend_with_prefix
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.kernels import cpu, merge, partial_attention, self_attention
 
 BACKENDS = ["torch", "cpu"]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

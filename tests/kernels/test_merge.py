@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from tokenlake.engines.kernels import merge, partial_attention, reference, self_attention
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.kernels import merge, partial_attention, reference, self_attention
 
 BACKENDS = ("torch", "cpu")
 

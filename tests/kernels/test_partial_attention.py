@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
+from tokenlake.engines.kernels import cpu, partial_attention
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.kernels import cpu, partial_attention
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

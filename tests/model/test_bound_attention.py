@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenlake import kernels
+from tokenlake.engines import kernels
+from tokenlake.engines.kernels.cpu import CpuPart
+from tokenlake.engines.kernels.reference import attend
 from tokenlake.engines.prefix_attention import PrefixAttention
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.kernels.cpu import CpuPart
-from tokenlake.kernels.reference import attend
 
 I32 = dict(dtype=torch.int32)
 

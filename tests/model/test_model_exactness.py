@@ -10,7 +10,7 @@ import torch
 from driver import generate
 
 import tokenlake as tl
-from tokenlake.balancer import BalancerConfig
+from tokenlake.cluster.balancer import BalancerConfig
 from tokenlake.engines.local_cluster import LocalCluster
 from tokenlake.engines.model.engine import ModelEngine
 from tokenlake.engines.model.llama import LlamaModel

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenlake.engines.kernels.reference import attend
 from tokenlake.engines.prefix_attention import attend_with_prefix
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.kernels.reference import attend
 
 
 def case(prefix_lens, new_lens, h_q=4, h_kv=2, d=16, seed=0):

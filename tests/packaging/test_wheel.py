@@ -91,12 +91,12 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
         "engines/mp_cluster.py",
         "scheduler/scheduler.py",
         "serve/api.py",
-        "bench/goodput.py",
+        "benchmarks/goodput.py",
         "cli/main.py",
-        "bench/data/conversation_trace_head1000.jsonl.gz",
+        "benchmarks/data/conversation_trace_head1000.jsonl.gz",
     ):
         assert f"tokenlake/{module}" in names, module  # fmt: skip
-    assert not any(n.startswith(("tests/", "engines/", "bench/", "csrc/")) for n in names)
+    assert not any(n.startswith(("tests/", "engines/", "benchmarks/", "csrc/")) for n in names)
     assert "tokenlake = tokenlake.cli.main:main" in entry_points
     core, extras = _requirements(metadata)
     assert core == CORE, "the core install stays light"

@@ -9,10 +9,10 @@ from harness import tokens
 from scheduler_cases import LATENCY, SHAPE, C
 
 import tokenlake as tl
+from tokenlake.cluster.load_model import LoadModel
+from tokenlake.cluster.profiles import A100_80G, LLAMA2_7B
 from tokenlake.engines.local_cluster import LocalCluster
 from tokenlake.engines.synthetic import SyntheticModel, run_iteration
-from tokenlake.load_model import LoadModel
-from tokenlake.profiles import A100_80G, LLAMA2_7B
 from tokenlake.scheduler import (
     DECODE,
     PREFILL,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tokenlake.cluster.profiles import A100_80G, H100, H200, LLAMA2_7B, LLAMA3_8B, LWM_7B_1M
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.profiles import A100_80G, H100, H200, LLAMA2_7B, LLAMA3_8B, LWM_7B_1M
 from tokenlake.scheduler.cost_model import CostModel, split_rows
 from tokenlake.scheduler.latency_model import (
     DECODE,

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 import tokenlake as tl  # noqa: E402
-from tokenlake.balancer import BalancerConfig  # noqa: E402
+from tokenlake.cluster.balancer import BalancerConfig  # noqa: E402
 from tokenlake.serve.metrics import EngineCollector, PoolCollector  # noqa: E402
 
 C = 16

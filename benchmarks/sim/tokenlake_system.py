@@ -1,0 +1,168 @@
+"""TokenLake in the simulator: the real pool (``tokenlake.Pool``) and the real elastic scheduler
+(``tokenlake.scheduler.ElasticScheduler``) run unchanged; only time is simulated.
+
+Iterations are asynchronous (DESIGN §2.3): whenever instances free up or requests arrive the
+scheduler is asked for the next iterations (``step()`` until ``None``), each one batch on its
+own instances; each ends on its own and is committed at once. The scheduler does the
+admission (FCFS, within what the pool can hold) and preempts when the pool runs short, so
+the simulator only hands requests over. A request larger than the whole pool is rejected.
+Times come from :mod:`tokenlake.benchmarks.sim.tokenlake_timing` (compute, queries and puts sharing
+each GPU). ``sync_iterations=True`` is the old model for comparison: one cluster-wide
+iteration at a time, lasting as long as its busiest instance.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tokenlake import EvictionConfig, InvalidArgumentError, Pool, PoolConfig, PoolFullError
+from tokenlake.benchmarks.sim.events import EventLoop
+from tokenlake.benchmarks.sim.job import Job
+from tokenlake.benchmarks.sim.metrics import LoadTimeline
+from tokenlake.benchmarks.sim.step_timer import ClusterSpec, CostModelTimer
+from tokenlake.benchmarks.sim.tokenlake_timing import Flight, TokenLakeTiming
+from tokenlake.benchmarks.workloads.request import prompt_tokens
+from tokenlake.cluster.load_model import LoadModel
+from tokenlake.scheduler import ElasticScheduler, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class TokenLakeConfig:
+    """Args: mode / num_prefill (the scheduler's ``elastic`` or ``xpyd`` with P prefill
+    instances); segment_len (the pool's); chunk_len / max_prefill_tokens / tbt_slo /
+    input_token_slo / output_reserve / decode_steps (the scheduler's); sync_iterations (one cluster-wide
+    iteration at a time, the pre-asynchronous model); eviction (the pool's policy, None: its
+    default)."""
+
+    mode: str = "elastic"
+    num_prefill: int = 0
+    segment_len: int = 512
+    chunk_len: int = 8192
+    max_prefill_tokens: int = 0
+    tbt_slo: float = math.inf
+    input_token_slo: float = math.inf
+    output_reserve: float = 1.0
+    decode_steps: int = 1
+    sync_iterations: bool = False
+    eviction: str | None = None
+
+
+class TokenLakeSystem:
+    def __init__(
+        self,
+        loop: EventLoop,
+        timer: CostModelTimer,
+        spec: ClusterSpec,
+        on_finished: Callable[[Job, float], None],
+        load: LoadTimeline,
+        config: TokenLakeConfig | None = None,
+        on_rejected: Callable[[Job, float, str], None] | None = None,
+    ) -> None:
+        config = config or TokenLakeConfig()
+        self.loop, self.timer, self.spec, self.load = loop, timer, spec, load
+        self.on_finished_cb, self.on_rejected_cb = on_finished, on_rejected
+        n, seg = spec.num_instances, config.segment_len
+        num_slots = max(1, spec.capacity_tokens // seg)
+        self.pool = Pool(
+            PoolConfig(spec.mp.shape, n, num_slots, seg, namespace="sim"),
+            load_model=LoadModel(timer.hardware, spec.mp),
+            eviction=EvictionConfig(config.eviction) if config.eviction else None,
+        )
+        cfg = SchedulerConfig(
+            n,
+            seg,
+            mode=config.mode,
+            chunk_len=config.chunk_len,
+            max_prefill_tokens=config.max_prefill_tokens,
+            num_prefill_instances=config.num_prefill,
+            tbt_slo=config.tbt_slo,
+            input_token_slo=config.input_token_slo,
+            sync_iterations=config.sync_iterations,
+            output_reserve=config.output_reserve,
+            decode_steps=config.decode_steps,
+        )
+        dops = tuple(d for d in (1, 2, 4, 8, 16) if d <= cfg.max_prefill_dop)
+        model = timer.cost.fit(dops=dops)
+        self.sched = ElasticScheduler(cfg, model, self.pool, clock=lambda: loop.now)
+        self.timing = TokenLakeTiming(timer, spec, seg)
+        self.jobs: dict[int, Job] = {}
+        self.num_pool_full = 0
+        self.num_iterations = 0
+        self._kicked = False
+
+    def stats(self) -> dict:
+        stats = self.pool.get_stats()
+        return {
+            "pool_hit_rate": round(stats["hit_rate"], 4),
+            "preemptions": self.sched.num_preemptions,
+            "iterations": self.num_iterations,
+            "pool_full_stalls": self.num_pool_full,
+            "eviction": self.pool.tree.policy.config.policy,
+        }
+
+    # ---- arrivals ------------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        prompt = prompt_tokens(job.req, job.block_size)[: job.input_len]
+        try:
+            self.sched.add_request(job.rid, prompt, job.req.output_len)
+        except InvalidArgumentError:  # more than the whole pool can hold
+            if self.on_rejected_cb is not None:
+                self.on_rejected_cb(job, self.loop.now, "too_large")
+            return
+        self.jobs[job.rid] = job
+        self._kick()
+
+    # ---- iterations ----------------------------------------------------------------------
+    def _kick(self) -> None:
+        if not self._kicked:  # one launch per instant, after every event of it
+            self._kicked = True
+            self.loop.at(self.loop.now, self._launch)
+
+    def _launch(self) -> None:
+        self._kicked = False
+        now = self.loop.now
+        while True:
+            try:
+                it = self.sched.step()
+            except PoolFullError:  # not expected: the scheduler preempts; report it as a stall
+                self.num_pool_full += 1
+                return
+            if it is None:
+                return
+            self.num_iterations += 1
+            for chunk in it.decision.chunks:
+                job = self.jobs[chunk.request_id]
+                if "started" not in job.extra:
+                    job.extra["started"] = True
+                    job.rec.hit_tokens = job.rec.cached_tokens = chunk.start
+            has_prefill = any(p != "decode" for p in it.decision.phases)
+            flight, moved = self.timing.start(it.plans, has_prefill, now, it)
+            for i in flight.reads.nonzero()[0]:
+                self.load.add(now, int(i), float(flight.reads[i]))
+            for f in [flight, *moved]:
+                self._schedule_end(f)
+
+    def _schedule_end(self, flight: Flight) -> None:
+        version = flight.version
+        self.loop.at(flight.end, lambda: self._end(flight, version))
+
+    def _end(self, flight: Flight, version: int) -> None:
+        if version != flight.version:  # its end moved later; a newer event completes it
+            return
+        self.timing.finish(flight)
+        now, it = self.loop.now, flight.payload
+        decode = it.decision.phases[0] == "decode" and len(it.decision.phases) == 1
+        steps = max(c.num_new_tokens for c in it.decision.chunks) if decode else 1
+        finished = self.sched.complete(it)
+        for chunk in it.decision.chunks:
+            if chunk.end == len(chunk.token_ids):  # a prompt's last chunk or decode steps
+                job = self.jobs[chunk.request_id]
+                num = chunk.num_new_tokens if decode else 1
+                for i in range(num):  # multi-step decode: a token at the end of each step
+                    job.generated += 1
+                    job.rec.emit(flight.start + (now - flight.start) * (i + 1) / steps)
+        for req in finished:
+            self.on_finished_cb(self.jobs.pop(req.request_id), now)
+        self._kick()

@@ -1,0 +1,235 @@
+"""Time of TokenLake iterations in the simulator, several in flight at once (item 4 of
+"Asynchronous iterations": what asynchrony costs is in the model).
+
+Each instance runs three engines on one GPU (CUDA MPS, paper §3.3): the compute engine (the
+sub-batch an iteration runs there: forwards, its own part of the prefix attention, sampling
+overhead), and the query and transfer engines serving other instances' iterations (partial
+attention over the segments held here, puts writing new KV here), on concurrent streams.
+Everything running on an instance at once shares its GPU equally (processor sharing): a
+decode lane slows down while it serves a long prefill's prefix queries, and that prefill's
+queries wait for the lane's share. An iteration ends when all of its work on every instance
+is done, and no earlier than its q/o and put bytes take on NVLink or InfiniBand (links are
+not shared). With one iteration at a time this is close to the synchronous model, where a
+holder's queries and its own forward add up.
+
+A decode iteration may run several steps per request (the scheduler's ``decode_steps``):
+its steps are priced one after another, each reading every context once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tokenlake.benchmarks.sim.step_timer import ClusterSpec, CostModelTimer
+
+_EPS = 1e-12
+
+
+@dataclass(eq=False)
+class Flight:
+    """One iteration in flight: the predicted end of its work on each instance, when its
+    bytes are on the wire, and what it read per instance (KV tokens, for the load timeline)."""
+
+    payload: object
+    start: float
+    net_end: float
+    reads: np.ndarray
+    work_end: dict[int, float] = field(default_factory=dict)
+    version: int = 0  # bumped whenever the end moves (stale completion events are skipped)
+    id: int = field(default_factory=itertools.count().__next__)
+
+    @property
+    def end(self) -> float:
+        return float(max(max(self.work_end.values(), default=self.start), self.net_end))
+
+
+class SharedGPU:
+    """Work on one instance under processor sharing: ``tasks[flight] = remaining seconds``
+    (at full speed), every task served at ``1/len(tasks)`` of the GPU."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[Flight, float] = {}
+        self.t = 0.0
+
+    def advance(self, now: float) -> None:
+        elapsed, self.t = now - self.t, now
+        while elapsed > _EPS and self.tasks:
+            k, low = len(self.tasks), min(self.tasks.values())
+            step = min(low, elapsed / k)
+            self.tasks = {f: r - step for f, r in self.tasks.items() if r - step > _EPS}
+            elapsed -= step * k
+
+    def add(self, flight: Flight, work: float) -> None:
+        self.tasks[flight] = self.tasks.get(flight, 0.0) + work
+
+    def finishes(self) -> dict[Flight, float]:
+        """When each task ends if nothing else arrives (a task leaving speeds up the rest)."""
+        out, t, done, prev = {}, self.t, 0, 0.0
+        order = sorted(self.tasks.items(), key=lambda fr: fr[1])
+        for flight, rem in order:
+            t += (rem - prev) * (len(order) - done)
+            out[flight], prev, done = t, rem, done + 1
+        return out
+
+
+class TokenLakeTiming:
+    def __init__(self, timer: CostModelTimer, spec: ClusterSpec, segment_len: int) -> None:
+        self.timer, self.spec, self.segment_len = timer, spec, segment_len
+        n = spec.num_instances
+        self.gpus = [SharedGPU() for _ in range(n)]
+        self.q_row_bytes = 2 * spec.mp.num_layers * spec.mp.shape.q_bytes_per_token_layer
+        self.node = np.array([spec.node_of(i) for i in range(n)])
+        self.kv_bytes_per_token = spec.kv_bytes_per_token
+        self._query_time = timer.cost.query_time
+        self._decode_step: dict[int, float] = {}  # batch size -> overhead + forward (memo)
+        hw = timer.hardware
+        self.bw_near, self.bw_far, self.mem_bw = (
+            hw.intra_node_bandwidth,
+            hw.inter_node_bandwidth,
+            hw.mem_bandwidth,
+        )
+
+    def start(self, plans, has_prefill: bool, now: float, payload: object) -> tuple[Flight, list]:
+        """Start an iteration at ``now``. Returns its :class:`Flight` and the other flights
+        whose end moved (their completion events must be rescheduled)."""
+        n, seg, timer = self.spec.num_instances, self.segment_len, self.timer
+        work = np.zeros(n)  # seconds of this iteration's work on each instance (full speed)
+        entries, puts = [], []
+        cfg = timer.config
+        overhead = cfg.prefill_overhead_s if has_prefill else cfg.decode_overhead_s
+        for qp, tp in zip(plans.query_plans, plans.transfer_plans, strict=True):
+            o = qp.origin
+            rows = qp.q_indptr[1:] - qp.q_indptr[:-1]
+            if has_prefill:
+                first = qp.positions - qp.prefix_lens
+                pieces = list(zip(first.tolist(), (first + rows).tolist(), strict=True))
+                work[o] += overhead + timer.forward_time(pieces)
+            else:  # decode steps, one after another (several per request: multi-step)
+                batch = np.bincount(rows, minlength=int(rows.max()) + 1)[::-1].cumsum()[::-1]
+                for num in batch[1:].tolist():  # requests still decoding at each step
+                    work[o] += self._decode_step_time(num, overhead)
+            if len(qp.entry_req):
+                holders = np.repeat(qp.holder_ids, qp.holder_indptr[1:] - qp.holder_indptr[:-1])
+                tokens = (qp.kv_indptr[1:] - qp.kv_indptr[:-1] - 1) * seg + qp.last_len
+                read = None if has_prefill else self.grouped_reads(qp, rows[qp.entry_req], holders)
+                entries.append((rows[qp.entry_req], tokens, holders, o, read))
+            if len(tp.dst_ids):
+                cum = np.concatenate([[0], np.cumsum(tp.run_len)])
+                sent = cum[tp.dst_indptr[1:]] - cum[tp.dst_indptr[:-1]]
+                puts.append((np.asarray(tp.dst_ids), sent, np.full(len(sent), o)))
+        near, far = np.zeros(n), np.zeros(n)  # bytes each origin sends over NVLink / IB
+        reads = np.zeros(n)
+        if entries:
+            self._queries(work, entries, has_prefill)
+            rows = np.concatenate([e[0] for e in entries])
+            tokens = np.concatenate([e[1] for e in entries])
+            holders = np.concatenate([e[2] for e in entries])
+            origins = np.repeat([e[3] for e in entries], [len(e[2]) for e in entries])
+            reads = np.bincount(holders, weights=rows * tokens, minlength=n)
+            self._add_traffic(near, far, origins, holders, rows * self.q_row_bytes)
+        if puts:
+            dsts, sent, origins = (np.concatenate(x) for x in zip(*puts, strict=True))
+            num_bytes = sent * self.kv_bytes_per_token
+            self._add_traffic(near, far, origins, dsts, num_bytes)
+            remote = dsts != origins
+            work += np.bincount(dsts[remote], weights=num_bytes[remote], minlength=n) / self.mem_bw
+        net = near / self.bw_near + far / self.bw_far
+        return self.place(work, float(net.max(initial=0.0)), now, payload, reads)
+
+    def _decode_step_time(self, batch_size: int, overhead: float) -> float:
+        t = self._decode_step.get(batch_size)
+        if t is None:
+            t = overhead + self.timer.forward_time([(0, 1)] * batch_size)
+            self._decode_step[batch_size] = t
+        return t
+
+    def _queries(self, work: np.ndarray, entries: list, has_prefill: bool) -> None:
+        """Add each holder's prefix-attention time to ``work``: decode rows as one batched
+        query per (origin, holder) and step, prefill rows one query per request."""
+        n, query_time = len(work), self._query_time
+        for o in sorted({e[3] for e in entries}):
+            mine = [e for e in entries if e[3] == o]
+            rows = np.concatenate([e[0] for e in mine])
+            tokens = np.concatenate([e[1] for e in mine])
+            holders = np.concatenate([e[2] for e in mine])
+            if not has_prefill:
+                dk = np.bincount(holders, weights=tokens * rows, minlength=n)
+                read = sum(e[4] for e in mine)
+                for h in np.flatnonzero(dk).tolist():
+                    work[h] += query_time(1, int(dk[h]), int(read[h]))
+                continue
+            one = rows == 1
+            dk = np.bincount(holders[one], weights=(tokens * rows)[one], minlength=n)
+            for h in np.flatnonzero(dk).tolist():
+                work[h] += query_time(1, int(dk[h]))
+            many = ~one
+            for h, r, t in zip(
+                holders[many].tolist(), rows[many].tolist(), tokens[many].tolist(), strict=True
+            ):
+                work[h] += query_time(r, t)
+
+    def grouped_reads(self, qp, steps: np.ndarray, holders: np.ndarray) -> np.ndarray:
+        """KV tokens each holder reads for one decode sub-batch whose rows that read the same
+        page run as one group (the data plane's shared-page grouping): every distinct
+        (page, valid length) once per step, for as many steps as its longest reader. (The data
+        plane runs a part as it is when its rows would take part in more than
+        ``MAX_STATES_PER_ROW`` groups each, which decode parts rarely do; not modelled.)"""
+        seg, n = self.segment_len, self.spec.num_instances
+        num_pages = qp.kv_indptr[1:] - qp.kv_indptr[:-1]
+        if not len(qp.kv_indices):
+            return np.zeros(n)
+        entry = np.repeat(np.arange(len(num_pages)), num_pages)
+        valid = np.full(len(qp.kv_indices), seg, dtype=np.int64)
+        has = num_pages > 0
+        valid[qp.kv_indptr[1:][has] - 1] = qp.last_len[has]
+        key = (holders[entry].astype(np.int64) << 32 | qp.kv_indices.astype(np.int64)) * (
+            seg + 1
+        ) + valid
+        # distinct keys ascending, each with the most steps of its readers: one sort
+        order = np.argsort(key, kind="stable")
+        key = key[order]
+        first = np.empty(len(key), dtype=bool)
+        first[0] = True
+        np.not_equal(key[1:], key[:-1], out=first[1:])
+        starts = np.flatnonzero(first)
+        unique = key[starts]
+        most = np.maximum.reduceat(steps[entry][order], starts)
+        holder = (unique // (seg + 1)) >> 32
+        return np.bincount(holder, weights=(unique % (seg + 1)) * most, minlength=n)
+
+    def place(self, work, net: float, now: float, payload: object = None, reads=None):
+        """Place an iteration started at ``now`` with ``work[i]`` seconds (at full speed) on
+        each instance and ``net`` seconds of bytes on the wire. Returns its flight and the
+        flights it delayed."""
+        reads = np.zeros(len(self.gpus)) if reads is None else reads
+        flight = Flight(payload, now, now + net, reads)
+        moved: dict[int, Flight] = {}
+        for i in np.flatnonzero(np.asarray(work) > 0):
+            gpu = self.gpus[int(i)]
+            gpu.advance(now)
+            gpu.add(flight, float(work[i]))
+            for f, end in gpu.finishes().items():
+                if f is not flight and end > f.work_end.get(int(i), end) + _EPS:
+                    f.version += 1
+                    moved[f.id] = f
+                f.work_end[int(i)] = end
+        return flight, list(moved.values())
+
+    def finish(self, flight: Flight) -> None:
+        """The iteration completed at its end: its work is done everywhere."""
+        for i in flight.work_end:
+            gpu = self.gpus[i]
+            gpu.advance(flight.end)
+            gpu.tasks.pop(flight, None)
+
+    def _add_traffic(self, near, far, src, dst, num_bytes) -> None:
+        """Add ``num_bytes[i]`` sent by ``src[i]`` to ``dst[i]`` (nothing when they are equal)."""
+        remote = src != dst
+        if not remote.any():
+            return
+        n, same = len(near), self.node[src] == self.node[dst]
+        for out, mask in ((near, remote & same), (far, remote & ~same)):
+            out += np.bincount(src[mask], weights=num_bytes[mask], minlength=n)

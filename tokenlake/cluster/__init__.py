@@ -1,0 +1,1 @@
+"""The instances: placement by rendezvous hashing, slots, load balancing, load model, profiles."""

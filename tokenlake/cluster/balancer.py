@@ -1,0 +1,260 @@
+"""Heavy-hitter-aware load balancing (paper §4.3): per-instance load over a sliding window,
+decayed per-segment access counts, the top ``k·N·log N`` segments found by best-first search
+from the root, and replication orders that move load off overloaded instances."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from tokenlake.tree.prefix_tree import Location, Node, PrefixTree
+from tokenlake.validate import check_bool, check_float, check_int
+
+
+def coefficient_of_variation(values: np.ndarray) -> float:
+    """std / mean (0 when the mean is 0)."""
+    values = np.asarray(values, dtype=np.float64)
+    mean = float(values.mean()) if values.size else 0.0
+    return float(values.std() / mean) if mean > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class BalancerConfig:
+    """Args:
+    window: iterations in the per-instance load window.
+    decay: per-iteration decay of segment access counts (``0 < decay <= 1``).
+    overload_factor: an instance is overloaded when its window load exceeds the mean by it.
+    heavy_hitter_k: the heavy hitters are the top ``k·N·ln N`` segments (at least ``k·N``).
+    max_replications: replication orders per decision (bounds copy traffic).
+    interval: iterations between replication decisions (the heavy-hitter search costs).
+    replicate: turn replication off to measure its effect.
+    max_replica_fraction: extra copies stop being made once they hold this share of the
+        pool's slots (replicas cost hit rate).
+    recent_decay: per-iteration decay of the short-horizon load that replica choice uses
+        (the window load lags; choosing on it herds every access to one replica).
+    """
+
+    window: int = 64
+    decay: float = 0.95
+    overload_factor: float = 1.15
+    heavy_hitter_k: float = 4.0
+    max_replications: int = 32
+    interval: int = 4
+    replicate: bool = True
+    max_replica_fraction: float = 0.1
+    recent_decay: float = 0.9
+
+    def __post_init__(self) -> None:
+        name = "BalancerConfig."
+        ints = {"window": (1, 2**20), "max_replications": (0, 2**20), "interval": (1, 2**20)}
+        for field, (low, high) in ints.items():
+            value = check_int(name + field, getattr(self, field), low=low, high=high + 1)
+            object.__setattr__(self, field, value)
+        floats = {  # field: (low, high, low_open, high_open)
+            "decay": (0.0, 1.0, True, False),
+            "overload_factor": (1.0, 1e6, False, False),
+            "heavy_hitter_k": (0.0, 1e6, True, False),
+            "max_replica_fraction": (0.0, 1.0, False, False),
+            "recent_decay": (0.0, 1.0, False, True),
+        }
+        for field, (low, high, low_open, high_open) in floats.items():
+            value = check_float(
+                name + field,
+                getattr(self, field),
+                low=low,
+                high=high,
+                low_open=low_open,
+                high_open=high_open,
+            )
+            object.__setattr__(self, field, value)
+        object.__setattr__(self, "replicate", check_bool(name + "replicate", self.replicate))
+
+    def num_heavy_hitters(self, num_instances: int) -> int:
+        n = max(num_instances, 2)
+        return max(1, math.ceil(self.heavy_hitter_k * n * math.log(n)))
+
+
+class AccessStats:
+    """Decayed access counts live in ``table.access`` scaled by ``table.access_scale``
+    (= decay^-t), so an access adds ``rows · scale`` and nothing is rescanned each
+    iteration; counts stay comparable and a read divides by the scale.
+
+    Everything here changes only when an iteration commits (an aborted one leaves no trace):
+    the decay step, the accesses, the per-instance load window, the short-horizon load and
+    the history of per-window load CVs, of which the last ``history_len`` are kept (a ring
+    buffer; their count and mean cover all of them).
+    """
+
+    def __init__(
+        self,
+        num_instances: int,
+        tree: PrefixTree,
+        config: BalancerConfig,
+        history_len: int = 1024,
+    ) -> None:
+        self.config = config
+        self.table = tree.table
+        self.total_access_tokens = 0.0  # scaled, like table.access
+        self._window: deque[np.ndarray] = deque(maxlen=config.window)
+        self._window_sum = np.zeros(num_instances)
+        self.cv_history: deque[float] = deque(maxlen=history_len)  # CV per block of `window`
+        self.num_cv_windows = 0  # every block so far, also those the ring buffer dropped
+        self._cv_sum = 0.0
+        self._block = np.zeros(num_instances)
+        self._block_len = 0
+        self.recent_load = np.zeros(num_instances)  # EWMA over a few iterations, for PoT
+
+    @property
+    def scale(self) -> float:
+        return self.table.access_scale
+
+    @property
+    def mean_cv(self) -> float:
+        """Mean per-window load CV over every completed window (0 before the first)."""
+        return self._cv_sum / self.num_cv_windows if self.num_cv_windows else 0.0
+
+    def begin_iteration(self) -> None:
+        table = self.table
+        table.access_scale /= self.config.decay
+        if table.access_scale > 1e100:  # renormalise before overflow
+            table.access /= table.access_scale
+            self.total_access_tokens /= table.access_scale
+            table.access_scale = 1.0
+
+    def record_accesses(self, idx: np.ndarray, rows: np.ndarray, access_tokens: float) -> None:
+        """Segments ``idx`` (repeats add up) were read by ``rows`` query rows each;
+        ``access_tokens`` is the sum of query rows × tokens read over those reads."""
+        scale = self.table.access_scale
+        np.add.at(self.table.access, idx, rows * scale)
+        self.total_access_tokens += float(access_tokens) * scale
+
+    def record_load(self, load: np.ndarray, live: list[int]) -> None:
+        if len(self._window) == self._window.maxlen:
+            self._window_sum -= self._window[0]
+        self._window.append(load)
+        self._window_sum += load
+        self._block += load
+        self._block_len += 1
+        if self._block_len == self.config.window:
+            cv = coefficient_of_variation(self._block[live])
+            self.cv_history.append(cv)
+            self.num_cv_windows += 1
+            self._cv_sum += cv
+            self._block[:] = 0
+            self._block_len = 0
+        self.recent_load = self.config.recent_decay * self.recent_load + load
+
+    @property
+    def window_load(self) -> np.ndarray:
+        return self._window_sum.copy()
+
+    def access_count(self, node: Node) -> float:
+        return float(self.table.access[node.idx]) / self.table.access_scale
+
+
+def heavy_hitters(tree: PrefixTree, k: int) -> list[Node]:
+    """The ``k`` most accessed segments in the tree, best first (ties: lower table row first).
+
+    One vectorized pass over the segment table's access counts (a partial sort), which beats
+    walking the tree in Python once ``k`` is in the hundreds (``k·N·ln N`` at 64 instances
+    is over 1,000).
+    """
+    table = tree.table
+    rows = np.flatnonzero(table.in_tree & (table.access > 0))
+    if len(rows) > k:
+        top = np.argpartition(-table.access[rows], k - 1)[:k]
+        rows = rows[top]
+    rows = rows[np.lexsort((rows, -table.access[rows]))]
+    return [tree.node_at(i) for i in rows.tolist()]
+
+
+class ReplicationOrder(NamedTuple):
+    """Copy ``node`` from its replica ``source`` to instance ``destination`` (the pool
+    reserves the slot there)."""
+
+    node: Node
+    source: Location
+    destination: int
+
+
+def plan_replications(
+    tree: PrefixTree,
+    stats: AccessStats,
+    live: list[int],
+    config: BalancerConfig,
+    capacity_slots: int | None = None,
+    failover: frozenset[int] | set[int] = frozenset(),
+) -> list[ReplicationOrder]:
+    """This iteration's replication orders.
+
+    Fail-over first: each heavy hitter whose key is in ``failover`` (it lost a replica with
+    a dropped instance) gets one copy on the least-loaded live instance without one, whatever
+    the load. Then, for each overloaded instance, its heavy hitters (most accessed first) are
+    copied to the least-loaded live instance without a copy, while the estimated load says it
+    helps. Both share the budget.
+    """
+    if not config.replicate or len(live) < 2:
+        return []
+    budget = config.max_replications
+    if capacity_slots is not None:
+        extra = tree.num_replicas - tree.num_nodes
+        budget = min(budget, int(config.max_replica_fraction * capacity_slots) - extra)
+    if budget <= 0:
+        return []
+    load = stats.window_load
+    mean = float(load[live].mean())
+    threshold = config.overload_factor * mean
+    over = [i for i in sorted(live, key=lambda i: -load[i]) if load[i] > threshold]
+    if (not over and not failover) or stats.total_access_tokens <= 0:
+        return []
+    hot = heavy_hitters(tree, config.num_heavy_hitters(len(live)))
+    if not hot:
+        return []
+    table = tree.table
+    idx = np.array([n.idx for n in hot], dtype=np.int64)
+    num_rep = table.num_replicas[idx]
+    rep_inst = table.rep_inst[idx]  # [k, max_replicas], -1 past num_rep
+    tokens = np.array([len(n.tokens) for n in hot], dtype=np.float64)
+    total = float(load[live].sum())
+    node_loads = (table.access[idx] * tokens / stats.total_access_tokens * total).tolist()
+    est = load.astype(np.float64)
+    dead = np.ones(len(est), dtype=bool)
+    dead[live] = False
+    orders: list[ReplicationOrder] = []
+    planned = np.zeros((len(hot), len(est)), dtype=bool)  # destinations ordered this time
+    for h in [h for h, node in enumerate(hot) if node.key in failover]:
+        n = int(num_rep[h])
+        taken = dead.copy()
+        taken[rep_inst[h, :n]] = True
+        if len(orders) >= budget or taken.all():
+            continue
+        dst = int(np.argmin(np.where(taken, np.inf, est)))
+        orders.append(ReplicationOrder(hot[h], hot[h].replicas[0], dst))
+        planned[h, dst] = True
+        est[rep_inst[h, :n]] -= node_loads[h] / n - node_loads[h] / (n + 1)
+        est[dst] += node_loads[h] / (n + 1)
+    for src in over:
+        for h in np.flatnonzero((rep_inst == src).any(axis=1)).tolist():
+            if len(orders) >= budget or est[src] <= threshold:
+                break
+            n = int(num_rep[h])
+            taken = dead | planned[h]
+            taken[rep_inst[h, :n]] = True
+            if taken.all():
+                continue
+            node_load = node_loads[h]
+            dst = int(np.argmin(np.where(taken, np.inf, est)))
+            gain = node_load / n - node_load / (n + 1)
+            if est[dst] + node_load / (n + 1) >= est[src] - gain:
+                continue  # the copy would not lower the maximum
+            r = int(np.flatnonzero(rep_inst[h, :n] == src)[0])
+            source = Location(int(src), int(table.rep_slot[idx[h], r]))
+            orders.append(ReplicationOrder(hot[h], source, dst))
+            planned[h, dst] = True
+            est[src] -= gain
+            est[dst] += node_load / (n + 1)
+    return orders

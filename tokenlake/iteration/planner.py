@@ -1,0 +1,182 @@
+"""One iteration's life inside the pool: plan it (admit new requests, reserve slots and
+replica copies, build the plans), then settle it at commit or release it at abort. The
+:class:`tokenlake.Pool` facade validates, registers the iteration in flight and calls these."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tokenlake.cluster.balancer import AccessStats, BalancerConfig, plan_replications
+from tokenlake.cluster.placement import Placement
+from tokenlake.cluster.slots import SlotAllocator
+from tokenlake.config import PoolConfig
+from tokenlake.errors import PoolFullError
+from tokenlake.iteration import admission
+from tokenlake.iteration.inflight import InFlight
+from tokenlake.iteration.instance_loss import FailoverLog
+from tokenlake.iteration.record import Iteration
+from tokenlake.iteration.sealing import seal_chunk
+from tokenlake.iteration.segment_planner import SegmentPlanner
+from tokenlake.planning.builder import PlanBuilder
+from tokenlake.stats import PoolStats
+from tokenlake.tree.prefix_tree import PrefixTree
+
+
+class IterationPlanner:
+    """Plans, settles and releases iterations over the pool's components (shared, not owned)."""
+
+    def __init__(
+        self,
+        config: PoolConfig,
+        tree: PrefixTree,
+        placement: Placement,
+        allocators: list[SlotAllocator],
+        access: AccessStats,
+        balancer: BalancerConfig,
+        stats: PoolStats,
+        requests: dict,
+        inflight: InFlight,
+        failover: FailoverLog,
+        seed: int,
+    ) -> None:
+        self.config, self.tree, self.placement = config, tree, placement
+        self.allocators, self.access, self.balancer = allocators, access, balancer
+        self.stats, self.requests, self.inflight, self.failover = (
+            stats,
+            requests,
+            inflight,
+            failover,
+        )
+        self.seed = seed
+        n = config.num_instances
+        self.segments = SegmentPlanner(tree, placement, allocators)
+        m = config.model
+        q_row_bytes = m.num_layers * (
+            m.q_bytes_per_token_layer + 4 * m.num_q_heads * (m.head_dim + 1)
+        )
+        self.builder = PlanBuilder(
+            tree.table, config.segment_len, n, q_row_bytes, m.kv_bytes_per_token,
+            config.segment_bytes,
+        )  # fmt: skip
+
+    def plan(self, it: Iteration, dops, instances, matches, busy) -> None:
+        """Admit ``it``'s new requests, reserve its writes and replica copies, build its plans."""
+        tree, planner, cs = self.tree, self.segments, it.chunk_set
+        for i, c in cs.new:
+            pc = admission.admit(c, matches[c.request_id], tree)
+            self.requests[c.request_id] = pc.state
+            cs.admitted(i, pc)
+            it.new_chunks.append(pc)
+        it.chunks = cs.planned_chunks
+        rest = it.chunks
+        needed = sum(planner.num_new_slots(pc) for pc in rest)
+        if needed > planner.free_capacity():
+            raise PoolFullError(
+                f"batches: need {needed} new slots, only {planner.free_capacity()} free or "
+                "evictable (the rest is pinned by running requests or read in flight)"
+            )
+        for pc in rest:
+            planner.plan_writes(pc, it.victims)
+        self._reserve_replications(it)
+        for pc in it.new_chunks:  # evictions above may have taken the copy source chosen earlier
+            if pc.source is not None:
+                for w in pc.writes:
+                    if w.copy_from is not None and w.copy_from not in pc.source.replicas:
+                        w.copy_from = pc.source.replicas[0]  # pinned: its last copy stays
+        free = [i for i in self.placement.live if i not in busy]
+        plans, traffic, reads = self.builder.build(
+            (self.inflight.pool_id, it.epoch),
+            cs,
+            dops,
+            free,
+            it.replications,
+            instances,
+            self.inflight.total_load(self.access.recent_load),
+            (self.seed * 1_000_003 + it.epoch) % 2**62,
+        )
+        self._add_readers(it, reads.rows)
+        it.plans, it.traffic, it.reads = plans, traffic, reads
+        it.instances = traffic.instances
+
+    def settle(self, it: Iteration, live: list[int]) -> None:
+        """Commit ``it``: seal, add its replicas, book accesses, LRU, load and counters."""
+        tree, r = self.tree, it.reads
+        for pc in it.new_chunks:  # the admitted prefix was read: the most recent for LRU
+            path = pc.state.tree_nodes + ([pc.source] if pc.source else [])
+            tree.touch(path)
+            tree.mark_reused(path)
+        tree.forget(v.node for v in it.victims)
+        tree.touch_replicas(r.chosen_idx.tolist(), r.chosen_inst.tolist())
+        self.access.begin_iteration()
+        self.access.record_accesses(r.rows, r.query_rows, r.access_tokens)
+        for pc in it.chunks:
+            self.stats.record_writes(pc.writes)
+            seal_chunk(pc, tree, self.allocators, self.stats)
+        self.stats.num_put_tokens += it.chunk_set.commit_in_place()
+        if it.failover is not None:  # its replication decision saw these drops and keys
+            self.failover.settle(it.failover)
+        for node, _, dst in it.replications:  # the node is read: it is still in the tree
+            if any(r.instance_id == dst.instance_id for r in node.replicas):
+                self.allocators[dst.instance_id].free(dst.slot_id)  # a restored copy won
+            else:
+                tree.add_replica(node, dst)
+        self._drop_readers(it)
+        self.access.record_load(it.traffic.load, live)
+        self.stats.record_iteration(it.traffic, it.new_chunks, len(it.victims))
+        self.stats.record_gen_plans(it.gen_plans_s)
+
+    def release(self, it: Iteration, executed: bool) -> None:
+        """Undo everything :meth:`plan` reserved for ``it`` (see :meth:`tokenlake.Pool.abort`)."""
+        tree = self.tree
+        for pc in reversed(it.chunks):
+            for w in reversed(pc.writes):
+                if w.pending is not None and w.pending.state == "reserved":
+                    tree.abort(w.pending)
+        self._drop_readers(it)
+        admission.release(it.new_chunks, self.requests, tree)
+        restored = set()
+        if not executed and it.victims:
+            done = tree.restore(it.victims, self.placement.live)
+            restored = {v.location for v, ok in zip(it.victims, done, strict=True) if ok}
+        tree.forget(v.node for v in it.victims if v.location not in restored)
+        for loc in it.new_slots():
+            if loc not in restored:
+                self.allocators[loc.instance_id].free(loc.slot_id)
+        self.stats.num_evictions += len(it.victims) - len(restored)
+
+    def _add_readers(self, it: Iteration, idx: np.ndarray) -> None:
+        """``it`` reads the table rows ``idx`` (a reader per occurrence until it ends)."""
+        self.tree.add_readers(idx, 1)
+        it.read_idx.append(idx)
+
+    def _drop_readers(self, it: Iteration) -> None:
+        for idx in it.read_idx:
+            self.tree.add_readers(idx, -1)
+
+    def _reserve_replications(self, it: Iteration) -> None:
+        """Replication orders, decided every ``interval`` epochs, and at once after an
+        instance was dropped or restored (fail-over: segments that lost a replica are
+        eligible), with at most one decision in flight. Each source's whole path is read by
+        the iteration (so no copy of it is evicted, and readers stay closed under
+        ancestors), then a slot is reserved on the destination."""
+        if (
+            (it.epoch - 1) % self.balancer.interval and not self.failover.unseen
+        ) or self.inflight.deciding_replication:
+            return
+        it.decided_replication = True
+        it.failover = self.failover.snapshot()
+        capacity = self.config.num_slots * len(self.placement.live)
+        live = list(self.placement.live)
+        orders = plan_replications(
+            self.tree, self.access, live, self.balancer, capacity, failover=it.failover[1]
+        )
+        paths = []
+        for node, _, _ in orders:
+            while node is not self.tree.root and node.idx >= 0:
+                paths.append(node.idx)
+                node = node.parent
+        self._add_readers(it, np.asarray(paths, dtype=np.int64))
+        for node, src, dst in orders:
+            loc = self.segments.reserve_replica(dst, it.victims)
+            if loc is not None:
+                it.replications.append((node, src, loc))

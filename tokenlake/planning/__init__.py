@@ -1,0 +1,1 @@
+"""Building the plans: dispatch of sub-batches to instances, page gathers, plans on the wire."""
