@@ -14,7 +14,7 @@ import pytest
 from tokenlake.cli.main import BENCHES, COMMANDS, Command, CommandUnavailable, main, resolve
 
 TOKENLAKE = Path(sys.executable).with_name("tokenlake")
-TRACE = Path(__file__).parents[2] / "bench" / "data" / "conversation_trace_head1000.jsonl.gz"
+TRACE = Path(__file__).parents[2] / "benchmarks" / "data" / "conversation_trace_head1000.jsonl.gz"
 
 
 def run(*args: str, **kwargs) -> subprocess.CompletedProcess:
@@ -129,7 +129,7 @@ def test_product_code_never_imports_bench_or_cli():
                 elif isinstance(node, ast.ImportFrom) and node.module:
                     names = [node.module]
                 for name in names:
-                    if name.split(".")[:2] in (["tokenlake", "bench"], ["tokenlake", "cli"]):
+                    if name.split(".")[:2] in (["tokenlake", "benchmarks"], ["tokenlake", "cli"]):
                         offenders.append(f"{path.relative_to(root)}: {name}")
                     if name.split(".")[0] in ("bench", "benchmarks", "cli"):
                         offenders.append(f"{path.relative_to(root)}: {name}")
