@@ -21,7 +21,7 @@ import torch
 
 from tokenlake.engines.dataplane_config import PeerFailedError
 from tokenlake.engines.model.engine import ModelEngine
-from tokenlake.engines.model.sampling import sample
+from tokenlake.engines.model.sampling import SamplingParams, sample
 from tokenlake.errors import InvalidArgumentError, PoolFullError, UnknownRequestError
 from tokenlake.scheduler import ElasticScheduler
 from tokenlake.serve.membership import Membership
@@ -30,6 +30,8 @@ from tokenlake.serve.request import GenerationRequest, TokenEvent
 log = logging.getLogger(__name__)
 Sink = Callable[[TokenEvent], None]
 ENGINE_STATS_PERIOD_S = 1.0  # engine counters cost a round trip to every engine process
+POOL_STATS_PERIOD_S = 0.5  # the pool's snapshot while idle (a dead instance, a sweep)
+Sampler = Callable[[torch.Tensor, SamplingParams, torch.Generator | None], int]
 
 
 @dataclass(eq=False)
@@ -46,7 +48,8 @@ class Runtime:
 
     ``max_model_len`` bounds prompt + output tokens; ``max_num_seqs`` the requests in the
     scheduler at once (the rest queue here, in arrival order). ``on_close`` callbacks run
-    after the loop stopped (releasing engines, temporary files).
+    after the loop stopped (releasing engines, temporary files). ``sampler`` picks a token
+    from one request's logits; when it raises, that request alone ends with an error.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class Runtime:
         eos_token_ids: tuple[int, ...] = (),
         seed: int = 0,
         on_close: tuple[Callable[[], None], ...] = (),
+        sampler: Sampler = sample,
     ) -> None:
         self.engine = engine
         self.scheduler = scheduler
@@ -66,6 +70,7 @@ class Runtime:
         self.eos_token_ids = frozenset(eos_token_ids)
         self._seed = seed
         self._on_close = on_close
+        self._sampler = sampler
         self._cond = threading.Condition()
         self._inbox: collections.deque[_Live] = collections.deque()
         self._cancels: set[str] = set()
@@ -75,7 +80,9 @@ class Runtime:
         self._error: BaseException | None = None
         self.counters = collections.Counter()
         self.iteration_seconds = 0.0
-        self.pool_stats: dict = scheduler.pool.get_stats()
+        self.pool_stats: dict = scheduler.pool.get_stats()  # /metrics reads this snapshot
+        self._pool_stats_at = time.monotonic()
+        self._pool_changed = False  # a request ended outside an iteration
         self.engine_stats: dict = {}  # the data plane's counters, refreshed by the loop
         self._engine_stats_at = -math.inf
         self.membership = Membership(scheduler, engine, self.counters, self._end_all)
@@ -161,6 +168,7 @@ class Runtime:
         try:
             while True:
                 self._refresh_engine_stats()
+                self._refresh_pool_stats()
                 self.membership.poll()  # also while idle: a death is seen within the wait below
                 with self._cond:
                     if self._stopping:
@@ -196,6 +204,16 @@ class Runtime:
             self.engine_stats = source()
         except Exception as e:  # metrics must never stop serving
             log.warning("runtime: engine stats unavailable: %s", e)
+
+    def _refresh_pool_stats(self) -> None:
+        """Snapshot the pool's counters for /metrics (the pool is not thread-safe) after
+        requests ended between iterations, else every POOL_STATS_PERIOD_S: a cancel on an
+        idle server shows at once, not at the next request's iteration."""
+        now = time.monotonic()
+        if not self._pool_changed and now - self._pool_stats_at < POOL_STATS_PERIOD_S:
+            return
+        self._pool_changed, self._pool_stats_at = False, now
+        self.pool_stats = self.scheduler.pool.get_stats()
 
     def _apply_cancels(self, cancels: set[str]) -> None:
         for rid in cancels:
@@ -246,10 +264,14 @@ class Runtime:
             for rid in chunks:
                 self._end(rid, None, "error", f"engine error: {e}")
             return
-        tokens = {}
+        tokens, failed = {}, {}
         for rid, row in logits.items():
             live = self._live[rid]
-            tokens[rid] = sample(row, live.request.sampling, live.generator)
+            try:
+                tokens[rid] = self._sampler(row, live.request.sampling, live.generator)
+            except Exception as e:  # ends this request only (below, once committed)
+                log.exception("runtime: sampling for request %s failed", rid)
+                failed[rid] = f"sampling error: {e}"
         for rid, chunk in chunks.items():
             live = self._live[rid]
             if live.num_cached < 0:
@@ -258,9 +280,12 @@ class Runtime:
         self.engine.retire(it.plans)
         self.counters["iterations"] += 1
         self.counters["computed_tokens"] += sum(c.num_new_tokens for c in chunks.values())
+        for rid, error in failed.items():
+            self._end(rid, None, "error", error)
         for rid, token in tokens.items():
             self._emit(rid, token, rid in finished)
         self.pool_stats = self.scheduler.pool.get_stats()
+        self._pool_changed, self._pool_stats_at = False, time.monotonic()
         self.iteration_seconds += time.perf_counter() - t0
 
     def _end_all(self, error: str) -> None:
@@ -286,6 +311,7 @@ class Runtime:
         live = self._live.pop(rid)
         with contextlib.suppress(InvalidArgumentError, UnknownRequestError):
             self.scheduler.cancel(rid)  # unless it already finished there
+        self._pool_changed = True
         self._count_end(live, reason)
         _deliver(live, TokenEvent(rid, token, reason, max(live.num_cached, 0), error))
 

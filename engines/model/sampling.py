@@ -8,10 +8,15 @@ import torch
 
 from tokenlake.errors import InvalidArgumentError
 
+# Below this temperature sampling is greedy, as in vLLM: the distribution is one-hot up to
+# rounding anyway, and dividing by a temperature near float32's smallest value overflows.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """OpenAI/vLLM conventions: ``temperature`` 0 is greedy; ``top_k`` 0 or -1 means all."""
+    """OpenAI/vLLM conventions: ``temperature`` 0 (or below 1e-5) is greedy; ``top_k`` 0 or
+    -1 means all."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -32,14 +37,20 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from ``logits`` ``[vocab]`` float32."""
+    """One token id from ``logits`` ``[vocab]``. Raises ``ValueError`` for logits that are
+    not all finite when sampling (greedy takes the argmax of whatever it gets)."""
     if params.greedy:
         return int(torch.argmax(logits))
-    scores = logits / params.temperature
+    # float64 with the maximum subtracted: the largest score is exactly 0, so softmax has a
+    # denominator >= 1 and no inf / NaN for any temperature accepted above
+    scores = logits.detach().to(torch.float64)
+    if not bool(torch.isfinite(scores).all()):
+        raise ValueError("sample: logits contain inf or NaN")
+    scores = (scores - scores.max()) / float(params.temperature)
     if params.top_k > 0:
         kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
