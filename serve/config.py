@@ -1,89 +1,121 @@
-"""The server's frozen configuration (every command-line flag lands here)."""
+"""The server's frozen configuration. Every field is a command-line flag: its metadata
+holds the flag's help text and group, and ``serve/cli_flags.py`` builds the flags from it,
+so adding a field adds its flag."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenlake.errors import InvalidArgumentError
 
 DATA_PLANES = ("local", "mp")
 SCHEDULER_MODES = ("elastic", "colocated")
+DTYPES = ("auto", "float32", "bfloat16")
+KERNEL_BACKENDS = ("cpu", "torch", "flashinfer")
+MAX_BODY_BYTES_LIMIT = 1 << 30  # a body is held in memory whole: bound what a flag can ask
+
+MODEL, POOL, HTTP = "model", "pool and scheduler", "HTTP"
+
+
+def _flag(default, help: str, group: str, choices: tuple[str, ...] | None = None):
+    """A config field that is also a flag (``help`` may use ``%(default)s``)."""
+    return field(default=default, metadata={"help": help, "group": group, "choices": choices})
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """How ``python -m tokenlake.serve`` runs.
+    """How ``python -m tokenlake.serve`` runs; each field's meaning is its ``help`` below
+    (also shown by ``--help``)."""
 
-    Args:
-        model: a Hugging Face checkpoint directory, or ``"tiny-random"``.
-        served_model_name: the name clients pass as ``model`` (default: ``model``).
-        dtype: ``"auto"`` (the checkpoint's), ``"float32"`` or ``"bfloat16"``.
-        num_instances: instances of the pool (ranks ``0..N-1``).
-        segment_len: tokens per KV segment (``C``).
-        num_slots: segment slots per instance.
-        max_model_len: longest prompt + output in tokens (0: the model's, capped by the pool).
-        chunk_len: most new tokens of one prefill chunk (a multiple of ``segment_len``).
-        max_num_seqs: most requests running at once (more wait in the queue).
-        data_plane: ``"local"`` (in-process engines) or ``"mp"`` (engine processes).
-        kernel_backend: attention kernels (``None``: by device).
-        host, port: where the HTTP API listens (loopback by default).
-        seed: seed of ``tiny-random`` and of unseeded sampling.
-        profile: measure the scheduler's latency model on the model at start-up.
-        scheduler_mode: ``"elastic"`` (prefill batches of DoP 1..N) or ``"colocated"`` (DoP
-            1; the Ray launch's, where each instance's compute runs in its own process).
-    """
-
-    model: str = "tiny-random"
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    num_instances: int = 4
-    segment_len: int = 32
-    num_slots: int = 512
-    max_model_len: int = 0
-    chunk_len: int = 512
-    max_num_seqs: int = 64
-    data_plane: str = "local"
-    kernel_backend: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    seed: int = 0
-    profile: bool = True
-    torch_threads: int = 0
-    scheduler_mode: str = "elastic"
+    model: str = _flag(
+        "tiny-random",
+        "Hugging Face checkpoint directory (config.json + *.safetensors, tokenizer.json), or "
+        "'tiny-random' for a seeded small Llama made locally (default: %(default)s)",
+        MODEL,
+    )
+    served_model_name: str | None = _flag(
+        None, "the name clients pass as 'model' (default: --model)", MODEL
+    )
+    dtype: str = _flag(
+        "auto", "weights and KV dtype; auto keeps the checkpoint's (default: %(default)s)",
+        MODEL, DTYPES,
+    )  # fmt: skip
+    num_instances: int = _flag(4, "TokenLake instances (default: %(default)s)", POOL)
+    segment_len: int = _flag(32, "tokens per KV segment (default: %(default)s)", POOL)
+    num_slots: int = _flag(512, "segment slots per instance (default: %(default)s)", POOL)
+    max_model_len: int = _flag(
+        0, "longest prompt + output in tokens; 0 = the model's, capped by the pool", MODEL
+    )
+    chunk_len: int = _flag(
+        512, "most tokens of one prefill chunk, a multiple of --segment-len "
+        "(default: %(default)s)", POOL,
+    )  # fmt: skip
+    max_num_seqs: int = _flag(
+        64, "most requests running at once; more wait in the queue (default: %(default)s)",
+        POOL,
+    )  # fmt: skip
+    data_plane: str = _flag(
+        "local", "local: engines in this process; mp: query/transfer engine processes per "
+        "instance (default: %(default)s)", POOL, DATA_PLANES,
+    )  # fmt: skip
+    kernel_backend: str | None = _flag(
+        None, "attention kernels (default: by device)", POOL, KERNEL_BACKENDS
+    )
+    host: str = _flag("127.0.0.1", "address to bind (default: %(default)s)", HTTP)
+    port: int = _flag(8000, "port; 0 = any free port (default: %(default)s)", HTTP)
+    seed: int = _flag(
+        0, "seed of tiny-random and of unseeded sampling (default: %(default)s)", MODEL
+    )
+    profile: bool = _flag(
+        True, "measure the scheduler's latency model at start-up (--no-profile skips it)", POOL
+    )
+    torch_threads: int = _flag(
+        0, "threads for the model's torch ops; 0 = torch's default (default: %(default)s)", POOL
+    )
+    scheduler_mode: str = _flag(
+        "elastic", "elastic: prefill batches of DoP 1..N; colocated: DoP 1, each instance's "
+        "compute on its own (tokenlake launch always uses colocated; default: %(default)s)",
+        POOL, SCHEDULER_MODES,
+    )  # fmt: skip
+    max_body_bytes: int = _flag(
+        8 << 20, "largest HTTP request body in bytes; a larger one gets a 413 before it is "
+        "read whole (default: %(default)s)", HTTP,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         for name in ("num_instances", "segment_len", "num_slots", "chunk_len", "max_num_seqs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"{name}: expected an int >= 1, got {value!r}")
-        if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int):
-            raise InvalidArgumentError(
-                f"max_model_len: expected an int, got {self.max_model_len!r}"
-            )
-        if self.max_model_len < 0:
-            raise InvalidArgumentError(f"max_model_len: expected >= 0, got {self.max_model_len}")
-        if isinstance(self.torch_threads, bool) or not isinstance(self.torch_threads, int):
-            raise InvalidArgumentError(
-                f"torch_threads: expected an int, got {self.torch_threads!r}"
-            )
-        if self.torch_threads < 0:
-            raise InvalidArgumentError(f"torch_threads: expected >= 0, got {self.torch_threads}")
+            _check_int(name, getattr(self, name), 1)
+        _check_int("max_model_len", self.max_model_len, 0)
+        _check_int("torch_threads", self.torch_threads, 0)
+        _check_int("max_body_bytes", self.max_body_bytes, 1, MAX_BODY_BYTES_LIMIT)
         if self.chunk_len % self.segment_len:
             raise InvalidArgumentError(
                 f"chunk_len: expected a multiple of segment_len={self.segment_len}, "
                 f"got {self.chunk_len}"
             )
-        if self.scheduler_mode not in SCHEDULER_MODES:
-            raise InvalidArgumentError(
-                f"scheduler_mode: expected one of {SCHEDULER_MODES}, got {self.scheduler_mode!r}"
-            )
-        if self.data_plane not in DATA_PLANES:
-            raise InvalidArgumentError(
-                f"data_plane: expected one of {DATA_PLANES}, got {self.data_plane!r}"
-            )
-        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+        _check_choice("scheduler_mode", self.scheduler_mode, SCHEDULER_MODES)
+        _check_choice("data_plane", self.data_plane, DATA_PLANES)
+        _check_choice("dtype", self.dtype, DTYPES)
+        if self.kernel_backend is not None:
+            _check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
+        if isinstance(self.port, bool) or not isinstance(self.port, int):
+            raise InvalidArgumentError(f"port: expected 0..65535, got {self.port!r}")
+        if not 0 <= self.port < 65536:
             raise InvalidArgumentError(f"port: expected 0..65535, got {self.port!r}")
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{name}: expected an int, got {value!r}")
+    if value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise InvalidArgumentError(f"{name}: expected an int {allowed}, got {value}")
+
+
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise InvalidArgumentError(f"{name}: expected one of {allowed}, got {value!r}")
