@@ -77,4 +77,5 @@ class ClusterBase:
                 client.synchronize()
 
     def _make_clients(self, num_instances: int) -> None:
+        self._driver.num_served = num_instances
         self._clients = [EngineClient(i, self._driver) for i in range(num_instances)]

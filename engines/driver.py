@@ -62,6 +62,7 @@ class Driver:
         self.backend: str | None = None
         self.planner = None
         self.lost: set[int] = set()
+        self.num_served = num_instances  # instances of the pool served now (see reset)
         self._puts: dict[int, list] = defaultdict(list)  # layer -> tickets
         self._works: dict[int, list] = defaultdict(list)  # layer -> (work, peer, tensor)
         self._next_tag = 0

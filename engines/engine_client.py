@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenlake.engines import executor, messages, process_group
+from tokenlake.engines import executor, messages, plan_checks, process_group
 from tokenlake.engines.driver import Driver
 from tokenlake.engines.epoch_bindings import EpochBindings
 from tokenlake.engines.executor import BoundPart
@@ -80,6 +80,8 @@ class EngineClient:
     def init_query(self, query_plan: QueryPlan) -> torch.Tensor:
         """Bind a query plan; returns ``q_buf`` ``[num_rows, H_q, D]`` (model dtype), a view of
         this instance's q buffer, for the compute engine to write q into per layer."""
+        executor.check_plan("query_plan", query_plan, QueryPlan, self.instance_id)
+        plan_checks.check_query(query_plan, self._driver)  # before anything is bound
         self._bindings.admit("query_plan", query_plan, QueryPlan)
         n = query_plan.num_rows
         offset = self._bindings.reserve("q", n, "query_plan", self._layout.max_q_rows)
@@ -202,6 +204,9 @@ class EngineClient:
         """Bind a transfer plan and run its segment copies; returns ``kv_buf``
         ``[num_layers, num_rows, 2, H_kv, D]`` (model dtype), a view of this instance's kv
         buffer, for the compute engine's new K and V."""
+        executor.check_plan("transfer_plan", transfer_plan, TransferPlan, self.instance_id)
+        # this process may write the runs and copies itself: nothing else checks them
+        plan_checks.check_transfer(transfer_plan, self._driver)
         self._bindings.admit("transfer_plan", transfer_plan, TransferPlan)
         d = self._driver
         n = transfer_plan.num_rows
