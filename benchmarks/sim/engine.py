@@ -11,19 +11,27 @@ its uncached prompt plus its whole output fits after evicting unlocked LRU cache
 admits on an estimated output and retracts on overflow; reserving the output is the
 no-retraction equivalent). A request longer than the whole KV capacity is rejected (SGLang
 aborts it). ``role`` makes the instance prefill-only or decode-only for PD disaggregation.
+
+Two options beyond SGLang's defaults, for tuned baselines: ``tbt_slo_s`` (finite: TBT-aware
+chunking, each step's chunk the largest that fits the TBT SLO beside the running decodes, see
+:mod:`.tbt_chunk`) and ``cascade`` (vLLM V1's cascade attention for the decode rows of a
+batch, see :mod:`.cascade`; only the decode rows' common prefix is counted).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tokenlake.benchmarks.sim.cascade import cascade_read_tokens, common_prefix_tokens
 from tokenlake.benchmarks.sim.events import EventLoop
 from tokenlake.benchmarks.sim.job import Job
 from tokenlake.benchmarks.sim.metrics import LoadTimeline
 from tokenlake.benchmarks.sim.radix_cache import LocalPrefixCache
 from tokenlake.benchmarks.sim.step_timer import StepTimer
+from tokenlake.benchmarks.sim.tbt_chunk import CHUNK_GRANULE, tbt_aware_chunk
 
 
 @dataclass(frozen=True)
@@ -32,12 +40,19 @@ class EngineConfig:
     max_running_requests: int = 1024
     role: str = "both"  # "both", "prefill" or "decode"
     mixed_chunk: bool = False
+    tbt_slo_s: float = math.inf  # finite: TBT-aware chunks of at most chunked_prefill_size
+    cascade: bool = False  # vLLM V1's cascade decode
 
     def __post_init__(self) -> None:
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"EngineConfig.role: expected both/prefill/decode, got {self.role!r}")
         if self.chunked_prefill_size < 1 or self.max_running_requests < 1:
-            raise ValueError("EngineConfig: chunked_prefill_size, max_running_requests >= 1")
+            raise ValueError(
+                "EngineConfig: chunked_prefill_size, max_running_requests >= 1, got "
+                f"{self.chunked_prefill_size}, {self.max_running_requests}"
+            )
+        if not self.tbt_slo_s > 0:
+            raise ValueError(f"EngineConfig.tbt_slo_s: expected > 0, got {self.tbt_slo_s}")
 
 
 class Engine:
@@ -70,6 +85,7 @@ class Engine:
         self.running: list[Job] = []  # decoding
         self.busy = False
         self.busy_time = 0.0
+        self._common: tuple[tuple[int, ...], int] = ((), 0)  # (rids, shared prefix): a memo
 
     # ---- entry points --------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -160,21 +176,71 @@ class Engine:
             budget -= n
         return [(j, n) for j, n in batch if n > 0]
 
+    def chunk_budget(self, mixed: bool) -> int:
+        """Prefill tokens of the next step: ``chunked_prefill_size`` less one per mixed-in
+        decode (SGLang's budget); TBT-aware (finite ``tbt_slo_s``) while requests decode: the
+        largest chunk whose step fits the SLO beside them, at least ``CHUNK_GRANULE`` prefill
+        tokens (a prefill must progress)."""
+        size, num_decodes = self.config.chunked_prefill_size, len(self.running)
+        if not (math.isfinite(self.config.tbt_slo_s) and self.running):
+            return size - (num_decodes if mixed else 0)
+        # the queue's head, as far as the largest chunk reaches
+        queued = [(j.input_len - j.prefix_len, j.prefix_len) for j in self.prefilling]
+        total = sum(n for n, _ in queued)
+        for job in self.waiting:
+            if total >= size:
+                break
+            hit = job.extra["queued_prefix"]
+            queued.append((job.input_len - hit, hit))
+            total += job.input_len - hit
+        if not queued:
+            return size - (num_decodes if mixed else 0)
+        ctxs = [j.context_len for j in self.running]
+        chunk = tbt_aware_chunk(self.timer, size, self.config.tbt_slo_s, queued, ctxs, mixed)
+        return max(chunk - (num_decodes if mixed else 0), CHUNK_GRANULE)
+
+    def decode_reads(self, decoding: list[Job]) -> list[int] | None:
+        """Cascade: prefix tokens each decode row reads (the batch's common prefix once, by
+        its first row), or None when cascade is off or vLLM would not use it."""
+        if not self.config.cascade or len(decoding) < 2:
+            return None
+        rids = tuple(j.rid for j in decoding)
+        if self._common[0] != rids:
+            common = common_prefix_tokens(
+                [j.req.block_ids for j in decoding],
+                [j.input_len for j in decoding],
+                decoding[0].block_size,
+            )
+            self._common = (rids, common)
+        common = self._common[1]
+        ctxs = [j.context_len for j in decoding]
+        if cascade_read_tokens(ctxs, common) is None:
+            return None
+        return [ctxs[0]] + [c - common for c in ctxs[1:]]
+
     def _step(self) -> None:
         now = self.loop.now
         mixed = self.config.mixed_chunk and bool(self.running)
-        budget = self.config.chunked_prefill_size - (len(self.running) if mixed else 0)
-        batch = self._prefill_batch(budget) if self.config.role != "decode" else []
+        batch = []
+        if self.config.role != "decode":
+            batch = self._prefill_batch(self.chunk_budget(mixed))
         if batch:
             decoding = list(self.running) if mixed else []
             news = [n for _, n in batch] + [1] * len(decoding)
             prefixes = [j.prefix_len for j, _ in batch] + [j.context_len for j in decoding]
-            dt = self.timer.prefill_time(news, prefixes)
+            reads = self.decode_reads(decoding)
+            if reads is None:
+                dt = self.timer.prefill_time(news, prefixes)
+            else:
+                dt = self.timer.prefill_time(
+                    news, prefixes, [j.prefix_len for j, _ in batch] + reads
+                )
             self.load.add(now, self.index, sum(n * p for n, p in zip(news, prefixes, strict=True)))
             self.loop.at(now + dt, lambda: self._prefill_done(batch, decoding, dt))
         elif self.running:
             decoding = list(self.running)
-            dt = self.timer.decode_time([j.context_len for j in decoding])
+            ctxs, reads = [j.context_len for j in decoding], self.decode_reads(decoding)
+            dt = self.timer.decode_time(ctxs, sum(reads)) if reads else self.timer.decode_time(ctxs)
             self.load.add(now, self.index, sum(j.context_len for j in decoding))
             self.loop.at(now + dt, lambda: self._decode_done(decoding, dt))
         else:

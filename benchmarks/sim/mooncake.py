@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from tokenlake.benchmarks.sim.engine import Engine, EngineConfig
@@ -151,7 +151,7 @@ class MooncakeSystem:
         base = engine_config or EngineConfig()
 
         def make(i: int, role: str) -> Engine:
-            cfg = EngineConfig(base.chunked_prefill_size, base.max_running_requests, role)
+            cfg = replace(base, role=role, mixed_chunk=False)
             cache = LocalPrefixCache(spec.capacity_tokens)
             return Engine(
                 i, loop, timer, cache, cfg, load, self._finished, self._prefilled, self._rejected

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenlake.benchmarks.progress import Progress
 from tokenlake.benchmarks.sim.engine import EngineConfig
@@ -33,21 +33,17 @@ from tokenlake.benchmarks.sim.metrics import (
 from tokenlake.benchmarks.sim.mooncake import ConductorConfig, MooncakeSystem
 from tokenlake.benchmarks.sim.router import RouterConfig, RouterSystem
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec, CostModelTimer
+from tokenlake.benchmarks.sim.systems import (  # noqa: F401 (re-exported)
+    EXTRA_SYSTEMS,
+    SYSTEMS,
+    VARIANT_SYSTEMS,
+    split_system,
+)
 from tokenlake.benchmarks.sim.tokenlake_system import TokenLakeConfig, TokenLakeSystem
 from tokenlake.benchmarks.workloads.request import SimRequest, Workload
 
-SYSTEMS = (
-    "tokenlake",
-    "tokenlake-1p3d",
-    "tokenlake-3p1d",
-    "router",
-    "mooncake-1p3d",
-    "mooncake-3p1d",
-)
-# accepted but not run by default: TokenLake with one cluster-wide iteration at a time (the
-# model before asynchronous iterations), for side-by-side comparisons
-EXTRA_SYSTEMS = ("tokenlake-sync",)
 SLO_MISSED = "slo_missed"
+WALL_BUDGET = "wall_budget"
 
 
 @dataclass(frozen=True)
@@ -61,7 +57,10 @@ class RunConfig:
     windows); slo_scale (the SLO multiple, 10); seed (the router's tree order); decode_steps
     (TokenLake's decode steps per pool iteration at most, bounded by the TBT SLO: fewer
     control-plane calls per token, see ``SchedulerConfig.decode_steps``); stop_below (stop
-    once the SLO attainment cannot reach this any more; 0: run to the end)."""
+    once the SLO attainment cannot reach this any more; 0: run to the end); page_groups
+    (TokenLake's shared-page groups in the decode timing; off also by the ``-no-groups``
+    variant); balance (the router's imbalance thresholds ``(abs, rel)``; None: sgl-router's
+    launcher defaults)."""
 
     system: str
     prefill_tokens: int = 8192
@@ -75,12 +74,11 @@ class RunConfig:
     decode_steps: int = 8
     stop_below: float = 0.0
     eviction: str | None = None  # TokenLake's eviction policy; None: the pool's default
+    page_groups: bool = True
+    balance: tuple[int, float] | None = None
 
     def __post_init__(self) -> None:
-        if self.system not in SYSTEMS + EXTRA_SYSTEMS:
-            raise ValueError(
-                f"RunConfig.system: expected one of {SYSTEMS + EXTRA_SYSTEMS}, got {self.system!r}"
-            )
+        split_system(self.system)  # raises naming the allowed systems
         if self.prefill_tokens < 1 or self.segment_len < 1:
             raise ValueError("RunConfig: prefill_tokens, segment_len >= 1")
 
@@ -119,7 +117,7 @@ class RunResult:
 
     @property
     def truncated(self) -> bool:
-        return self.stop_reason in ("horizon", "wall_budget")
+        return self.stop_reason in ("horizon", WALL_BUDGET)
 
     def summary(self, slo_scale: float = 10.0) -> dict:
         return {
@@ -148,8 +146,16 @@ def _num_prefill(system: str, n: int) -> int:
 
 
 def build_system(cfg: RunConfig, loop, timer, spec, on_finished, on_rejected, load, slos):
-    n, p = spec.num_instances, _num_prefill(cfg.system, spec.num_instances)
-    if cfg.system.startswith("tokenlake"):
+    base, variants = split_system(cfg.system)
+    n, p = spec.num_instances, _num_prefill(base, spec.num_instances)
+    tbt_slo = slos[0] if "tbt" in variants else math.inf
+    engine = EngineConfig(
+        cfg.prefill_tokens,
+        mixed_chunk=cfg.mixed_chunk and base == "router",
+        tbt_slo_s=tbt_slo,
+        cascade="cascade" in variants,
+    )
+    if base.startswith("tokenlake"):
         tbt, per_token = slos
         tl = TokenLakeConfig(
             mode="xpyd" if p else "elastic",
@@ -159,20 +165,23 @@ def build_system(cfg: RunConfig, loop, timer, spec, on_finished, on_rejected, lo
             max_prefill_tokens=cfg.prefill_tokens,
             tbt_slo=tbt,
             input_token_slo=per_token,
-            sync_iterations=cfg.system == "tokenlake-sync",
+            sync_iterations=base == "tokenlake-sync",
             decode_steps=cfg.decode_steps,
             eviction=cfg.eviction,
+            page_groups=cfg.page_groups and "no-groups" not in variants,
         )
         return TokenLakeSystem(loop, timer, spec, on_finished, load, tl, on_rejected)
-    if cfg.system == "router":
-        engine = EngineConfig(cfg.prefill_tokens, mixed_chunk=cfg.mixed_chunk)
-        return RouterSystem(
-            loop, timer, spec, on_finished, load, engine, RouterConfig(seed=cfg.seed), on_rejected
-        )
+    if base == "router":
+        rule = "min_load" if "min-load" in variants else "smallest_tree"
+        router = RouterConfig(miss_rule=rule, seed=cfg.seed)
+        if cfg.balance is not None:
+            router = replace(
+                router, balance_abs_threshold=cfg.balance[0], balance_rel_threshold=cfg.balance[1]
+            )
+        return RouterSystem(loop, timer, spec, on_finished, load, engine, router, on_rejected)
     if n < 2:
         raise ValueError(f"{cfg.system}: xPyD needs at least 2 instances, got {n}")
     conductor = ConductorConfig(slo_scale=cfg.slo_scale)
-    engine = EngineConfig(cfg.prefill_tokens)
     return MooncakeSystem(loop, timer, spec, on_finished, load, p, engine, conductor, on_rejected)
 
 
@@ -246,7 +255,7 @@ def simulate(
             stop = "horizon"
             break
         if time.perf_counter() - start > cfg.wall_budget_s:
-            stop = "wall_budget"
+            stop = WALL_BUDGET
             break
         t = min(t + step, end)
         loop.run(until=t)

@@ -124,18 +124,28 @@ class CostModelTimer:
         self.hardware = instance_hardware(spec, self.config.mfu, self.config.mbu)
         self.cost = CostModel(self.hardware, spec.mp)
 
-    def prefill_time(self, new_lens: Sequence[int], prefix_lens: Sequence[int]) -> float:
+    def prefill_time(
+        self,
+        new_lens: Sequence[int],
+        prefix_lens: Sequence[int],
+        read_lens: Sequence[int] | None = None,
+    ) -> float:
+        """``read_lens[i]`` (default ``prefix_lens[i]``): prefix tokens request i reads from
+        memory, fewer when a cascade kernel reads a prefix shared across the batch once."""
         t = self.config.prefill_overhead_s + self.cost.forward_time([(0, n) for n in new_lens])
-        for n, p in zip(new_lens, prefix_lens, strict=True):
+        reads = prefix_lens if read_lens is None else read_lens
+        for n, p, r in zip(new_lens, prefix_lens, reads, strict=True):
             if p:
-                t += self.cost.query_time(n, p)
+                t += self.cost.query_time(n, p, r)
         return t
 
-    def decode_time(self, ctx_lens: Sequence[int]) -> float:
+    def decode_time(self, ctx_lens: Sequence[int], num_read_tokens: int | None = None) -> float:
+        """``num_read_tokens`` (default: every context): KV tokens the step reads from memory,
+        fewer when a batch's shared prefix is read once (cascade attention, page groups)."""
         # one row per request; prefix attention of all rows over their own contexts
         n, ctx = len(ctx_lens), int(sum(ctx_lens))
         t = self.config.decode_overhead_s + self.cost.forward_time([(0, 1)] * n)
-        return t + self.cost.query_time(1, ctx) if ctx else t
+        return t + self.cost.query_time(1, ctx, num_read_tokens) if ctx else t
 
     def query_time(self, num_rows: int, num_kv_tokens: int) -> float:
         return self.cost.query_time(num_rows, num_kv_tokens)

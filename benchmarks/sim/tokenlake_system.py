@@ -34,7 +34,8 @@ class TokenLakeConfig:
     instances); segment_len (the pool's); chunk_len / max_prefill_tokens / tbt_slo /
     input_token_slo / output_reserve / decode_steps (the scheduler's); sync_iterations (one cluster-wide
     iteration at a time, the pre-asynchronous model); eviction (the pool's policy, None: its
-    default)."""
+    default); page_groups (the decode timing's shared-page groups; off: every row reads
+    its own pages, as the baselines without cascade)."""
 
     mode: str = "elastic"
     num_prefill: int = 0
@@ -47,6 +48,7 @@ class TokenLakeConfig:
     decode_steps: int = 1
     sync_iterations: bool = False
     eviction: str | None = None
+    page_groups: bool = True  # decode reads of rows sharing a page grouped (the data plane's)
 
 
 class TokenLakeSystem:
@@ -86,7 +88,7 @@ class TokenLakeSystem:
         dops = tuple(d for d in (1, 2, 4, 8, 16) if d <= cfg.max_prefill_dop)
         model = timer.cost.fit(dops=dops)
         self.sched = ElasticScheduler(cfg, model, self.pool, clock=lambda: loop.now)
-        self.timing = TokenLakeTiming(timer, spec, seg)
+        self.timing = TokenLakeTiming(timer, spec, seg, config.page_groups)
         self.jobs: dict[int, Job] = {}
         self.num_pool_full = 0
         self.num_iterations = 0

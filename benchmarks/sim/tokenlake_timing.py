@@ -76,8 +76,13 @@ class SharedGPU:
 
 
 class TokenLakeTiming:
-    def __init__(self, timer: CostModelTimer, spec: ClusterSpec, segment_len: int) -> None:
+    def __init__(
+        self, timer: CostModelTimer, spec: ClusterSpec, segment_len: int, page_groups: bool = True
+    ) -> None:
+        """``page_groups`` False: decode rows each read their own pages (no shared-page
+        groups), to show what the groups alone are worth."""
         self.timer, self.spec, self.segment_len = timer, spec, segment_len
+        self.page_groups = page_groups
         n = spec.num_instances
         self.gpus = [SharedGPU() for _ in range(n)]
         self.q_row_bytes = 2 * spec.mp.num_layers * spec.mp.shape.q_bytes_per_token_layer
@@ -114,7 +119,9 @@ class TokenLakeTiming:
             if len(qp.entry_req):
                 holders = np.repeat(qp.holder_ids, qp.holder_indptr[1:] - qp.holder_indptr[:-1])
                 tokens = (qp.kv_indptr[1:] - qp.kv_indptr[:-1] - 1) * seg + qp.last_len
-                read = None if has_prefill else self.grouped_reads(qp, rows[qp.entry_req], holders)
+                read = None
+                if not has_prefill and self.page_groups:
+                    read = self.grouped_reads(qp, rows[qp.entry_req], holders)
                 entries.append((rows[qp.entry_req], tokens, holders, o, read))
             if len(tp.dst_ids):
                 cum = np.concatenate([[0], np.cumsum(tp.run_len)])
@@ -157,7 +164,8 @@ class TokenLakeTiming:
             holders = np.concatenate([e[2] for e in mine])
             if not has_prefill:
                 dk = np.bincount(holders, weights=tokens * rows, minlength=n)
-                read = sum(e[4] for e in mine)
+                grouped = [e[4] for e in mine if e[4] is not None]
+                read = sum(grouped) if grouped else dk
                 for h in np.flatnonzero(dk).tolist():
                     work[h] += query_time(1, int(dk[h]), int(read[h]))
                 continue

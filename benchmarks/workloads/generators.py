@@ -35,7 +35,11 @@ class GeneratorConfig:
     rate (requests/s, open-loop arrivals or session starts scaled to this request rate),
     system_prompt_len (shared by every request), block_size, seed, think_scale (session
     workloads: the think time between turns times this; 0 sends a turn as soon as the
-    previous answer is complete; the random draws are the same at every scale)."""
+    previous answer is complete; the random draws are the same at every scale),
+    num_sessions (session workloads, 0: whole sessions until ``num_requests``; else this many
+    sessions, each sending a window of about ``num_requests / num_sessions`` consecutive
+    turns from a random turn on, its earlier turns' context part of the first prompt sent:
+    enough sessions that a high rate overloads any system, so the goodput is bounded)."""
 
     num_requests: int = 200
     rate: float = 1.0
@@ -43,8 +47,13 @@ class GeneratorConfig:
     block_size: int = 512
     seed: int = 0
     think_scale: float = 1.0
+    num_sessions: int = 0
 
     def __post_init__(self) -> None:
+        if self.num_sessions < 0:
+            raise ValueError(
+                f"GeneratorConfig.num_sessions: expected >= 0, got {self.num_sessions}"
+            )
         if self.num_requests < 1 or self.rate <= 0 or self.block_size < 1:
             raise ValueError("GeneratorConfig: num_requests >= 1, rate > 0, block_size >= 1")
         if not 0 <= self.think_scale < float("inf"):
@@ -137,18 +146,26 @@ def _sessions(
     rng, ids, b = np.random.default_rng(cfg.seed), _Blocks(), cfg.block_size
     system = ids.fresh(cfg.system_prompt_len // b)
     plans, total_turns = [], 0
-    while total_turns < cfg.num_requests:
+    while total_turns < cfg.num_requests and not cfg.num_sessions:
         turns = max(1, turns_of(rng))
         plans.append(turns)
         total_turns += turns
+    windows = [(0, turns) for turns in plans]  # (first turn sent, turns sent)
+    if cfg.num_sessions:
+        per = max(1, -(-cfg.num_requests // cfg.num_sessions))
+        plans = [max(1, turns_of(rng)) for _ in range(cfg.num_sessions)]
+        windows = [(int(rng.integers(0, max(1, t - per + 1))), min(per, t)) for t in plans]
+        total_turns = sum(n for _, n in windows)
     session_rate = cfg.rate * len(plans) / total_turns
     starts = np.cumsum(rng.exponential(1.0 / session_rate, len(plans)))
     reqs: list[SimRequest] = []
-    for s, (turns, t0) in enumerate(zip(plans, starts, strict=True)):
+    for s, ((first, num_sent), t0) in enumerate(zip(windows, starts, strict=True)):
         prefix, length, prev = list(system), max(first_len_of(rng), cfg.system_prompt_len + 1), -1
-        for k in range(turns):
+        for k in range(first + num_sent):
             if k:
                 length += max(1, growth_of(rng, s))
+            if k < first:  # before the window: its context is in the first prompt sent
+                continue
             blocks = _blocks_for(prefix, len(prefix) * b, length, b, ids)
             rid = len(reqs)
             reqs.append(
@@ -160,12 +177,14 @@ def _sessions(
                     blocks,
                     s,
                     after=prev,
-                    delay_s=cfg.think_scale * think_of(rng) if k else 0.0,
+                    delay_s=cfg.think_scale * think_of(rng) if k > first else 0.0,
                 )
             )
             prefix, prev = list(blocks[: length // b]), rid
     if cfg.think_scale != 1:
         note += f"; think time x{cfg.think_scale:g}"
+    if cfg.num_sessions:
+        note += f"; {cfg.num_sessions} sessions, windows of {windows and max(n for _, n in windows)} turns"
     return Workload(name, tuple(reqs), b, note)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 from tokenlake.benchmarks.traces import TraceError, TraceRequest, read_trace
 from tokenlake.benchmarks.workloads.request import SimRequest, Workload
 
-SESSION_MODES = ("open", "closed")
+SESSION_MODES = ("open", "closed", "auto")
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,9 @@ class TraceConfig:
             namespace.
         sessions: ``"open"`` (every request arrives at its timestamp) or ``"closed"`` (a
             session's next turn is sent when its previous turn finished, after the gap
-            between their timestamps, scaled: the trace's think time plus response time).
+            between their timestamps, scaled: the trace's think time plus response time) or
+            ``"auto"`` (closed when the trace has session ids, else open: an open-loop
+            replay compressed in time would overlap an agent's consecutive turns).
         seed: jitter seed.
     """
 
@@ -124,13 +126,16 @@ def trace_workload(config: TraceConfig) -> Workload:
                 session=session,
             )
         )
-    if config.sessions == "closed":
+    mode = config.sessions
+    if mode == "auto":
+        mode = "closed" if sessions else "open"
+    if mode == "closed":
         reqs = _close_sessions(reqs)
     reqs.sort(key=lambda r: (r.arrival_s, r.rid))
     how = "Poisson gaps" if config.poisson else f"jittered in {config.jitter_s:g} s buckets"
     note = (
         f"{len(reqs)} requests of {name} from #{config.offset}; block size {block_size}; "
-        f"arrivals {how}, time x{scale:.3g}; sessions {config.sessions}"
+        f"arrivals {how}, time x{scale:.3g}; sessions {mode}"
     )
     return Workload(name.split(".")[0], tuple(reqs), block_size * config.reblock, note)
 
