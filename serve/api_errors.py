@@ -1,17 +1,27 @@
 """The API's errors, as vLLM answers them: a JSON body ``{"object": "error", "message",
-"type", "param", "code"}`` for a request that failed before its response started, and an
-error event then the end of the stream for one that failed while streaming."""
+"type", "param", "code"}`` for a request that failed before its response started (every
+4xx and 5xx the app gives, including unknown paths, unparsable bodies and internal
+errors), and an error event then the end of the stream for one that failed while
+streaming."""
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from tokenlake.errors import InvalidArgumentError
+
+log = logging.getLogger(__name__)
+
+MAX_PROBLEMS = 5  # a body with a million bad items gets a short answer
+_KINDS = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+          413: "RequestTooLargeError", 503: "ServiceUnavailableError"}  # fmt: skip
 
 
 class APIError(Exception):
@@ -20,25 +30,36 @@ class APIError(Exception):
         self.status, self.message, self.kind = status, message, kind
 
 
-def error_response(status: int, message: str, kind: str) -> JSONResponse:
+def error_response(
+    status: int, message: str, kind: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
     body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def validation_message(exc: RequestValidationError) -> str:
+    """Each problem of a bad body as ``field: what is wrong`` (the first few)."""
+    problems = []
+    errors = exc.errors()
+    for e in errors[:MAX_PROBLEMS]:
+        if e.get("type") == "json_invalid":
+            problems.append(f"body: invalid JSON ({e.get('ctx', {}).get('error', 'syntax')})")
+            continue
+        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        problems.append(f"{where or 'body'}: {e.get('msg')}")
+    if len(errors) > MAX_PROBLEMS:
+        problems.append(f"and {len(errors) - MAX_PROBLEMS} more problems")
+    return "; ".join(problems) or "invalid request"
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer bad JSON or fields (400, each problem named), :class:`APIError` and the
-    control plane's :class:`InvalidArgumentError` (400) with an error body."""
+    """Answer bad JSON or fields (400, each problem named), :class:`APIError`, the control
+    plane's :class:`InvalidArgumentError` (400), HTTP errors of the framework (404, 405,
+    an unparsable body) and anything unexpected (500) with the error body."""
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        problems = []
-        for e in exc.errors():
-            if e.get("type") == "json_invalid":
-                problems.append(f"body: invalid JSON ({e.get('ctx', {}).get('error', 'syntax')})")
-                continue
-            where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            problems.append(f"{where or 'body'}: {e.get('msg')}")
-        return error_response(400, "; ".join(problems) or "invalid request", "BadRequestError")
+        return error_response(400, validation_message(exc), "BadRequestError")
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -47,6 +68,23 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidArgumentError)
     async def _bad_argument(request: Request, exc: InvalidArgumentError):
         return error_response(400, str(exc), "BadRequestError")
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException):
+        message = str(exc.detail)
+        if exc.status_code == 400 and exc.__cause__ is not None:
+            # the framework could not parse the body: JSON nested deeper than the parser
+            # allows, an integer of thousands of digits, bytes that are not UTF-8
+            message = f"body: not parsable as JSON ({type(exc.__cause__).__name__})"
+        elif exc.status_code in (404, 405):
+            message = f"{request.method} {request.url.path}: {exc.detail}"
+        kind = _KINDS.get(exc.status_code, "HTTPError")
+        return error_response(exc.status_code, message, kind, exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("%s %s failed", request.method, request.url.path)
+        return error_response(500, "internal error", "InternalServerError")
 
 
 async def guarded(stream: AsyncIterator[str]) -> AsyncIterator[str]:
