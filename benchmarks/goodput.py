@@ -20,16 +20,19 @@ and stalled requests included) and a warning if any request stalled; ``--out DIR
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from tokenlake.benchmarks import goodput_args
 from tokenlake.benchmarks.goodput_args import DEFAULT_REQUESTS, TRACE_PRESETS
 from tokenlake.benchmarks.goodput_report import GoodputReport
-from tokenlake.benchmarks.goodput_runs import RunKey, Runs
+from tokenlake.benchmarks.goodput_runs import Knob, RunKey, Runs, knob_prefill
 from tokenlake.benchmarks.sim.confidence import TARGET, system_goodput
-from tokenlake.benchmarks.sim.runner import RunResult
+from tokenlake.benchmarks.sim.router import RouterConfig
+from tokenlake.benchmarks.sim.runner import WALL_BUDGET, RunResult
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec
+from tokenlake.benchmarks.sim.systems import split_system
 from tokenlake.benchmarks.workloads import (
     GENERATORS,
     GeneratorConfig,
@@ -73,14 +76,48 @@ def make_workload(args: argparse.Namespace, rate: float | None, seed: int) -> Wo
         return trace_workload(cfg)
     n = args.requests or DEFAULT_REQUESTS.get(args.workload, 200)
     think_scale = 1.0 if args.think_scale is None else args.think_scale
-    cfg = GeneratorConfig(n, rate or 1.0, args.system_prompt, seed=seed, think_scale=think_scale)
+    cfg = GeneratorConfig(
+        n,
+        rate or 1.0,
+        args.system_prompt,
+        seed=seed,
+        think_scale=think_scale,
+        num_sessions=getattr(args, "num_sessions", 0),
+    )
     return GENERATORS[args.workload](cfg)
+
+
+class UnresolvedRun(Exception):
+    """A run still cut by the wall budget after its re-runs: its verdict is unknown."""
+
+
+def knobs_of(args: argparse.Namespace, system: str) -> list[Knob]:
+    """The knob values a system's goodput is swept over: TokenLake's ``--prefill-tokens``,
+    the baselines' ``--baseline-prefill-tokens`` (the router's at one ``--router-balance``
+    pair when only one is given)."""
+    base, _ = split_system(system)
+    if base.startswith("tokenlake"):
+        return list(args.prefill_tokens)
+    knobs: list[Knob] = list(args.baseline_prefill_tokens)
+    if base == "router" and len(args.router_balance) == 1:
+        a, r = args.router_balance[0]
+        knobs = [(k, a, r) for k in knobs]
+    return knobs
+
+
+def more_knobs_of(args: argparse.Namespace, system: str):
+    """The router's imbalance thresholds, swept at its best chunk (None for other systems)."""
+    if split_system(system)[0] != "router" or len(args.router_balance) < 2:
+        return None
+    default = (RouterConfig.balance_abs_threshold, RouterConfig.balance_rel_threshold)
+    pairs = [p for p in args.router_balance if p != default]
+    return lambda best: [(knob_prefill(best), a, r) for a, r in pairs]
 
 
 def run(args: argparse.Namespace) -> dict:
     """Run the harness with parsed options (:func:`parse_args`); returns the summary."""
     spec = ClusterSpec(args.hardware, args.model, args.instances, args.tp)
-    report = GoodputReport(args, spec)
+    report = GoodputReport(args, spec, lambda s: knobs_of(args, s))
     seeds = list(range(args.seed, args.seed + args.seeds))
     # what the runs replay: the trace's own timing (a replay) or a rate (the header's note)
     probe = make_workload(args, None if args.time_scale is not None else 1.0, seeds[0])
@@ -130,34 +167,27 @@ def _run_phases(
                     return [key(r) for r in then(attained)]
 
                 results = runs.many([key(r) for r in rates], ahead if then else None)
+                for r, res in zip(rates, results, strict=True):
+                    if res.stop_reason == WALL_BUDGET:  # never a failure: no verdict at all
+                        raise UnresolvedRun(f"{s} at {r:.4g} req/s, seed {seed}")
                 return [res.summary()["slo_attainment"] for res in results]
 
-            g = system_goodput(
-                lambda rate, seed, knob: attainments([rate], seed, knob)[0],
-                args.prefill_tokens,
-                seeds,
-                args.lo,
-                args.hi,
-                args.rel_tol,
-                args.max_evals,
-                width,
-                attainments if args.jobs > 1 else None,
-                ahead=args.jobs > 1,
-            )
-            single_knob = len(args.prefill_tokens) == 1
-            if s == "tokenlake" and args.jobs > 1 and single_knob and g.median > 0:
-                # TokenLake's goodput is the reference rate (GoodputReport.reference_rate):
-                # start every system's run there now, beside the bisections still going, and
-                # not after the slowest one (the runs are kept for the table below)
-                runs.many(reference_keys(g.median))
-            return g
-
-        def reference_keys(ref: float) -> list[RunKey]:
-            return [
-                RunKey(s, ref, seed, report.knob_of(s), spec)
-                for s in args.systems
-                for seed in seeds
-            ]
+            try:
+                return system_goodput(
+                    lambda rate, seed, knob: attainments([rate], seed, knob)[0],
+                    knobs_of(args, s),
+                    seeds,
+                    args.lo,
+                    args.hi,
+                    args.rel_tol,
+                    args.max_evals,
+                    width,
+                    attainments if args.jobs > 1 else None,
+                    ahead=args.jobs > 1,
+                    more_knobs=more_knobs_of(args, s),
+                )
+            except UnresolvedRun as e:
+                return str(e)
 
         if args.jobs > 1 and len(args.systems) > 1:
             with ThreadPoolExecutor(len(args.systems)) as threads:
@@ -165,10 +195,18 @@ def _run_phases(
         else:
             found = [bisect(s) for s in args.systems]
         for s, g in zip(args.systems, found, strict=True):
+            if isinstance(g, str):
+                report.unresolved(s, g)
+                continue
             report.goodput(s, g)
-        results = iter(runs.many(reference_keys(report.reference_rate())))
-        for s in args.systems:
-            report.at_reference(s, [next(results) for _ in seeds])
+            # hit rate and load CV at the system's own goodput, seed by seed: those runs
+            # passed in its bisection and are kept (a goodput of 0: the lowest rate tried)
+            rates = [x or min(r for _, _, r, _ in g.points) for x in g.goodputs]
+            keys = [
+                RunKey(s, rate, seed, g.knob, spec)
+                for rate, seed in zip(rates, seeds, strict=True)
+            ]
+            report.at_own_goodput(s, runs.many(keys), rates)
         report.goodput_table()
     if args.time_scale is not None:
         for s in args.systems:
@@ -199,11 +237,18 @@ def main(argv=None) -> int:
 
         return real_main(argv[1:])
     args = parse_args(argv)
+
+    def stop(signum, frame):  # SIGTERM: unwind, so that run() ends its worker processes
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         summary = run(args)
     except (ValueError, FileNotFoundError) as e:  # a bad trace or option: say what, no trace
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0 if summary is not None else 1
 
 

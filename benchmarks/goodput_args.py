@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-from tokenlake.benchmarks.sim.runner import EXTRA_SYSTEMS, SYSTEMS
+from tokenlake.benchmarks.sim.runner import EXTRA_SYSTEMS, SYSTEMS, VARIANT_SYSTEMS
+from tokenlake.benchmarks.sim.systems import split_system
 from tokenlake.benchmarks.traces import CONVERSATION_TRACE, SYNTHETIC_TRACE, TRACES_DIR
 from tokenlake.benchmarks.workloads import GENERATORS, SESSION_WORKLOADS
 from tokenlake.tree.policy import POLICIES
@@ -18,6 +19,30 @@ TRACE_PRESETS = {
     "ragpulse": (TRACES_DIR / "ragpulse" / "ragpulse_blocks512.jsonl.gz", 0, 1.0, False),
 }
 DEFAULT_REQUESTS = {"scbench": 40, "agentic": 300}
+# the baselines' chunked-prefill sizes swept by default, each reported at its best
+BASELINE_PREFILL_TOKENS = [256, 512, 1024, 2048, 4096, 8192]
+# sgl-router's imbalance thresholds (balance_abs_threshold, balance_rel_threshold) swept at
+# the router's best chunk: its documented range is abs 1-100 and rel (1, 3), defaults 32 and
+# 1.0001 (later docs) or 64 and 1.5 (the 0.2-0.3 launcher, the simulator's default)
+ROUTER_BALANCE = [(8, 1.0001), (32, 1.0001), (64, 1.5), (100, 3.0)]
+
+
+def _balance_list(text: str) -> list[tuple[int, float]]:
+    out = []
+    for item in (x for x in text.split(",") if x):
+        try:
+            a, r = item.split(":")
+            pair = (int(a), float(r))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated ABS:REL pairs, got {text!r}"
+            ) from None
+        if pair[0] < 0 or not pair[1] >= 1:
+            raise argparse.ArgumentTypeError(f"expected ABS >= 0 and REL >= 1, got {item!r}")
+        out.append(pair)
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected at least one ABS:REL pair, got {text!r}")
+    return out
 
 
 def _int_list(text: str) -> list[int]:
@@ -74,10 +99,11 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     )
     w.add_argument(
         "--sessions",
-        choices=("open", "closed"),
-        default="open",
+        choices=("open", "closed", "auto"),
+        default="auto",
         help="open: every request at its timestamp; closed: a session's next turn "
-        "waits for the previous one (needs a session_id field)",
+        "waits for the previous one (needs a session_id field); auto (default): closed when "
+        "the trace has session ids",
     )
     w.add_argument(
         "--session-ids",
@@ -101,11 +127,32 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         "a session's turns times this (default 1; 0: a turn is sent as soon as the previous "
         "answer is complete, as SCBench's evaluation script runs them)",
     )
+    w.add_argument(
+        "--num-sessions",
+        type=int,
+        default=0,
+        help=f"session generators ({', '.join(SESSION_WORKLOADS)}): this many sessions, each "
+        "sending a window of about requests/sessions consecutive turns from a random turn on "
+        "(0: whole sessions; few sessions leave the goodput unbounded: a higher rate only "
+        "spaces their starts)",
+    )
     c = p.add_argument_group("cluster and systems")
     c.add_argument(
         "--systems",
         default=",".join(SYSTEMS),
-        help=f"comma list of {SYSTEMS} (also {EXTRA_SYSTEMS}: synchronous iterations)",
+        help=f"comma list of {SYSTEMS} (also {EXTRA_SYSTEMS}: synchronous iterations), "
+        "optionally with variants appended in any order: -no-groups (TokenLake without "
+        "shared-page groups), -tbt (router/Mooncake instances size each chunk to fit the TBT "
+        "SLO beside their running decodes), -min-load (the router's successor gateway rule: "
+        "below the cache threshold, the least-loaded worker), -cascade (baselines with vLLM "
+        f"V1's cascade decode), e.g. {', '.join(VARIANT_SYSTEMS)}",
+    )
+    c.add_argument(
+        "--page-groups",
+        choices=("on", "off"),
+        default="on",
+        help="TokenLake's shared-page groups in the decode timing (off: every row reads its "
+        "own pages, as the baselines without -cascade)",
     )
     c.add_argument("--instances", type=int, default=4)
     c.add_argument("--tp", type=int, default=2, help="GPUs per instance (the paper: 2)")
@@ -115,9 +162,26 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     c.add_argument(
         "--prefill-tokens",
         type=_int_list,
-        default=[2048, 4096, 8192],
-        help="the prefill knob swept per system (chunked prefill size; TokenLake's "
-        "chunk and per-iteration prefill budget); one value: all at that setting",
+        default=None,
+        help="TokenLake's prefill knob swept (its chunk and per-iteration prefill budget; "
+        "default 2048,4096,8192); also the baselines' unless --baseline-prefill-tokens",
+    )
+    c.add_argument(
+        "--baseline-prefill-tokens",
+        type=_int_list,
+        default=None,
+        help="the baselines' chunked-prefill sizes swept, each reported at its best "
+        f"(default: --prefill-tokens if given, else {','.join(map(str, BASELINE_PREFILL_TOKENS))})",
+    )
+    c.add_argument(
+        "--router-balance",
+        type=_balance_list,
+        default=None,
+        help="router imbalance thresholds ABS:REL (sgl-router's balance_abs_threshold and "
+        "balance_rel_threshold) swept with --goodput at the router's best chunk, the best "
+        "reported (default "
+        + ",".join(f"{a}:{r:g}" for a, r in ROUTER_BALANCE)
+        + ", sgl-router's range; one pair: all runs at it)",
     )
     c.add_argument(
         "--eviction",
@@ -152,7 +216,14 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         help="comma list of KV capacity fractions (hit rate vs cache size)",
     )
     r.add_argument("--window", type=float, default=5.0, help="load timeline window (s)")
-    r.add_argument("--wall-budget", type=float, default=300.0, help="real seconds per run")
+    r.add_argument(
+        "--wall-budget",
+        type=float,
+        default=300.0,
+        help="real seconds per run; a run cut by it is re-run with twice the budget, up to "
+        "--wall-retries times, then reported unresolved (never counted as a failure)",
+    )
+    r.add_argument("--wall-retries", type=int, default=2, help="re-runs of a run cut by time")
     r.add_argument(
         "--jobs",
         type=int,
@@ -190,6 +261,15 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
         p.error(f"--think-scale: only for {', '.join(SESSION_WORKLOADS)}")
     if args.think_scale is not None and not 0 <= args.think_scale < float("inf"):
         p.error(f"--think-scale: expected a number >= 0, got {args.think_scale}")
+    if args.num_sessions and args.workload not in SESSION_WORKLOADS:
+        p.error(f"--num-sessions: only for {', '.join(SESSION_WORKLOADS)}")
+    if args.num_sessions < 0 or args.wall_retries < 0:
+        p.error(
+            f"--num-sessions, --wall-retries: expected >= 0, got {args.num_sessions}, "
+            f"{args.wall_retries}"
+        )
+    if not args.wall_budget > 0:
+        p.error(f"--wall-budget: expected > 0, got {args.wall_budget}")
     if args.horizon is not None and not args.horizon > 0:
         p.error(f"--horizon: expected > 0, got {args.horizon}")
     names = ("requests", "offset", "block_size", "instances", "tp", "segment_len", "seeds", "jobs")
@@ -200,10 +280,18 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')}: expected >= {low}, got {value}")
     args.systems = [s for s in args.systems.split(",") if s]
     for s in args.systems:
-        if s not in SYSTEMS + EXTRA_SYSTEMS:
-            p.error(
-                f"--systems: unknown {s!r}; expected some of {', '.join(SYSTEMS + EXTRA_SYSTEMS)}"
-            )
+        try:
+            split_system(s)
+        except ValueError as e:
+            p.error(f"--systems: {e}")
+    explicit = args.prefill_tokens is not None
+    args.prefill_tokens = args.prefill_tokens or [2048, 4096, 8192]
+    if args.baseline_prefill_tokens is None:
+        args.baseline_prefill_tokens = (
+            list(args.prefill_tokens) if explicit else list(BASELINE_PREFILL_TOKENS)
+        )
+    if args.router_balance is None:
+        args.router_balance = list(ROUTER_BALANCE)
     bad = [k for k in args.prefill_tokens if k % args.segment_len]
     if bad:
         p.error(f"--prefill-tokens: {bad} are not multiples of --segment-len {args.segment_len}")

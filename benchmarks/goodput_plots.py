@@ -37,7 +37,7 @@ def plot_all(out: Path, summary: dict) -> list[Path]:
         axes[2].legend(fontsize=7)
         fig.suptitle(f"{name}: latency vs rate")
         paths.append(_save(fig, out / f"{name}_latency.png"))
-    systems = summary.get("systems") or {}
+    systems = {s: r for s, r in (summary.get("systems") or {}).items() if "unresolved" not in r}
     if systems:
         paths += _goodput_plots(plt, out, name, systems)
     with_load = {s: r for s, r in systems.items() if r.get("loads")}
@@ -81,7 +81,11 @@ def plot_all(out: Path, summary: dict) -> list[Path]:
 def _goodput_plots(plt, out: Path, name: str, systems: dict) -> list[Path]:
     fig, ax = plt.subplots(figsize=(5, 3.4))
     for s, r in systems.items():
-        pts = sorted((rate, a) for _, knob, rate, a in r["points"] if knob == r["prefill_tokens"])
+        pts = sorted(
+            (rate, a)
+            for _, knob, rate, a in r["points"]
+            if knob == r.get("knob", str(r["prefill_tokens"]))
+        )
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, lw=0.8, label=s)
     ax.axhline(0.9, color="gray", ls="--", lw=0.8)
     ax.set_xscale("log")

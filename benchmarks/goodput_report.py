@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenlake.benchmarks.goodput_runs import knob_label, knob_prefill
 from tokenlake.benchmarks.sim.confidence import SystemGoodput
 from tokenlake.benchmarks.sim.metrics import hit_rate
 from tokenlake.benchmarks.sim.runner import RunResult
@@ -42,8 +43,11 @@ def _latency_ms(res: RunResult) -> tuple[float | None, float | None]:
 
 
 class GoodputReport:
-    def __init__(self, args: argparse.Namespace, spec: ClusterSpec) -> None:
+    def __init__(self, args: argparse.Namespace, spec: ClusterSpec, knobs_of=None) -> None:
+        """``knobs_of(system)``: the knob values swept for a system (its first is its
+        setting outside --goodput)."""
         self.args, self.spec = args, spec
+        self.knobs_of = knobs_of or (lambda system: list(args.prefill_tokens))
         self.name = args.workload or Path(args.trace).name.split(".")[0]
         self.out = Path(args.out) if args.out else None
         if self.out:
@@ -70,7 +74,9 @@ class GoodputReport:
             f"goodput harness: {self.name} ({probe.note}), {probe.num_requests} requests per "
             f"run; {spec.num_instances} instances x TP{spec.tp} {spec.hardware}, {spec.model}, "
             f"{spec.capacity_tokens:,} KV tokens per instance; TokenLake segment "
-            f"{a.segment_len}; prefill knob {a.prefill_tokens}; router mixed chunked prefill "
+            f"{a.segment_len}; prefill knob {a.prefill_tokens}, baselines "
+            f"{getattr(a, 'baseline_prefill_tokens', a.prefill_tokens)}; page groups "
+            f"{getattr(a, 'page_groups', 'on')}; router mixed chunked prefill "
             f"{'off' if a.no_mixed_chunk else 'on'}; seeds {seeds}; infinite-cache prefix hit "
             f"rate {infinite_hit_rate(probe):.1%}",
             flush=True,
@@ -85,7 +91,9 @@ class GoodputReport:
     def run(self, res: RunResult, rate, seed: int, knob: int, spec: ClusterSpec) -> None:
         s = res.summary()
         line = {"workload": self.name, "rate": None if rate is None else round(rate, 4)}
-        line.update(seed=seed, prefill_tokens=knob, **s)
+        line.update(seed=seed, prefill_tokens=knob_prefill(knob), **s)
+        if knob_label(knob) != str(knob_prefill(knob)):
+            line["knob"] = knob_label(knob)
         if spec.cache_tokens:
             line["cache_tokens"] = spec.cache_tokens
         self.log(line)
@@ -106,25 +114,26 @@ class GoodputReport:
         self.goodputs[system] = g
         print(
             f"{system}: P90 goodput {g.median:.3g} req/s [{g.low:.3g}-{g.high:.3g}] at "
-            f"prefill {g.knob} (seed {self.args.seed}: "
-            + ", ".join(f"{k}: {v:.3g}" for k, v in g.by_knob.items())
+            f"prefill {knob_label(g.knob)} (seed {self.args.seed}: "
+            + ", ".join(f"{knob_label(k)}: {v:.3g}" for k, v in g.by_knob.items())
             + ")",
             file=sys.stderr,
             flush=True,
         )
 
-    def knob_of(self, system: str) -> int:
+    def knob_of(self, system: str):
         g = self.goodputs.get(system)
-        return g.knob if g else self.args.prefill_tokens[0]
+        return g.knob if g else self.knobs_of(system)[0]
 
-    def reference_rate(self) -> float:
-        """The common rate for hit rate and load CV (the paper's Fig. 10): TokenLake's median
-        goodput, else the best median, else the bisection start."""
-        if "tokenlake" in self.goodputs and self.goodputs["tokenlake"].median > 0:
-            return self.goodputs["tokenlake"].median
-        return max([g.median for g in self.goodputs.values()] + [0.0]) or self.args.lo
+    def unresolved(self, system: str, where: str) -> None:
+        """A run of this system's bisection was still cut by the wall budget after its
+        re-runs: no goodput is reported for it (never a failure)."""
+        self.warn(f"{system}: unresolved ({where} cut by --wall-budget; raise it)")
+        self.summary["systems"][system] = {"unresolved": where}
 
-    def at_reference(self, system: str, results: list[RunResult]) -> None:
+    def at_own_goodput(self, system: str, results: list[RunResult], rates: list[float]) -> None:
+        """Hit rate and load CV of ``system`` at its own goodput, seed by seed (``rates``):
+        at another system's goodput a system may reject or stall most requests."""
         g = self.goodputs[system]
         t, loads = results[0].load.matrix()
         self.summary["systems"][system] = {
@@ -133,10 +142,11 @@ class GoodputReport:
             "p90_goodput_min": round(g.low, 4),
             "p90_goodput_max": round(g.high, 4),
             "goodputs": [round(x, 4) for x in g.goodputs],
-            "prefill_tokens": g.knob,
-            "by_prefill_tokens": {str(k): round(v, 4) for k, v in g.by_knob.items()},
-            "points": [[s, k, round(r, 4), a] for s, k, r, a in g.points],
-            "ref_rate": round(self.reference_rate(), 4),
+            "prefill_tokens": knob_prefill(g.knob),
+            "knob": knob_label(g.knob),
+            "by_prefill_tokens": {knob_label(k): round(v, 4) for k, v in g.by_knob.items()},
+            "points": [[s, knob_label(k), round(r, 4), a] for s, k, r, a in g.points],
+            "rates": [round(r, 4) for r in rates],
             "hit_rate": round(statistics.median(hit_rate(r.records) for r in results), 4),
             "load_cv": round(statistics.median(r.load.cv() for r in results), 4),
             "load_times": t.tolist(),
@@ -147,17 +157,19 @@ class GoodputReport:
         rows = self.summary["systems"]
         print(
             f"\nP90 goodput (median [min-max] over seeds {self.summary['seeds']}), each system at "
-            f"its best prefill setting; hit rate and load CV at {self.reference_rate():.3g} "
-            "req/s"
+            "its best prefill setting; hit rate and load CV at each system's own goodput"
         )
-        head = f"{'system':16s} {'prefill':>7s} {'P90 goodput (req/s)':>24s} {'hit':>6s} {'CV':>6s}"
-        print(head + f" {'runs':>5s} {'stalled':>8s} {'rejected':>8s}")
+        head = f"{'system':24s} {'prefill':>16s} {'P90 goodput (req/s)':>24s} {'hit':>6s}"
+        print(head + f" {'CV':>6s} {'runs':>5s} {'stalled':>8s} {'rejected':>8s}")
         for s, r in rows.items():
             t = self.totals[s]
+            if "unresolved" in r:
+                print(f"{s:24s} {'':>16s} {'unresolved':>24s} ({r['unresolved']})")
+                continue
             ge = ">=" if r["lower_bound"] else ""
             rng = f"{ge}{r['p90_goodput']:.3g} [{r['p90_goodput_min']:.3g}-{r['p90_goodput_max']:.3g}]"
             print(
-                f"{s:16s} {r['prefill_tokens']:>7d} {rng:>24s} {r['hit_rate']:>6.1%} "
+                f"{s:24s} {r['knob']:>16s} {rng:>24s} {r['hit_rate']:>6.1%} "
                 f"{r['load_cv']:>6.1%} {t['runs']:>5d} {t['stalled_requests']:>8d} "
                 f"{t['rejected_requests']:>8d}"
             )
@@ -194,7 +206,7 @@ class GoodputReport:
             att = f"{r['slo_attainment']:.1%} [{r['slo_attainment_min']:.0%}-"
             att += f"{r['slo_attainment_max']:.0%}]"
             print(
-                f"{s:16s} {self.knob_of(s):>7d} {att:>22s} {r['hit_rate']:>6.1%} "
+                f"{s:16s} {knob_label(self.knob_of(s)):>7s} {att:>22s} {r['hit_rate']:>6.1%} "
                 f"{r['load_cv']:>6.1%}"
             )
 

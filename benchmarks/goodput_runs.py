@@ -23,14 +23,40 @@ import itertools
 import logging
 import math
 import multiprocessing
+import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor
 from typing import NamedTuple
 
-from tokenlake.benchmarks.sim.runner import SLO_MISSED, RunConfig, RunResult, simulate
+from tokenlake.benchmarks.sim.runner import (
+    SLO_MISSED,
+    WALL_BUDGET,
+    RunConfig,
+    RunResult,
+    simulate,
+)
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec, make_timer
 from tokenlake.benchmarks.workloads import Workload
+
+# a run's knob: its prefill size, or (prefill size, router balance_abs, balance_rel)
+Knob = int | tuple[int, int, float]
+
+
+def knob_prefill(knob: Knob) -> int:
+    return knob[0] if isinstance(knob, tuple) else knob
+
+
+def knob_balance(knob: Knob) -> tuple[int, float] | None:
+    return (knob[1], knob[2]) if isinstance(knob, tuple) else None
+
+
+def knob_label(knob: Knob) -> str:
+    """``2048``, or ``2048 b32:1.0001`` with the router's imbalance thresholds."""
+    if isinstance(knob, tuple):
+        return f"{knob[0]} b{knob[1]}:{knob[2]:g}"
+    return str(knob)
 
 
 class RunKey(NamedTuple):
@@ -41,7 +67,7 @@ class RunKey(NamedTuple):
     system: str
     rate: float | None
     seed: int
-    knob: int
+    knob: Knob
     spec: ClusterSpec
     stop_below: float = 0.0
 
@@ -54,21 +80,51 @@ WorkloadFn = Callable[[argparse.Namespace, float | None, int], Workload]
 
 
 def simulate_key(args: argparse.Namespace, make_workload: WorkloadFn, key: RunKey) -> RunResult:
-    """Run one simulation (in whichever process calls it)."""
-    cfg = RunConfig(
-        key.system,
-        prefill_tokens=key.knob,
-        mixed_chunk=not args.no_mixed_chunk,
-        segment_len=args.segment_len,
-        wall_budget_s=args.wall_budget,
-        horizon_s=args.horizon,
-        window_s=args.window,
-        eviction=args.eviction,
-        seed=key.seed,
-        stop_below=key.stop_below,
-    )
+    """Run one simulation (in whichever process calls it). A run cut by the wall budget is
+    re-run with twice the budget, up to ``args.wall_retries`` times: real time never decides
+    a verdict. One still cut is returned as it is (stop ``wall_budget``: unresolved)."""
+    budget = args.wall_budget
     workload = make_workload(args, key.rate, key.seed)
-    return simulate(workload, key.spec, make_timer(key.spec), cfg)
+    for attempt in range(getattr(args, "wall_retries", 0) + 1):
+        cfg = RunConfig(
+            key.system,
+            prefill_tokens=knob_prefill(key.knob),
+            mixed_chunk=not args.no_mixed_chunk,
+            segment_len=args.segment_len,
+            wall_budget_s=budget * 2**attempt,
+            horizon_s=args.horizon,
+            window_s=args.window,
+            eviction=args.eviction,
+            seed=key.seed,
+            stop_below=key.stop_below,
+            page_groups=getattr(args, "page_groups", "on") == "on",
+            balance=knob_balance(key.knob),
+        )
+        res = simulate(workload, key.spec, make_timer(key.spec), cfg)
+        if res.stop_reason != WALL_BUDGET:
+            break
+        log.warning(
+            "%s at %s req/s (seed %d) was cut by the wall budget of %.0f s%s",
+            key.system,
+            key.rate,
+            key.seed,
+            cfg.wall_budget_s,
+            "; re-running with twice the budget" if attempt < args.wall_retries else "",
+        )
+    res.extra["wall_retries"] = attempt
+    return res
+
+
+def _end_with_parent(parent: int) -> None:
+    """A worker's initializer: end this process once its parent is gone (killed, or ended by
+    a signal before it could shut its pool down), checked every second by a daemon thread."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="end-with-parent").start()
 
 
 class Runs:
@@ -103,7 +159,12 @@ class Runs:
         if executor is None and jobs > 1:
             # spawn: workers start clean (no inherited threads or locks of this process)
             ctx = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
+            self._pool = ProcessPoolExecutor(
+                max_workers=jobs,
+                mp_context=ctx,
+                initializer=_end_with_parent,
+                initargs=(os.getpid(),),
+            )
 
     @property
     def num_waiting(self) -> int:
@@ -234,4 +295,8 @@ class Runs:
         for *_, fut in waiting:
             fut.cancel()
         if pool is not None:
-            pool.shutdown(cancel_futures=True)
+            # runs still going are not waited for: their workers are ended (a run is long,
+            # and close() also runs when the harness is stopped by a signal)
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                proc.terminate()
+            pool.shutdown(wait=True, cancel_futures=True)

@@ -9,7 +9,7 @@ systems differ ("win") only where their ranges do not overlap.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from tokenlake.benchmarks.sim.metrics import bisect_goodput
@@ -27,8 +27,8 @@ class SystemGoodput:
     """Goodputs of one system: ``by_knob[k]`` on seed 0; ``goodputs`` per seed at ``knob``;
     ``points`` every run as (seed, knob, rate, attainment)."""
 
-    knob: int
-    by_knob: dict[int, float]
+    knob: Hashable  # a prefill size, or (prefill size, further settings)
+    by_knob: dict
     goodputs: list[float]
     points: list[tuple[int, int, float, float]] = field(default_factory=list)
 
@@ -73,11 +73,14 @@ def system_goodput(
     width: int = 1,
     attainments: Attainments | None = None,
     ahead: bool = False,
+    more_knobs: Callable[[Hashable], Sequence[Hashable]] | None = None,
 ) -> SystemGoodput:
     """``width > 1``: each bisection probes that many rates per round through
     ``attainments`` (see :func:`~tokenlake.benchmarks.sim.metrics.bisect_goodput`); ``ahead``:
     its rounds call ``attainments(rates, seed, knob, then)``, ``then`` the next round's
-    rates if the rates not yet run pass (a run may start before it is asked for)."""
+    rates if the rates not yet run pass (a run may start before it is asked for).
+    ``more_knobs(best)``: further knob values to try once ``knobs`` are done, derived from the
+    best of them (a second knob swept at the first one's best value: one bisection each)."""
     if not knobs or not seeds:
         raise ValueError("system_goodput: expected at least one knob value and one seed")
     points: list[tuple[int, int, float, float]] = []
@@ -98,12 +101,24 @@ def system_goodput(
             at, lo, hi, TARGET, rel_tol, max_evals, width, wide, ahead and wide is not None
         ).goodput
 
-    by_knob: dict[int, float] = {}
-    for knob in knobs:
-        best = max(by_knob.values(), default=0.0)
-        start = (best / (1 + rel_tol), best * (1 + rel_tol)) if best > 0 else (lo, hi)
-        by_knob[knob] = bisect(seeds[0], knob, *start)
-    knob = max(knobs, key=lambda k: (by_knob[k], -knobs.index(k)))
+    by_knob: dict = {}
+
+    def sweep(values: Sequence[Hashable]) -> None:
+        for knob in values:
+            if knob in by_knob:
+                continue
+            best = max(by_knob.values(), default=0.0)
+            start = (best / (1 + rel_tol), best * (1 + rel_tol)) if best > 0 else (lo, hi)
+            by_knob[knob] = bisect(seeds[0], knob, *start)
+
+    def best_knob() -> Hashable:
+        order = list(by_knob)
+        return max(order, key=lambda k: (by_knob[k], -order.index(k)))
+
+    sweep(knobs)
+    if more_knobs is not None:
+        sweep(more_knobs(best_knob()))
+    knob = best_knob()
     goodputs = [by_knob[knob]]
     g0 = goodputs[0]
     for seed in seeds[1:]:
