@@ -12,8 +12,9 @@ control plane, the scheduler and the OpenAI-compatible HTTP API in one driver ac
          -d '{"prompt": "Hello", "max_tokens": 16}'
 
 Ctrl-C stops everything it started (actors, placement groups, shared memory). With
-``--detach`` the launch keeps running after the command returns; stop it with
-``--stop --address ... [--name ...]``. The layout can come from a YAML file (``--layout``).
+``--detach`` (on a running cluster: it needs ``--address``) the launch keeps running after
+the command returns; stop it with ``--stop --address ... [--name ...]``. The layout can
+come from a YAML file (``--layout``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--detach",
         action="store_true",
-        help="return once serving; the launch keeps running until 'launch --stop'",
+        help="return once serving; the launch keeps running until 'launch --stop' "
+        "(needs --address: a local Ray started here would end with this command)",
     )
     r.add_argument(
         "--stop", action="store_true", help="stop the detached launch --name on --address"
@@ -142,8 +144,19 @@ def layout_of(args: argparse.Namespace):
     return layout_from(file_values, overrides)
 
 
+DETACH_NEEDS_ADDRESS = (
+    "--detach: needs --address (a running Ray cluster: 'auto' for the one 'ray start' or "
+    "'ray up' started on this machine, or HOST:PORT); without it the launch starts a local "
+    "Ray that ends with this command. Start one with 'ray start --head' and pass "
+    "--address auto, or leave out --detach to serve in the foreground"
+)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run a parsed launch command; returns the exit code."""
+    """Run a parsed launch command; returns the exit code (2: refused, nothing started)."""
+    if args.detach and args.address is None and not args.stop:
+        print(f"error: {DETACH_NEEDS_ADDRESS}", file=sys.stderr)
+        return 2
     if args.address is None and not args.stop:
         # A local cluster stays on loopback: Ray binds a node to its outward address unless
         # it treats this machine as non-clustered (read when ray is imported).
@@ -166,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"TokenLake serving {options.serve.model_name} at {url}", flush=True)
     if args.detach:
-        print(f"detached; stop with: tokenlake launch --stop --address {args.address or 'auto'} "
+        print(f"detached; stop with: tokenlake launch --stop --address {args.address} "
               f"--name {args.name}")  # fmt: skip
         launch.disconnect()
         return 0
@@ -184,7 +197,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.detach and args.address is None and not args.stop:
+        parser.error(DETACH_NEEDS_ADDRESS)  # exit 2 with the usage, before anything starts
     setup_logging(args.log_level)
     return run(args)
 

@@ -49,6 +49,11 @@ class LaunchOptions:
                 f"serve.num_instances: {self.serve.num_instances} differs from the layout's "
                 f"{self.layout.num_instances}"
             )
+        if self.detach and self.address is None:
+            raise InvalidArgumentError(
+                "detach: needs an address (a running Ray cluster); a local Ray started by "
+                "this process would end with it"
+            )
         if not isinstance(self.name, str) or not self.name.replace("-", "").isalnum():
             raise InvalidArgumentError(f"name: expected letters, digits and '-', got {self.name!r}")
         r = self.max_restarts
