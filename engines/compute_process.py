@@ -29,7 +29,7 @@ from tokenlake.engines import messages
 from tokenlake.engines.auth import AuthError, FrameAuth
 from tokenlake.engines.compute_worker import ComputeSpec, main
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
-from tokenlake.engines.launcher import process_context, stop_processes
+from tokenlake.engines.launcher import Started, process_context, stop_processes
 from tokenlake.engines.peers import LauncherId, bind_random
 from tokenlake.engines.transport import Requester
 from tokenlake.errors import InvalidArgumentError
@@ -97,7 +97,7 @@ class ComputeProcesses:
             raise InvalidArgumentError(f"groups: expected disjoint non-empty groups, got {groups}")
         self._owner = {i: k for k, g in enumerate(groups) for i in g}
         self._ctx = zmq.Context()
-        self._procs: list = []
+        self._procs: list[Started] = []
         self._closed = False
         self.config = cfg
         try:
@@ -121,7 +121,7 @@ class ComputeProcesses:
             p = spawn.Process(target=main, args=(spec,), name=f"tokenlake-compute-{g[0]}")
             p.daemon = True
             p.start()
-            self._procs.append(p)
+            self._procs.append(Started(p))
         self._auth = FrameAuth(cluster.secret)
         self._requester = Requester(
             self._ctx, cfg.timeout_s, cfg.poll_interval_s, self._alive, self._auth
@@ -130,8 +130,9 @@ class ComputeProcesses:
             found = 0
             while found < len(groups):
                 for k, p in enumerate(self._procs):
-                    if p.exitcode is not None:
-                        raise PeerFailedError(groups[k][0], "compute", f"exited ({p.exitcode})")
+                    if not p.alive():
+                        code = p.process.exitcode
+                        raise PeerFailedError(groups[k][0], "compute", f"exited ({code})")
                 if ready.poll(int(cfg.startup_timeout_s * 1000)) == 0:
                     raise PeerFailedError(groups[0][0], "compute", "not ready in time")
                 try:
@@ -145,7 +146,12 @@ class ComputeProcesses:
             ready.close(linger=0)
 
     def _alive(self, key) -> bool:
-        return self._procs[key[1]].exitcode is None
+        return self._procs[key[1]].alive()
+
+    def failures(self) -> list[int]:
+        """The instances whose compute process died (killed, crashed), seen also while no
+        iteration runs."""
+        return sorted(i for i, k in self._owner.items() if not self._procs[k].alive())
 
     @property
     def pids(self) -> list[int]:
@@ -158,9 +164,10 @@ class ComputeProcesses:
 
     def retire(self, epoch: int) -> None:
         """Tell every process the control plane committed or aborted ``epoch``."""
-        tickets = [
+        tickets = [  # a dead process is reported by failures() instead
             self._requester.request(("compute", k), lambda seq: messages.Retire(seq, epoch))
             for k in range(len(self._procs))
+            if self._procs[k].alive()
         ]
         self._requester.wait(tickets, f"retire {epoch}")
 

@@ -1,9 +1,13 @@
 """The engine processes of one local cluster: spawned (``multiprocessing`` spawn context) with
-their shared buffers, waited for until ready, stopped — killed if they do not stop — and
-reaped even if the owner is garbage-collected or the interpreter exits."""
+their shared buffers, waited for until ready, watched (a process that died, whatever its
+role, is reported by :meth:`EngineProcesses.failures`), stopped — killed if they do not stop
+— and reaped even if the owner is garbage-collected or the interpreter exits."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 import weakref
 from collections.abc import Sequence
@@ -38,16 +42,41 @@ def process_context():
     return ctx
 
 
-def stop_processes(processes: Sequence, grace_s: float) -> None:
-    """Join every process for ``grace_s`` in total, then kill the rest (a stopped or hung
-    engine ignores ``Stop``; ``SIGKILL`` also ends a stopped one)."""
+class Started:
+    """A started process and its identity (pid and start time). Whether it runs is read from
+    ``/proc``, not from the fork server that forked it: a killed fork server makes every
+    child it forked look dead to ``multiprocessing`` (and unkillable through it), though
+    they all still run."""
+
+    def __init__(self, process) -> None:
+        self.process = process
+        self.identity = LauncherId.of(process.pid)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.identity.alive()
+
+    def kill(self) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+def stop_processes(processes: Sequence[Started], grace_s: float) -> None:
+    """Wait ``grace_s`` in total for every process to end, then kill the rest (a stopped or
+    hung engine ignores ``Stop``; ``SIGKILL`` also ends a stopped one)."""
     deadline = time.monotonic() + grace_s
     for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
+        p.process.join(max(0.0, deadline - time.monotonic()))
+    while any(p.alive() for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.02)  # the fork server is gone: join no longer waits
     for p in processes:
-        if p.exitcode is None:
-            p.kill()
-            p.join(5.0)
+        p.kill()
+    for p in processes:
+        p.process.join(5.0)
 
 
 class EngineProcesses:
@@ -73,7 +102,7 @@ class EngineProcesses:
         self._buffers = buffers
         self._group = group
         self._event_handles = event_handles
-        self.processes: dict[PeerKey, mp.Process] = {}
+        self.processes: dict[PeerKey, Started] = {}
         self._finalizer = weakref.finalize(self, stop_processes, [], 0.0)
 
     def spawn(self, keys: list[PeerKey]) -> dict[PeerKey, str]:
@@ -101,7 +130,7 @@ class EngineProcesses:
                     target=main, args=(spec,), name=f"tokenlake-{role}-{i}", daemon=True
                 )
                 p.start()
-                self.processes[(role, i)] = p
+                self.processes[(role, i)] = Started(p)
             self._finalizer.detach()
             self._finalizer = weakref.finalize(
                 self, stop_processes, list(self.processes.values()), 2.0
@@ -117,8 +146,9 @@ class EngineProcesses:
         deadline = time.monotonic() + self.config.startup_timeout_s
         while len(endpoints) < len(keys):
             for key in keys:
-                code = self.processes[key].exitcode
-                if code is not None and key not in endpoints:
+                started = self.processes[key]
+                if not started.alive() and key not in endpoints:
+                    code = started.process.exitcode
                     raise PeerFailedError(key[1], key[0], f"exited at start-up ({code})")
             if time.monotonic() > deadline:
                 missing = sorted(set(keys) - set(endpoints))
@@ -133,7 +163,11 @@ class EngineProcesses:
 
     def is_alive(self, key: PeerKey) -> bool:
         p = self.processes.get(key)
-        return p is not None and p.exitcode is None
+        return p is not None and p.alive()
+
+    def failures(self) -> list[PeerKey]:
+        """The processes that died (killed, crashed), whatever their role."""
+        return sorted(key for key, p in self.processes.items() if not p.alive())
 
     @property
     def pids(self) -> dict[PeerKey, int]:
@@ -142,8 +176,7 @@ class EngineProcesses:
     def kill(self, keys: list[PeerKey]) -> None:
         procs = [self.processes[k] for k in keys if k in self.processes]
         for p in procs:
-            if p.exitcode is None:
-                p.kill()
+            p.kill()
         stop_processes(procs, 1.0)
 
     def stop_all(self, grace_s: float) -> None:

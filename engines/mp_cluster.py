@@ -213,6 +213,21 @@ class MPCluster(ClusterBase):
         d.forget(instance_id)
         d.quiesce("fail-over")
 
+    def failures(self) -> list[int]:
+        """Instances still in use one of whose engine processes died (killed, crashed): read
+        from ``/proc`` per call, so a death is seen also while no iteration runs, and at the
+        next call after it, whichever role it was. The caller drops them (:meth:`mark_lost`)."""
+        if self._procs is None:
+            return []
+        lost = self._driver.lost
+        served = self._driver.num_served
+        return sorted({i for _, i in self._procs.failures() if i < served and i not in lost})
+
+    def membership_changes(self) -> list[tuple[int, bool]]:
+        """``(instance_id, False)`` for each instance found dead and not yet marked lost (a
+        restarted one rejoins through :meth:`restart`, not here)."""
+        return [(i, False) for i in self.failures()]
+
     @property
     def lost(self) -> frozenset[int]:
         """Instances marked lost (their engines are gone)."""

@@ -24,18 +24,24 @@ def _start_time(pid: int) -> int | None:
 
 @dataclass(frozen=True)
 class LauncherId:
-    """The process that started an engine, identified by pid and start time (a pid alone
-    may be reused), so the engine ends when it is gone: no orphans."""
+    """A process identified by pid and start time (a pid alone may be reused): the process
+    that started an engine, so the engine ends when it is gone (no orphans), or a started
+    process whose life is read here rather than from whoever forked it."""
 
     pid: int
     start_time: int | None
 
     @classmethod
     def this_process(cls) -> LauncherId:
-        return cls(os.getpid(), _start_time(os.getpid()))
+        return cls.of(os.getpid())
+
+    @classmethod
+    def of(cls, pid: int) -> LauncherId:
+        """Process ``pid`` as it runs now (never alive if it is already gone)."""
+        return cls(pid, _start_time(pid))
 
     def alive(self) -> bool:
-        return _start_time(self.pid) == self.start_time
+        return self.start_time is not None and _start_time(self.pid) == self.start_time
 
 
 def bind_random(sock: zmq.Socket, host: str) -> str:

@@ -36,6 +36,12 @@ class ModelEngine:
         if mark is not None:
             mark(instance_id)
 
+    def membership_changes(self) -> list[tuple[int, bool]]:
+        """The cluster's news of dead (``False``) and rejoined (``True``) instances, polled
+        by the serving loop also while idle (a local cluster has none)."""
+        changes = getattr(self.cluster, "membership_changes", None)
+        return list(changes()) if changes is not None else []
+
     def retire(self, plans: Plans) -> None:
         """The control plane committed or aborted ``plans``: the data plane may drop them."""
         retire = getattr(self.cluster, "retire", None)
