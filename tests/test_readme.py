@@ -1,6 +1,8 @@
-"""Every command the README shows is run here with tiny arguments, or names the test that runs
-it, or says why it cannot run on this machine. The table below must list exactly the README's
-commands: a README edit without a matching table edit fails :func:`test_table_matches_readme`.
+"""Every command the README and docs/*.md show is run here with tiny arguments, or names the
+test that runs it, or says why it cannot run on this machine. The one table below must list
+exactly the commands those pages show: a page edit without a matching table edit fails
+:func:`test_table_matches_readme_and_docs`. The README's API example and the metrics example of
+docs/serving.md are run too. Links are checked by ``tests/test_docs.py``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from tokenlake.benchmarks.traces import CONVERSATION_TRACE, SYNTHETIC_TRACE
 
 ROOT = Path(__file__).parents[1]
 README = ROOT / "README.md"
+SERVING = ROOT / "docs" / "serving.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 BIN = Path(sys.executable).parent
 
 
@@ -220,13 +224,31 @@ def readme_commands(text: str) -> list[str]:
     return out
 
 
-def test_table_matches_readme():
-    shown = readme_commands(README.read_text())
-    assert len(shown) == len(set(shown)), "a command is shown twice"
-    missing = [c for c in shown if c not in COMMANDS]
+def shown_commands() -> dict[str, list[str]]:
+    """Each command of the README's and the docs' bash blocks -> the pages that show it."""
+    shown: dict[str, list[str]] = {}
+    for page in PAGES:
+        for command in readme_commands(page.read_text()):
+            shown.setdefault(command, []).append(page.name)
+    return shown
+
+
+def test_table_matches_readme_and_docs():
+    shown = shown_commands()
+    twice = {c: pages for c, pages in shown.items() if len(pages) != len(set(pages))}
+    assert not twice, f"a page shows a command twice: {twice}"
+    missing = {c: pages for c, pages in shown.items() if c not in COMMANDS}
     stale = [c for c in COMMANDS if c not in shown]
-    assert not missing, f"README commands without a test entry here: {missing}"
-    assert not stale, f"entries for commands the README no longer shows: {stale}"
+    assert not missing, f"commands shown without a test entry here: {missing}"
+    assert not stale, f"entries for commands no page shows any more: {stale}"
+
+
+def test_table_check_sees_docs_commands():
+    """The docs' commands are part of the check: one only a doc shows is found."""
+    shown = shown_commands()
+    assert "serving.md" in shown["curl http://127.0.0.1:8000/metrics"]
+    assert "goodput.md" in shown[".venv/bin/tokenlake bench sim-crosscheck"]
+    assert shown["make demo"] == ["README.md"]
 
 
 def test_covering_tests_exist():
@@ -321,20 +343,33 @@ def test_readme_serving_commands(tmp_path):
         proc.wait(timeout=60)
 
 
-def test_readme_metrics_example_runs():
-    """The plain-Python exporter of the README (port 0 instead of 9400), scraped."""
+def test_readme_api_example_runs(capsys):
+    """The README's API example as shown: the second turn reuses the first one's 100 tokens
+    (six sealed 16-token segments and the 4-token partial tail), and the pool counts them."""
+    code = re.search(r"```python\n(import tokenlake as tl\n.*?)```", README.read_text(), re.S)[1]
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[:2] == ["req-0 reused 0 tokens", "req-1 reused 100 tokens"]
+    stats = scope["pool"].get_stats()
+    assert float(printed[2]) == pytest.approx(100 / (100 + 130)) == stats["hit_rate"]
+    assert stats["num_hit_tokens"] == 100
+
+
+def test_serving_metrics_example_runs():
+    """The plain-Python exporter of docs/serving.md (port 0 instead of 9400), scraped."""
     pytest.importorskip("prometheus_client")
     import urllib.request
 
     import tokenlake as tl
     from tokenlake.engines.local_cluster import LocalCluster
 
-    code = re.search(r"```python\n(from prometheus_client.*?)```", README.read_text(), re.S)[1]
+    code = re.search(r"```python\n(from prometheus_client.*?)```", SERVING.read_text(), re.S)[1]
     code = code.replace("start_http_server(9400", "server, _ = start_http_server(0")
     shape = tl.ModelShape(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8)
     pool = tl.Pool(tl.PoolConfig(shape, num_instances=2, num_slots=16, segment_len=4))
     scope = {"pool": pool, "cluster": LocalCluster(pool.config)}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, "docs/serving.md", "exec"), scope)
     server = scope["server"]
     try:
         url = f"http://127.0.0.1:{server.server_port}/metrics"
@@ -343,22 +378,6 @@ def test_readme_metrics_example_runs():
         server.shutdown()
     assert "tokenlake:pool_segments 0.0" in text
     assert "tokenlake:engine_latency_seconds" in text
-
-
-def _slug(heading: str) -> str:
-    """GitHub's anchor of a heading: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-
-
-def test_readme_links_resolve():
-    """Every ``(#anchor)`` names a heading and every relative link names a file."""
-    text = README.read_text()
-    anchors = {_slug(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
-    broken = [a for a in re.findall(r"\]\(#([^)]+)\)", text) if a not in anchors]
-    assert not broken, f"links to no heading: {broken}; headings: {sorted(anchors)}"
-    for target in re.findall(r"\]\((?!#|https?:)([^)#]+)", text):
-        if not target.startswith("../"):  # ../shared is the team's, not in a clone
-            assert (ROOT / target).exists(), target
 
 
 def test_ci_runs_the_readme_test_command():
