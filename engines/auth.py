@@ -14,6 +14,13 @@ endpoint for a request, the requester's sender id for a reply; so a frame captur
 way to one engine does not verify at another. A receiver drops a frame whose tag does not
 verify, and a replay: per sender id, counters must strictly increase (each sender's frames
 to one receiver travel over one ordered connection).
+
+Below the frames, an engine's socket admits only peers that hold the secret: it is a CURVE
+server whose key pair is derived from the secret (:meth:`FrameAuth.curve_server`), and only
+a client that knows its public key, which never travels, completes the handshake
+(:meth:`FrameAuth.curve_client`). ZeroMQ buffers a whole multipart message before anyone
+sees its first frame; this way nothing an outsider sends is buffered past one frame of the
+handshake, and an outsider's flood never reaches the engine's loop.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ import stat
 import struct
 from collections import OrderedDict
 from collections.abc import Mapping
+
+import zmq
+from zmq.utils import z85
 
 from tokenlake.errors import InvalidArgumentError, TokenLakeError
 
@@ -103,6 +113,27 @@ class FrameAuth:
         self.sender = secrets.token_bytes(8)
         self._counter = 0
         self._seen: OrderedDict[bytes, int] = OrderedDict()
+        self._curve: dict[str, tuple[bytes, bytes]] = {}
+
+    def _curve_pair(self, side: str) -> tuple[bytes, bytes]:
+        """``(secret, public)`` CURVE keys of ``side`` (z85), derived from the secret."""
+        if side not in self._curve:
+            seed = hmac.new(self._key, f"tokenlake curve {side}".encode(), hashlib.sha256)
+            secret = z85.encode(seed.digest())
+            self._curve[side] = (secret, zmq.curve_public(secret))
+        return self._curve[side]
+
+    def curve_server(self, sock: zmq.Socket) -> None:
+        """Admit only peers holding the secret to ``sock`` (before it binds)."""
+        secret, public = self._curve_pair("server")
+        sock.curve_secretkey, sock.curve_publickey = secret, public
+        sock.curve_server = True
+
+    def curve_client(self, sock: zmq.Socket) -> None:
+        """Let ``sock`` (before it connects) pass a :meth:`curve_server` socket's handshake."""
+        secret, public = self._curve_pair("client")
+        sock.curve_secretkey, sock.curve_publickey = secret, public
+        sock.curve_serverkey = self._curve_pair("server")[1]
 
     def seal(self, body: bytes, audience: bytes = b"") -> bytes:
         """``body`` sealed for ``audience`` (who alone may open it)."""

@@ -65,7 +65,9 @@ class _Worker:
         self, spec: ComputeSpec, ctx: zmq.Context, auth: FrameAuth, secret: ClusterSecret
     ) -> None:
         n = spec.layout.num_instances
-        self.links = LinkMonitor(ctx)  # a peer that died is failed at once, not at the timeout
+        self.links = LinkMonitor(
+            ctx, auth
+        )  # a peer that died is failed at once, not at the timeout
         self.requester = Requester(
             ctx, spec.config.timeout_s, spec.config.poll_interval_s, self.links.is_alive, auth
         )

@@ -60,8 +60,9 @@ class LinkMonitor:
 
     _EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
-    def __init__(self, ctx: zmq.Context) -> None:
+    def __init__(self, ctx: zmq.Context, auth) -> None:
         self._ctx = ctx
+        self._auth = auth  # a FrameAuth: the engines admit only the secret's holders
         self._links: dict[PeerKey, tuple[zmq.Socket, zmq.Socket]] = {}
         self._down: set[PeerKey] = set()
 
@@ -69,6 +70,7 @@ class LinkMonitor:
         self.forget(key)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        self._auth.curve_client(sock)
         monitor = sock.get_monitor_socket(self._EVENTS)
         sock.connect(endpoint)
         self._links[key] = (sock, monitor)

@@ -54,6 +54,7 @@ class Requester:
     def connect(self, key: PeerKey, endpoint: str) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        self._auth.curve_client(sock)
         sock.connect(endpoint)
         self._audience[key] = endpoint.encode()
         self._sockets[key] = sock
@@ -169,26 +170,59 @@ class Server:
     """An engine's ROUTER socket. :meth:`serve` runs ``handle(message)`` for each authentic
     request in arrival order and answers with a :class:`messages.Reply`; it returns after a
     :class:`messages.Stop`, or when the launching process is gone (no orphans). Nothing a
-    peer sends ends the loop."""
+    peer sends ends the loop.
+
+    Only peers holding the cluster secret pass the socket's CURVE handshake
+    (:meth:`FrameAuth.curve_server`): ZeroMQ drops anyone else's connection before it
+    buffers more than one frame of the handshake (at most ``MAXMSGSIZE`` bytes per
+    connection, freed at once), and within ``HANDSHAKE_IVL`` if it stays silent, so an
+    outsider's flood costs this loop nothing; each refused handshake is counted
+    (``refused_handshakes``, and as ``unauthenticated_frames``: what it sent was never
+    read)."""
+
+    _HANDSHAKE_MS = 5000
+    _REFUSED = (
+        zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    )
 
     def __init__(self, ctx: zmq.Context, host: str, auth: FrameAuth) -> None:
         self._auth = auth
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_FRAME_BYTES + 4096)
+        self._sock.setsockopt(zmq.HANDSHAKE_IVL, self._HANDSHAKE_MS)
+        auth.curve_server(self._sock)
+        self._events = self._sock.get_monitor_socket(self._REFUSED)
         self.endpoint = bind_random(self._sock, host)
         self._audience = self.endpoint.encode()
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._events, zmq.POLLIN)
 
     def serve(
         self, handle: Callable[[object], bytes | None], launcher: LauncherId, stats: Counter
     ) -> None:
         while True:
-            if not self._sock.poll(1000):
+            ready = dict(self._poller.poll(1000))
+            if self._events in ready:
+                self._count_refused(stats)
+            if self._sock not in ready:
                 if not launcher.alive():
                     return
                 continue
             if self._serve_one(handle, stats):
                 return
+
+    def _count_refused(self, stats: Counter) -> None:
+        for _ in range(1024):  # bounded: the rest is read at the next wake-up
+            try:
+                self._events.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            stats["refused_handshakes"] += 1
+            stats["unauthenticated_frames"] += 1
 
     def _serve_one(self, handle, stats: Counter) -> bool:
         """Answer one frame; true after a Stop."""
@@ -220,6 +254,8 @@ class Server:
         self._sock.send_multipart([identity, self._auth.seal(messages.encode(reply), to)])
 
     def close(self) -> None:
+        self._sock.disable_monitor()
+        self._events.close(linger=0)
         self._sock.close(linger=0)
 
 

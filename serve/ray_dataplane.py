@@ -83,7 +83,7 @@ class RayDataPlane:
         self._store = self._group = None
         self._generation = 0
         self._closed = False
-        self.monitor = LinkMonitor(self._ctx)
+        self.monitor = LinkMonitor(self._ctx, self._auth)
         cfg = setup.config
         self.engines = Requester(
             self._ctx, cfg.timeout_s, cfg.poll_interval_s, self._alive, self._auth
