@@ -190,8 +190,11 @@ def _run_phases(
                 return str(e)
 
         if args.jobs > 1 and len(args.systems) > 1:
-            with ThreadPoolExecutor(len(args.systems)) as threads:
+            threads = ThreadPoolExecutor(len(args.systems))
+            try:
                 found = list(threads.map(bisect, args.systems))
+            finally:  # stopped (SIGTERM): do not wait for the bisections, runs.close() ends them
+                threads.shutdown(wait=False, cancel_futures=True)
         else:
             found = [bisect(s) for s in args.systems]
         for s, g in zip(args.systems, found, strict=True):
@@ -203,8 +206,7 @@ def _run_phases(
             # passed in its bisection and are kept (a goodput of 0: the lowest rate tried)
             rates = [x or min(r for _, _, r, _ in g.points) for x in g.goodputs]
             keys = [
-                RunKey(s, rate, seed, g.knob, spec)
-                for rate, seed in zip(rates, seeds, strict=True)
+                RunKey(s, rate, seed, g.knob, spec) for rate, seed in zip(rates, seeds, strict=True)
             ]
             report.at_own_goodput(s, runs.many(keys), rates)
         report.goodput_table()
