@@ -12,6 +12,10 @@ import httpx
 import pytest
 import torch
 
+SEED_RANGE = (
+    "seed: Value error, expected a signed 64-bit int in [-9223372036854775808, 9223372036854775807]"
+)
+
 
 def complete(client, prompt, max_tokens=8, **extra):
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
@@ -139,15 +143,53 @@ def test_non_streaming_client_timeout_cancels(server):
         ('{"prompt": "hi", "max_tokens": 600}', 400, "maximum context length is 512"),
         ('{"prompt": "hi", "model": "gpt-4"}', 404, "does not exist"),
         ("[1, 2]", 400, "body"),
+        ('{"prompt": ""}', 400, "prompt: Value error, expected a non-empty prompt"),
+        ('{"prompt": []}', 400, "prompt: Value error, expected a non-empty prompt"),
+        ('{"prompt": ["a", ""]}', 400, "every prompt of the batch to be non-empty"),
+        ('{"prompt": [[1], []]}', 400, "every prompt of the batch to be non-empty"),
+        ('{"prompt": [true, 2]}', 400, "prompt"),
+        ('{"prompt": [[5, false]]}', 400, "prompt"),
+        ('{"prompt": "hi", "stop_token_ids": [true]}', 400, "stop_token_ids.0"),
+        ('{"prompt": "hi", "max_tokens": true}', 400, "max_tokens"),
+        ('{"prompt": "hi", "temperature": true}', 400, "temperature"),
+        ('{"prompt": "hi", "seed": 18446744073709551616}', 400, SEED_RANGE),
+        ('{"prompt": "hi", "seed": -1180591620717411303424}', 400, SEED_RANGE),
+        ('{"prompt": "hi", "seed": 1.5}', 400, "seed"),
+        ('{"prompt": "hi", "max_tokens": 1' + "0" * 5000 + "}", 400, "body: not parsable"),
+        ("[" * 10_000 + "]" * 10_000, 400, "body: not parsable as JSON"),
+        ('{"prompt": ' + "[" * 10_000 + "]" * 10_000 + "}", 400, "body: not parsable"),
+        ('{"prompt": ' + "[" * 300 + "1" + "]" * 300 + "}", 400, "prompt"),
     ],
 )
-def test_bad_requests_get_clear_errors(client, body, status, words):
+def test_bad_requests_get_clear_errors(server, client, body, status, words):
+    requests = server.served.runtime.counters["requests"]
     r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()
-    assert err["object"] == "error" and err["code"] == status
+    assert err == {"object": "error", "message": err["message"], "type": err["type"],
+                   "param": None, "code": status}  # fmt: skip
     assert words in err["message"]
+    assert len(err["message"]) < 2000  # the problems are named, not the whole input echoed
+    assert server.served.runtime.counters["requests"] == requests  # nothing was submitted
     assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("seed", [-(2**63), 2**63 - 1, 0])
+def test_seed_range_edges_are_served(client, seed):
+    body = {"prompt": [3, 4, 5], "max_tokens": 3, "temperature": 1.0, "seed": seed}
+    first = complete(client, **body)["choices"][0]["token_ids"]
+    assert complete(client, **body)["choices"][0]["token_ids"] == first  # seeded: repeatable
+
+
+@pytest.mark.parametrize(
+    "method, path, status",
+    [("GET", "/no/such/path", 404), ("GET", "/v1/completions", 405), ("DELETE", "/health", 405)],
+)
+def test_framework_errors_use_the_error_body(client, method, path, status):
+    r = client.request(method, path)
+    assert r.status_code == status
+    err = r.json()
+    assert err["object"] == "error" and err["code"] == status and path in err["message"]
 
 
 def test_overlong_chat_and_empty_messages(client):
