@@ -299,4 +299,4 @@ class Runs:
             # and close() also runs when the harness is stopped by a signal)
             for proc in list(getattr(pool, "_processes", {}).values()):
                 proc.terminate()
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown(cancel_futures=True)

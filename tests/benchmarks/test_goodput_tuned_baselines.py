@@ -150,3 +150,23 @@ def test_system_variants_parse_and_refuse():
     for bad in ("router-groups", "tokenlake-cascade", "mooncake-1p3d-min-load", "x", "router-"):
         with pytest.raises(ValueError, match="system"):
             split_system(bad)
+
+
+def test_page_groups_off_reads_every_rows_pages():
+    import numpy as np
+
+    from tokenlake.benchmarks.sim.tokenlake_timing import TokenLakeTiming
+
+    spec = ClusterSpec(num_instances=2)
+    timer = make_timer(spec)
+    rows, tokens, holders = np.array([1, 1, 1]), np.array([4096, 4096, 1024]), np.array([1, 1, 1])
+    off = TokenLakeTiming(timer, spec, 512, page_groups=False)
+    work_off = np.zeros(2)
+    off._queries(work_off, [(rows, tokens, holders, 0, None)], has_prefill=False)
+    assert work_off[1] == pytest.approx(timer.query_time(1, 9216))  # every row's own pages
+    on = TokenLakeTiming(timer, spec, 512)
+    work_on = np.zeros(2)
+    shared = np.array([0.0, 4096 + 1024])  # the 4096-token prefix read once
+    on._queries(work_on, [(rows, tokens, holders, 0, shared)], has_prefill=False)
+    assert work_on[1] == pytest.approx(timer.cost.query_time(1, 9216, 5120))
+    assert work_on[1] < work_off[1]
