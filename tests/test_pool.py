@@ -8,6 +8,7 @@ import torch
 from harness import Harness, tokens
 
 import tokenlake as tl
+from tokenlake.engines import kernels
 from tokenlake.errors import (
     InvalidArgumentError,
     IterationStateError,
@@ -228,4 +229,4 @@ def test_kernel_rejects_wrong_device_dtype_shape():
     for name, values in bad.items():
         for value in values:
             with pytest.raises(InvalidArgumentError, match=name):
-                tl.kernels.partial_attention(**{**good, name: value}, backend="torch")
+                kernels.partial_attention(**{**good, name: value}, backend="torch")

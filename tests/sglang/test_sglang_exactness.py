@@ -128,6 +128,4 @@ def test_backfill_when_pool_lacks_sglang_prefix() -> None:
     assert w.step({"share": 6}) <= TOL
     m = w.tokenlake.forward_metadata
     assert m.num_backfill == 40
-    assert (
-        w.pool.num_stored_tokens(w.tokenlake.iteration.requests.pool_id(w.reqs["share"].row)) == 46
-    )
+    assert w.pool.num_stored_tokens(w.tokenlake.requests.pool_id(w.reqs["share"].row)) == 46
