@@ -20,6 +20,7 @@ from tokenlake.errors import InvalidArgumentError
 log = logging.getLogger(__name__)
 
 MAX_PROBLEMS = 5  # a body with a million bad items gets a short answer
+MAX_SHOWN_CHARS = 200  # of a client's value quoted back in an error message
 _KINDS = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
           413: "RequestTooLargeError", 503: "ServiceUnavailableError"}  # fmt: skip
 
@@ -37,6 +38,14 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def shown(value: object) -> str:
+    """``value`` as an error message quotes it: cut to a few hundred characters."""
+    text = str(value)
+    if len(text) <= MAX_SHOWN_CHARS:
+        return text
+    return f"{text[:MAX_SHOWN_CHARS]}... ({len(text)} characters)"
+
+
 def validation_message(exc: RequestValidationError) -> str:
     """Each problem of a bad body as ``field: what is wrong`` (the first few)."""
     problems = []
@@ -46,7 +55,7 @@ def validation_message(exc: RequestValidationError) -> str:
             problems.append(f"body: invalid JSON ({e.get('ctx', {}).get('error', 'syntax')})")
             continue
         where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        problems.append(f"{where or 'body'}: {e.get('msg')}")
+        problems.append(f"{shown(where or 'body')}: {shown(e.get('msg'))}")
     if len(errors) > MAX_PROBLEMS:
         problems.append(f"and {len(errors) - MAX_PROBLEMS} more problems")
     return "; ".join(problems) or "invalid request"

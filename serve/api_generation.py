@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from tokenlake.engines.model.sampling import SamplingParams
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.serve.api_errors import APIError
+from tokenlake.serve.api_errors import APIError, shown
 from tokenlake.serve.api_state import APIState
 from tokenlake.serve.protocol import ChatCompletionRequest, CompletionRequest
 from tokenlake.serve.request import GenerationRequest, TokenEvent
@@ -40,7 +40,7 @@ class Choice:
 def check_body(state: APIState, body: Body) -> None:
     """What the runtime cannot serve: another model's name, ``n`` > 1."""
     if body.model is not None and body.model != state.model_name:
-        raise APIError(404, f"The model `{body.model}` does not exist.", "NotFoundError")
+        raise APIError(404, f"The model `{shown(body.model)}` does not exist.", "NotFoundError")
     if body.n != 1:
         raise APIError(400, f"n: only 1 is supported, got {body.n}")
 
