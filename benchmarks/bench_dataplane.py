@@ -5,6 +5,9 @@
   are several) on the very same shared pool and q rows, at N=1 and N=2 instances, for
   decode with each ``--prefixes`` length, a prefill chunk, and a one-page decode whose
   ``overhead_us`` (engine minus in-process) is the fixed cost per call. Targets: <= 1.2x in-process at N=1; <= 50 us.
+  The remote-part case decodes N one-page requests placed on the N instances: one part per
+  holder, N - 1 of them remote; ``per_remote_part_us`` is the overhead per remote part per
+  layer (target: <= 30 us at idle).
   (At N=1 the only holder is the caller's own instance, whose part runs in the caller; at
   N=2 the other holder's part is a round trip to its query engine.)
 * put: bandwidth of ``put`` (every layer of a chunk, timed until landed) vs ``memcpy``
@@ -98,6 +101,7 @@ def bench_query(pool, cluster, chunks, reps, gen) -> dict:
         "inprocess_ms": inproc_ms,
         "ratio": engine_ms / inproc_ms,
         "holders": len(parts),
+        "remote_holders": sum(p.instance_id != qp.origin for p in parts),
         "rows": qp.num_rows,
         "max_abs_diff": diff,
     }
@@ -125,6 +129,8 @@ def run_instances(n: int, args, rng: np.random.Generator, gen: torch.Generator) 
     longest = max(args.prefixes)
     prompts["long"] = rng.integers(0, vocab, longest)
     prompts["tiny"] = rng.integers(0, vocab, c)  # one page: the kernel costs next to nothing
+    for i in range(n):  # one page per request, spread by placement: one part per holder
+        prompts[f"hop{i}"] = rng.integers(0, vocab, c)
     out = []
     with MPCluster(cfg, dp, backend=args.backend) as cluster:
         populate(pool, cluster, prompts, gen)
@@ -145,13 +151,22 @@ def run_instances(n: int, args, rng: np.random.Generator, gen: torch.Generator) 
         )
         tiny = [tl.Chunk("tiny", np.append(prompts["tiny"], 1), c)]
         cases.append((f"fixed cost: decode 1x1 row, prefix {c}", tiny))
+        hops = [
+            tl.Chunk(rid, np.append(ids, 1), c)
+            for rid, ids in prompts.items()
+            if rid.startswith("hop")
+        ]
+        cases.append((f"remote part: decode {n}x1 rows, one page each", hops))
         for label, chunks in cases:
-            reps = args.reps * (20 if chunks is tiny else 1)
+            reps = args.reps * (20 if chunks is tiny or chunks is hops else 1)
             res = bench_query(pool, cluster, chunks, reps, gen)
             res["overhead_us"] = 1e3 * (res["engine_ms"] - res["inprocess_ms"])
+            if chunks is hops:  # the fixed cost of one remote part per layer (N - 1 of them)
+                res["remote_parts"] = res["remote_holders"]
+                res["per_remote_part_us"] = res["overhead_us"] / max(1, res["remote_holders"])
             res["load_avg_1m"] = os.getloadavg()[0]
             out.append({"case": "query", "N": n, "workload": label, **res, "target": "<= 1.2"})
-        for kib, rows in zip(args.put_kib, put_rows, strict=True):
+        for kib, rows in zip([] if args.query_only else args.put_kib, put_rows, strict=False):
             put_chunk = tl.Chunk(f"fresh{kib}", rng.integers(0, vocab, rows), 0)
             res = bench_put(pool, cluster, put_chunk, args.reps, args.put_rounds, gen)
             res["bytes_per_call"] = res["bytes"] // shape.num_layers
@@ -200,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small shapes, few repetitions")
+    p.add_argument("--query-only", action="store_true", help="skip the put cases")
     args = p.parse_args(argv)
     if args.quick:
         args.prefixes, args.prefill_rows, args.put_kib, args.reps = [1024], 64, [256, 2048], 5
