@@ -23,6 +23,7 @@ from tokenlake.benchmarks.progress import Progress
 from tokenlake.benchmarks.sim.engine import EngineConfig
 from tokenlake.benchmarks.sim.events import EventLoop
 from tokenlake.benchmarks.sim.job import Job
+from tokenlake.benchmarks.sim.layered import PricingConfig
 from tokenlake.benchmarks.sim.metrics import (
     LoadTimeline,
     RequestRecord,
@@ -60,7 +61,8 @@ class RunConfig:
     once the SLO attainment cannot reach this any more; 0: run to the end); page_groups
     (TokenLake's shared-page groups in the decode timing; off also by the ``-no-groups``
     variant); balance (the router's imbalance thresholds ``(abs, rel)``; None: sgl-router's
-    launcher defaults)."""
+    launcher defaults); pricing (TokenLake's distributed attention, control plane CPU time
+    and RPC: :class:`PricingConfig`)."""
 
     system: str
     prefill_tokens: int = 8192
@@ -76,6 +78,7 @@ class RunConfig:
     eviction: str | None = None  # TokenLake's eviction policy; None: the pool's default
     page_groups: bool = True
     balance: tuple[int, float] | None = None
+    pricing: PricingConfig = PricingConfig()
 
     def __post_init__(self) -> None:
         split_system(self.system)  # raises naming the allowed systems
@@ -169,6 +172,7 @@ def build_system(cfg: RunConfig, loop, timer, spec, on_finished, on_rejected, lo
             decode_steps=cfg.decode_steps,
             eviction=cfg.eviction,
             page_groups=cfg.page_groups and "no-groups" not in variants,
+            pricing=cfg.pricing,
         )
         return TokenLakeSystem(loop, timer, spec, on_finished, load, tl, on_rejected)
     if base == "router":

@@ -7,19 +7,25 @@ own instances; each ends on its own and is committed at once. The scheduler does
 admission (FCFS, within what the pool can hold) and preempts when the pool runs short, so
 the simulator only hands requests over. A request larger than the whole pool is rejected.
 Times come from :mod:`tokenlake.benchmarks.sim.tokenlake_timing` (compute, queries and puts sharing
-each GPU). ``sync_iterations=True`` is the old model for comparison: one cluster-wide
+each GPU; distributed attention layer by layer, see :mod:`.layered`). The control plane costs
+simulated time: the real CPU time of each ``step()`` (which runs ``gen_plans``) and
+``complete()``, measured around the calls and scaled by ``PricingConfig.control_plane_scale``,
+runs one call at a time, and every iteration waits for its planning plus one dispatch RPC
+(``PricingConfig.rpc_s``) before its work. ``sync_iterations=True`` is the old model for comparison: one cluster-wide
 iteration at a time, lasting as long as its busiest instance.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenlake import EvictionConfig, InvalidArgumentError, Pool, PoolConfig, PoolFullError
 from tokenlake.benchmarks.sim.events import EventLoop
 from tokenlake.benchmarks.sim.job import Job
+from tokenlake.benchmarks.sim.layered import PricingConfig
 from tokenlake.benchmarks.sim.metrics import LoadTimeline
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec, CostModelTimer
 from tokenlake.benchmarks.sim.tokenlake_timing import Flight, TokenLakeTiming
@@ -35,7 +41,8 @@ class TokenLakeConfig:
     input_token_slo / output_reserve / decode_steps (the scheduler's); sync_iterations (one cluster-wide
     iteration at a time, the pre-asynchronous model); eviction (the pool's policy, None: its
     default); page_groups (the decode timing's shared-page groups; off: every row reads
-    its own pages, as the baselines without cascade)."""
+    its own pages, as the baselines without cascade); pricing (distributed attention, the
+    control plane's CPU time and RPC, see :class:`PricingConfig`)."""
 
     mode: str = "elastic"
     num_prefill: int = 0
@@ -49,6 +56,7 @@ class TokenLakeConfig:
     sync_iterations: bool = False
     eviction: str | None = None
     page_groups: bool = True  # decode reads of rows sharing a page grouped (the data plane's)
+    pricing: PricingConfig = PricingConfig()
 
 
 class TokenLakeSystem:
@@ -61,7 +69,9 @@ class TokenLakeSystem:
         load: LoadTimeline,
         config: TokenLakeConfig | None = None,
         on_rejected: Callable[[Job, float, str], None] | None = None,
+        cpu_clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """``cpu_clock``: the clock the control plane's calls are measured with."""
         config = config or TokenLakeConfig()
         self.loop, self.timer, self.spec, self.load = loop, timer, spec, load
         self.on_finished_cb, self.on_rejected_cb = on_finished, on_rejected
@@ -88,7 +98,10 @@ class TokenLakeSystem:
         dops = tuple(d for d in (1, 2, 4, 8, 16) if d <= cfg.max_prefill_dop)
         model = timer.cost.fit(dops=dops)
         self.sched = ElasticScheduler(cfg, model, self.pool, clock=lambda: loop.now)
-        self.timing = TokenLakeTiming(timer, spec, seg, config.page_groups)
+        self.timing = TokenLakeTiming(timer, spec, seg, config.page_groups, config.pricing)
+        self.pricing, self.cpu_clock = config.pricing, cpu_clock
+        self.control_free_at = 0.0  # when the control plane's last charged call ends
+        self.control_cpu_s = 0.0  # measured CPU seconds of its calls (unscaled)
         self.jobs: dict[int, Job] = {}
         self.num_pool_full = 0
         self.num_iterations = 0
@@ -102,6 +115,7 @@ class TokenLakeSystem:
             "iterations": self.num_iterations,
             "pool_full_stalls": self.num_pool_full,
             "eviction": self.pool.tree.policy.config.policy,
+            "control_plane_cpu_s": round(self.control_cpu_s, 3),
         }
 
     # ---- arrivals ------------------------------------------------------------------------
@@ -126,11 +140,14 @@ class TokenLakeSystem:
         self._kicked = False
         now = self.loop.now
         while True:
+            t0 = self.cpu_clock()
             try:
                 it = self.sched.step()
             except PoolFullError:  # not expected: the scheduler preempts; report it as a stall
                 self.num_pool_full += 1
                 return
+            finally:
+                self._charge(self.cpu_clock() - t0)
             if it is None:
                 return
             self.num_iterations += 1
@@ -140,11 +157,19 @@ class TokenLakeSystem:
                     job.extra["started"] = True
                     job.rec.hit_tokens = job.rec.cached_tokens = chunk.start
             has_prefill = any(p != "decode" for p in it.decision.phases)
-            flight, moved = self.timing.start(it.plans, has_prefill, now, it)
+            delay = self.control_free_at - now + self.pricing.rpc_s
+            flight, moved = self.timing.start(it.plans, has_prefill, now, it, delay)
             for i in flight.reads.nonzero()[0]:
                 self.load.add(now, int(i), float(flight.reads[i]))
             for f in [flight, *moved]:
                 self._schedule_end(f)
+
+    def _charge(self, cpu_s: float) -> None:
+        """The control plane spent ``cpu_s`` on a call at ``loop.now``: it runs one call at a
+        time, so the call ends that much (scaled) after the previous one or now."""
+        self.control_cpu_s += cpu_s
+        start = max(self.control_free_at, self.loop.now)
+        self.control_free_at = start + cpu_s * self.pricing.control_plane_scale
 
     def _schedule_end(self, flight: Flight) -> None:
         version = flight.version
@@ -157,7 +182,9 @@ class TokenLakeSystem:
         now, it = self.loop.now, flight.payload
         decode = it.decision.phases[0] == "decode" and len(it.decision.phases) == 1
         steps = max(c.num_new_tokens for c in it.decision.chunks) if decode else 1
+        t0 = self.cpu_clock()
         finished = self.sched.complete(it)
+        self._charge(self.cpu_clock() - t0)
         for chunk in it.decision.chunks:
             if chunk.end == len(chunk.token_ids):  # a prompt's last chunk or decode steps
                 job = self.jobs[chunk.request_id]

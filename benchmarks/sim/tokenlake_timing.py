@@ -8,9 +8,13 @@ attention over the segments held here, puts writing new KV here), on concurrent 
 Everything running on an instance at once shares its GPU equally (processor sharing): a
 decode lane slows down while it serves a long prefill's prefix queries, and that prefill's
 queries wait for the lane's share. An iteration ends when all of its work on every instance
-is done, and no earlier than its q/o and put bytes take on NVLink or InfiniBand (links are
-not shared). With one iteration at a time this is close to the synchronous model, where a
-holder's queries and its own forward add up.
+is done. How its distributed attention is priced (``PricingConfig.dist_attn``): ``layered``
+(the default, :mod:`.layered`): layer by layer, the origin waits for its holders' parts
+(latency, link shares, launches, merge), and every link is processor-shared like a GPU;
+``overlap`` (the older pricing): no earlier than its q/o and put bytes take on NVLink or
+InfiniBand, links not shared. Either way the control plane's time before the iteration
+(``delay``: its CPU time and the dispatch RPC) shifts its end. With one iteration at a time
+this is close to the synchronous model, where a holder's queries and its own forward add up.
 
 A decode iteration may run several steps per request (the scheduler's ``decode_steps``):
 its steps are priced one after another, each reading every context once.
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tokenlake.benchmarks.sim.layered import LAYERED, NUM_LINKS, LayeredPricing, PricingConfig
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec, CostModelTimer
 
 _EPS = 1e-12
@@ -30,8 +35,10 @@ _EPS = 1e-12
 
 @dataclass(eq=False)
 class Flight:
-    """One iteration in flight: the predicted end of its work on each instance, when its
-    bytes are on the wire, and what it read per instance (KV tokens, for the load timeline)."""
+    """One iteration in flight: the predicted end of its work on each server (instances,
+    then links), when its bytes are on the wire, what it read per instance (KV tokens, for
+    the load timeline), each origin's idle wait for remote parts after its own work
+    (``stall``) and the control plane's time before it started (``delay``)."""
 
     payload: object
     start: float
@@ -40,10 +47,15 @@ class Flight:
     work_end: dict[int, float] = field(default_factory=dict)
     version: int = 0  # bumped whenever the end moves (stale completion events are skipped)
     id: int = field(default_factory=itertools.count().__next__)
+    stall: dict[int, float] = field(default_factory=dict)
+    delay: float = 0.0
 
     @property
     def end(self) -> float:
-        return float(max(max(self.work_end.values(), default=self.start), self.net_end))
+        end = max(max(self.work_end.values(), default=self.start), self.net_end)
+        for origin, wait in self.stall.items():
+            end = max(end, self.work_end.get(origin, self.start) + wait)
+        return float(end + self.delay)
 
 
 class SharedGPU:
@@ -77,14 +89,26 @@ class SharedGPU:
 
 class TokenLakeTiming:
     def __init__(
-        self, timer: CostModelTimer, spec: ClusterSpec, segment_len: int, page_groups: bool = True
+        self,
+        timer: CostModelTimer,
+        spec: ClusterSpec,
+        segment_len: int,
+        page_groups: bool = True,
+        pricing: PricingConfig | None = None,
     ) -> None:
         """``page_groups`` False: decode rows each read their own pages (no shared-page
-        groups), to show what the groups alone are worth."""
+        groups), to show what the groups alone are worth. ``pricing``: how distributed
+        attention is priced (default: layer by layer)."""
         self.timer, self.spec, self.segment_len = timer, spec, segment_len
         self.page_groups = page_groups
         n = spec.num_instances
-        self.gpus = [SharedGPU() for _ in range(n)]
+        pricing = pricing or PricingConfig()
+        self.layers = None
+        if pricing.dist_attn == LAYERED:
+            self.layers = LayeredPricing(spec, timer.hardware, pricing)
+        num_links = NUM_LINKS * n if self.layers else 0
+        self.servers = [SharedGPU() for _ in range(n + num_links)]  # GPUs, then links
+        self.gpus = self.servers[:n]
         self.q_row_bytes = 2 * spec.mp.num_layers * spec.mp.shape.q_bytes_per_token_layer
         self.node = np.array([spec.node_of(i) for i in range(n)])
         self.kv_bytes_per_token = spec.kv_bytes_per_token
@@ -97,12 +121,15 @@ class TokenLakeTiming:
             hw.mem_bandwidth,
         )
 
-    def start(self, plans, has_prefill: bool, now: float, payload: object) -> tuple[Flight, list]:
-        """Start an iteration at ``now``. Returns its :class:`Flight` and the other flights
-        whose end moved (their completion events must be rescheduled)."""
+    def start(
+        self, plans, has_prefill: bool, now: float, payload: object, delay: float = 0.0
+    ) -> tuple[Flight, list]:
+        """Start an iteration at ``now``, ``delay`` seconds of control plane ahead of it.
+        Returns its :class:`Flight` and the other flights whose end moved (their completion
+        events must be rescheduled)."""
         n, seg, timer = self.spec.num_instances, self.segment_len, self.timer
         work = np.zeros(n)  # seconds of this iteration's work on each instance (full speed)
-        entries, puts = [], []
+        entries, puts, num_steps = [], [], 1
         cfg = timer.config
         overhead = cfg.prefill_overhead_s if has_prefill else cfg.decode_overhead_s
         for qp, tp in zip(plans.query_plans, plans.transfer_plans, strict=True):
@@ -114,6 +141,7 @@ class TokenLakeTiming:
                 work[o] += overhead + timer.forward_time(pieces)
             else:  # decode steps, one after another (several per request: multi-step)
                 batch = np.bincount(rows, minlength=int(rows.max()) + 1)[::-1].cumsum()[::-1]
+                num_steps = max(num_steps, len(batch) - 1)
                 for num in batch[1:].tolist():  # requests still decoding at each step
                     work[o] += self._decode_step_time(num, overhead)
             if len(qp.entry_req):
@@ -129,22 +157,37 @@ class TokenLakeTiming:
                 puts.append((np.asarray(tp.dst_ids), sent, np.full(len(sent), o)))
         near, far = np.zeros(n), np.zeros(n)  # bytes each origin sends over NVLink / IB
         reads = np.zeros(n)
+        att, q_rows, put_bytes = np.zeros((n, n)), np.zeros((n, n)), np.zeros((n, n))
         if entries:
-            self._queries(work, entries, has_prefill)
+            self._queries(att, entries, has_prefill)
+            work += att.sum(axis=0)
             rows = np.concatenate([e[0] for e in entries])
             tokens = np.concatenate([e[1] for e in entries])
             holders = np.concatenate([e[2] for e in entries])
             origins = np.repeat([e[3] for e in entries], [len(e[2]) for e in entries])
             reads = np.bincount(holders, weights=rows * tokens, minlength=n)
             self._add_traffic(near, far, origins, holders, rows * self.q_row_bytes)
+            np.add.at(q_rows, (origins, holders), rows)
         if puts:
             dsts, sent, origins = (np.concatenate(x) for x in zip(*puts, strict=True))
             num_bytes = sent * self.kv_bytes_per_token
             self._add_traffic(near, far, origins, dsts, num_bytes)
+            np.add.at(put_bytes, (origins, dsts), num_bytes)
             remote = dsts != origins
             work += np.bincount(dsts[remote], weights=num_bytes[remote], minlength=n) / self.mem_bw
-        net = near / self.bw_near + far / self.bw_far
-        return self.place(work, float(net.max(initial=0.0)), now, payload, reads)
+        if self.layers is None:
+            net = near / self.bw_near + far / self.bw_far
+            return self.place(work, float(net.max(initial=0.0)), now, payload, reads, delay=delay)
+        load = np.array([len(s.tasks) + 1 for s in self._advanced(now)])
+        extra, stall = self.layers.stalls(att, q_rows, num_steps, load)
+        links = self.layers.link_work(q_rows, put_bytes)
+        work = np.concatenate([work + extra, links])
+        return self.place(work, 0.0, now, payload, reads, stall, delay)
+
+    def _advanced(self, now: float) -> list[SharedGPU]:
+        for server in self.servers:
+            server.advance(now)
+        return self.servers
 
     def _decode_step_time(self, batch_size: int, overhead: float) -> float:
         t = self._decode_step.get(batch_size)
@@ -153,10 +196,10 @@ class TokenLakeTiming:
             self._decode_step[batch_size] = t
         return t
 
-    def _queries(self, work: np.ndarray, entries: list, has_prefill: bool) -> None:
-        """Add each holder's prefix-attention time to ``work``: decode rows as one batched
-        query per (origin, holder) and step, prefill rows one query per request."""
-        n, query_time = len(work), self._query_time
+    def _queries(self, att: np.ndarray, entries: list, has_prefill: bool) -> None:
+        """Add each holder's prefix-attention time to ``att[origin, holder]``: decode rows as
+        one batched query per (origin, holder) and step, prefill rows one query per request."""
+        n, query_time = len(att), self._query_time
         for o in sorted({e[3] for e in entries}):
             mine = [e for e in entries if e[3] == o]
             rows = np.concatenate([e[0] for e in mine])
@@ -167,17 +210,17 @@ class TokenLakeTiming:
                 grouped = [e[4] for e in mine if e[4] is not None]
                 read = sum(grouped) if grouped else dk
                 for h in np.flatnonzero(dk).tolist():
-                    work[h] += query_time(1, int(dk[h]), int(read[h]))
+                    att[o, h] += query_time(1, int(dk[h]), int(read[h]))
                 continue
             one = rows == 1
             dk = np.bincount(holders[one], weights=(tokens * rows)[one], minlength=n)
             for h in np.flatnonzero(dk).tolist():
-                work[h] += query_time(1, int(dk[h]))
+                att[o, h] += query_time(1, int(dk[h]))
             many = ~one
             for h, r, t in zip(
                 holders[many].tolist(), rows[many].tolist(), tokens[many].tolist(), strict=True
             ):
-                work[h] += query_time(r, t)
+                att[o, h] += query_time(r, t)
 
     def grouped_reads(self, qp, steps: np.ndarray, holders: np.ndarray) -> np.ndarray:
         """KV tokens each holder reads for one decode sub-batch whose rows that read the same
@@ -208,15 +251,25 @@ class TokenLakeTiming:
         holder = (unique // (seg + 1)) >> 32
         return np.bincount(holder, weights=(unique % (seg + 1)) * most, minlength=n)
 
-    def place(self, work, net: float, now: float, payload: object = None, reads=None):
+    def place(
+        self,
+        work,
+        net: float,
+        now: float,
+        payload: object = None,
+        reads=None,
+        stall: dict[int, float] | None = None,
+        delay: float = 0.0,
+    ):
         """Place an iteration started at ``now`` with ``work[i]`` seconds (at full speed) on
-        each instance and ``net`` seconds of bytes on the wire. Returns its flight and the
-        flights it delayed."""
+        each server (instances, then links), ``net`` seconds of bytes on the wire, each
+        origin's ``stall`` after its work and ``delay`` before it. Returns its flight and
+        the flights it delayed."""
         reads = np.zeros(len(self.gpus)) if reads is None else reads
-        flight = Flight(payload, now, now + net, reads)
+        flight = Flight(payload, now, now + net, reads, stall=stall or {}, delay=delay)
         moved: dict[int, Flight] = {}
         for i in np.flatnonzero(np.asarray(work) > 0):
-            gpu = self.gpus[int(i)]
+            gpu = self.servers[int(i)]
             gpu.advance(now)
             gpu.add(flight, float(work[i]))
             for f, end in gpu.finishes().items():
@@ -229,7 +282,7 @@ class TokenLakeTiming:
     def finish(self, flight: Flight) -> None:
         """The iteration completed at its end: its work is done everywhere."""
         for i in flight.work_end:
-            gpu = self.gpus[i]
+            gpu = self.servers[i]
             gpu.advance(flight.end)
             gpu.tasks.pop(flight, None)
 
