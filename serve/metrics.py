@@ -8,8 +8,8 @@ its own::
     from tokenlake.serve.metrics import EngineCollector, PoolCollector
 
     registry = CollectorRegistry()
-    registry.register(PoolCollector(pool.get_stats))           # a tokenlake.Pool
-    registry.register(EngineCollector(cluster.engine_stats))   # LocalCluster or MPCluster
+    registry.register(PoolCollector(pool.get_stats, pool.config))  # a tokenlake.Pool
+    registry.register(EngineCollector(cluster.engine_stats))       # LocalCluster or MPCluster
     start_http_server(9400, addr="127.0.0.1", registry=registry)
 
 A collector calls its source on every scrape, from the scraping thread: in a program whose
@@ -23,17 +23,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tokenlake.latency import histograms, is_histogram_key
+from tokenlake.config import PoolConfig
+from tokenlake.serve.metrics_engines import EngineCollector
+from tokenlake.serve.metrics_families import INSTANCE_LABEL, PREFIX, histogram_family
+from tokenlake.serve.metrics_runtime import RuntimeCollector
 
-PREFIX = "tokenlake:"
+__all__ = ["EngineCollector", "PoolCollector", "RuntimeCollector", "render", "server_registry"]
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 StatsSource = Callable[[], Mapping]
 
@@ -66,20 +64,16 @@ _POOL_GAUGES = {
 }
 
 
-def _histogram(name: str, doc: str, labels: list[str], samples) -> HistogramMetricFamily:
-    """``samples``: ``(label values, cumulative buckets [(bound, count)], sum)``."""
-    family = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
-    for values, buckets, total in samples:
-        bounds = [("+Inf" if b == float("inf") else repr(float(b)), int(c)) for b, c in buckets]
-        family.add_metric(values, bounds, total)
-    return family
-
-
 class PoolCollector(Collector):
-    """A pool's counters (``source``: ``pool.get_stats`` or a function returning its dict)."""
+    """A pool's counters (``source``: ``pool.get_stats`` or a function returning its dict).
+    With ``config`` (the pool's :class:`~tokenlake.PoolConfig`) also the KV capacity and
+    usage: slots and tokens in total, the used fraction per instance; and, when the stats
+    carry ``free_capacity`` (``pool.free_capacity()``, the server's snapshot does), the
+    fraction held by running requests."""
 
-    def __init__(self, source: StatsSource) -> None:
+    def __init__(self, source: StatsSource, config: PoolConfig | None = None) -> None:
         self.source = source
+        self.config = config
 
     def collect(self) -> Iterator[Metric]:
         stats = self.source()
@@ -101,112 +95,68 @@ class PoolCollector(Collector):
             ("window_load", GaugeMetricFamily, "pool_instance_window_load_tokens",
              "Prefix tokens read per instance in the balancer's window"),
             ("slots_used", GaugeMetricFamily, "pool_instance_slots_used",
-             "Segment slots in use per instance"),
+             "Segment slots holding KV per instance (cached or in use)"),
         )  # fmt: skip
         for key, kind, name, doc in per_instance:
-            family = kind(PREFIX + name, doc, labels=["instance"])
+            family = kind(PREFIX + name, doc, labels=[INSTANCE_LABEL])
             for i, value in enumerate(stats.get(key, ())):
                 family.add_metric([str(i)], float(value))
             yield family
+        if self.config is not None:
+            yield from self._capacity(stats, live)
         h = stats.get("gen_plans_seconds")
         if h is not None:
-            yield _histogram(
+            yield histogram_family(
                 "pool_gen_plans_seconds",
                 "gen_plans latency of committed iterations",
                 [],
                 [([], h["buckets"], h["sum"])],
             )
 
-
-# engine counters reported for every engine even before they first count (engines count
-# lazily: their stats only hold what happened)
-ALWAYS_REPORTED = ("errors", "peer_failures")
-
-
-class EngineCollector(Collector):
-    """Every engine's counters and latency histograms, labelled by ``role`` (query,
-    transfer, client = this process's engine clients) and ``instance`` (``source``:
-    ``cluster.engine_stats`` or a function returning its dict)."""
-
-    def __init__(self, source: StatsSource) -> None:
-        self.source = source
-
-    def collect(self) -> Iterator[Metric]:
-        stats = self.source()
-        counters: dict[str, CounterMetricFamily] = {}
-        latency = []
-        for (role, instance), values in sorted(stats.items()):
-            labels = [role, str(instance)]
-            # failure counters exist from the first scrape (0), so rate() and alerts see them
-            values = {**dict.fromkeys(ALWAYS_REPORTED, 0), **values}
-            for key, value in sorted(values.items()):
-                if is_histogram_key(key):
-                    continue
-                family = counters.get(key)
-                if family is None:
-                    family = CounterMetricFamily(
-                        f"{PREFIX}engine_{key}",
-                        f"Engine counter {key}",
-                        labels=["role", "instance"],
-                    )
-                    counters[key] = family
-                family.add_metric(labels, float(value))
-            for name, h in histograms(values).items():
-                latency.append(([*labels, name.removesuffix("_seconds")], h.buckets, h.sum_s))
-        yield from counters.values()
-        yield _histogram(
-            "engine_latency_seconds",
-            "Engine call latency: message handling in engines, query/put in clients",
-            ["role", "instance", "op"],
-            latency,
+    def _capacity(self, stats: Mapping, live: set) -> Iterator[Metric]:
+        num_slots, segment_len = self.config.num_slots, self.config.segment_len
+        capacity = num_slots * len(live)
+        used = [int(n) for n in stats.get("slots_used", ())]
+        yield GaugeMetricFamily(
+            PREFIX + "kv_cache_capacity_slots",
+            "Segment slots of the live instances (one segment of every layer each)",
+            value=capacity,
         )
-
-
-class RuntimeCollector(Collector):
-    """The server runtime's counters (requests, tokens, iterations, finish reasons)."""
-
-    COUNTERS = {
-        "requests": "Requests received",
-        "prompt_tokens": "Prompt tokens of finished requests",
-        "cached_prompt_tokens": "Prompt tokens of finished requests found in the pool",
-        "generation_tokens": "Tokens generated",
-        "computed_tokens": "Tokens the compute engine ran (prefill and decode)",
-        "iterations": "Scheduler iterations executed",
-        "finished_stop": "Requests finished by a stop token or string",
-        "finished_length": "Requests finished by max_tokens",
-        "finished_abort": "Requests cancelled (client gone)",
-        "finished_error": "Requests failed",
-    }
-
-    def __init__(self, runtime, model_name: str) -> None:
-        self.runtime = runtime
-        self.model_name = model_name
-
-    def collect(self) -> Iterator[Metric]:
-        rt, labels = self.runtime, ["model_name"]
-        counters = dict(rt.counters)
-        for key, doc in self.COUNTERS.items():
-            family = CounterMetricFamily(PREFIX + key, doc, labels=labels)
-            family.add_metric([self.model_name], float(counters.get(key, 0)))
-            yield family
-        for name, kind, doc, value in (
-            ("num_requests_running", GaugeMetricFamily, "Requests in the scheduler",
-             rt.num_running),
-            ("num_requests_waiting", GaugeMetricFamily, "Requests queued", rt.num_waiting),
-            ("iteration_seconds", CounterMetricFamily, "Seconds in iterations",
-             rt.iteration_seconds),
-        ):  # fmt: skip
-            family = kind(PREFIX + name, doc, labels=labels)
-            family.add_metric([self.model_name], float(value))
-            yield family
+        yield GaugeMetricFamily(
+            PREFIX + "kv_cache_capacity_tokens",
+            "Tokens of KV the live instances hold (slots x segment_len)",
+            value=capacity * segment_len,
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "kv_cache_used_slots",
+            "Segment slots holding KV on the live instances (cached or in use)",
+            value=sum(n for i, n in enumerate(used) if i in live),
+        )
+        usage = GaugeMetricFamily(
+            PREFIX + "kv_cache_usage_perc",
+            "Fraction (0 to 1) of an instance's slots holding KV, cached prefixes included: "
+            "a warm pool reads near 1; see kv_cache_pinned_perc for what requests hold",
+            labels=[INSTANCE_LABEL],
+        )
+        for i, n in enumerate(used):
+            usage.add_metric([str(i)], n / num_slots)
+        yield usage
+        free = stats.get("free_capacity")
+        if free is not None and capacity:
+            yield GaugeMetricFamily(
+                PREFIX + "kv_cache_pinned_perc",
+                "Fraction (0 to 1) of the live slots neither free nor evictable: held by "
+                "running requests and iterations in flight (vLLM's kv_cache_usage_perc)",
+                value=max(0.0, 1.0 - free / capacity),
+            )
 
 
 def server_registry(runtime, model_name: str) -> CollectorRegistry:
-    """What ``/metrics`` serves: the runtime's counters and the snapshots of the pool's and
-    the engines' that its loop takes between iterations."""
+    """What ``/metrics`` serves: the runtime's counters and histograms, and the snapshots of
+    the pool's and the engines' that its loop takes between iterations."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RuntimeCollector(runtime, model_name))
-    registry.register(PoolCollector(lambda: runtime.pool_stats))
+    registry.register(PoolCollector(lambda: runtime.pool_stats, runtime.scheduler.pool.config))
     registry.register(EngineCollector(lambda: runtime.engine_stats))
     return registry
 

@@ -25,6 +25,7 @@ from tokenlake.engines.model.sampling import SamplingParams, sample
 from tokenlake.errors import InvalidArgumentError, PoolFullError, UnknownRequestError
 from tokenlake.scheduler import ElasticScheduler
 from tokenlake.serve.membership import Membership
+from tokenlake.serve.metrics_requests import RequestMetrics, RequestTimes
 from tokenlake.serve.request import GenerationRequest, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class _Live:
     request: GenerationRequest
     sink: Sink
     generator: torch.Generator | None
+    times: RequestTimes  # for the request histograms of /metrics
     num_cached: int = -1  # set at its first chunk
     num_generated: int = 0
 
@@ -80,7 +82,9 @@ class Runtime:
         self._error: BaseException | None = None
         self.counters = collections.Counter()
         self.iteration_seconds = 0.0
-        self.pool_stats: dict = scheduler.pool.get_stats()  # /metrics reads this snapshot
+        self.request_metrics = RequestMetrics(max_model_len)  # read by /metrics' thread
+        self.num_preemptions = 0  # the scheduler's, snapshotted by the loop for /metrics
+        self.pool_stats: dict = self._pool_snapshot()  # /metrics reads this snapshot
         self._pool_stats_at = time.monotonic()
         self._pool_changed = False  # a request ended outside an iteration
         self.engine_stats: dict = {}  # the data plane's counters, refreshed by the loop
@@ -121,7 +125,7 @@ class Runtime:
                 x.request.request_id == request.request_id for x in self._inbox
             ):
                 raise InvalidArgumentError(f"request_id: {request.request_id!r} is in use")
-            self._inbox.append(_Live(request, sink, generator))
+            self._inbox.append(_Live(request, sink, generator, self.request_metrics.arrive()))
             self.counters["requests"] += 1
             self._cond.notify()
 
@@ -169,6 +173,7 @@ class Runtime:
             while True:
                 self._refresh_engine_stats()
                 self._refresh_pool_stats()
+                self.num_preemptions = self.scheduler.num_preemptions
                 self.membership.poll()  # also while idle: a death is seen within the wait below
                 with self._cond:
                     if self._stopping:
@@ -213,7 +218,11 @@ class Runtime:
         if not self._pool_changed and now - self._pool_stats_at < POOL_STATS_PERIOD_S:
             return
         self._pool_changed, self._pool_stats_at = False, now
-        self.pool_stats = self.scheduler.pool.get_stats()
+        self.pool_stats = self._pool_snapshot()
+
+    def _pool_snapshot(self) -> dict:
+        pool = self.scheduler.pool
+        return {**pool.get_stats(), "free_capacity": pool.free_capacity()}
 
     def _apply_cancels(self, cancels: set[str]) -> None:
         for rid in cancels:
@@ -239,6 +248,7 @@ class Runtime:
 
     def _iterate(self) -> None:
         t0 = time.perf_counter()
+        started_s = self.request_metrics.clock()
         try:
             it = self.scheduler.step()
         except PoolFullError as e:  # the running requests alone overflow the pool
@@ -276,15 +286,18 @@ class Runtime:
             live = self._live[rid]
             if live.num_cached < 0:
                 live.num_cached = chunk.start
+            self.request_metrics.scheduled(live.times, started_s)
         finished = {r.request_id for r in self.scheduler.complete(it, tokens)}
         self.engine.retire(it.plans)
         self.counters["iterations"] += 1
-        self.counters["computed_tokens"] += sum(c.num_new_tokens for c in chunks.values())
+        num_computed = sum(c.num_new_tokens for c in chunks.values())
+        self.counters["computed_tokens"] += num_computed
+        self.request_metrics.iteration(num_computed)
         for rid, error in failed.items():
             self._end(rid, None, "error", error)
         for rid, token in tokens.items():
             self._emit(rid, token, rid in finished)
-        self.pool_stats = self.scheduler.pool.get_stats()
+        self.pool_stats = self._pool_snapshot()
         self._pool_changed, self._pool_stats_at = False, time.monotonic()
         self.iteration_seconds += time.perf_counter() - t0
 
@@ -297,6 +310,7 @@ class Runtime:
         req = live.request
         live.num_generated += 1
         self.counters["generation_tokens"] += 1
+        self.request_metrics.token(live.times)
         stop = token in req.stop_token_ids or (not req.ignore_eos and token in self.eos_token_ids)
         if stop or finished:
             if not finished:
@@ -319,6 +333,9 @@ class Runtime:
         self.counters[f"finished_{reason}"] += 1
         self.counters["prompt_tokens"] += len(live.request.prompt_ids)
         self.counters["cached_prompt_tokens"] += max(live.num_cached, 0)
+        self.request_metrics.finished(
+            live.times, reason, len(live.request.prompt_ids), live.num_generated
+        )
 
 
 def _deliver(live: _Live, event: TokenEvent) -> None:

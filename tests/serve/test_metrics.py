@@ -65,15 +65,15 @@ def test_a_plain_program_exports_pool_and_engine_metrics():
     assert m[("tokenlake:pool_gen_plans_seconds_count", ())] == 2
     assert m[("tokenlake:pool_gen_plans_seconds_bucket", (("le", "+Inf"),))] == 2
     loads = [
-        m[("tokenlake:pool_instance_load_tokens_total", (("instance", str(i)),))] for i in (0, 1)
+        m[("tokenlake:pool_instance_load_tokens_total", (("tl_instance", str(i)),))] for i in (0, 1)
     ]
     assert loads == h.pool.get_stats()["instance_load"] and sum(loads) > 0
     # the client side: one query and one put per layer and iteration, each timed
     calls = 2 * h.shape.num_layers
-    client = (("instance", "-1"), ("role", "client"))
+    client = (("role", "client"),)  # a process's clients serve every instance: no tl_instance
     assert m[("tokenlake:engine_query_calls_total", client)] == calls
     assert m[("tokenlake:engine_put_calls_total", client)] == calls
-    query = (("instance", "-1"), ("op", "query"), ("role", "client"))
+    query = (("op", "query"), ("role", "client"))
     assert m[("tokenlake:engine_latency_seconds_count", query)] == calls
     le_inf = key("tokenlake:engine_latency_seconds_bucket", le="+Inf", **dict(query))
     assert m[le_inf] == calls
@@ -158,7 +158,7 @@ def test_server_serves_prometheus_metrics(client):
     while True:  # engine counters are snapshotted by the runtime loop about once a second
         resp = client.get("/metrics")
         m = samples(resp.text)
-        query = (("instance", "-1"), ("op", "query"), ("role", "client"))
+        query = (("op", "query"), ("role", "client"))
         if m.get(("tokenlake:engine_latency_seconds_count", query), 0) > 0:
             break
         assert time.monotonic() < deadline, "engine metrics never refreshed"
@@ -169,5 +169,5 @@ def test_server_serves_prometheus_metrics(client):
     assert m[("tokenlake:generation_tokens_total", model)] >= 3
     assert m[("tokenlake:pool_prompt_tokens_total", ())] >= 9
     assert m[("tokenlake:pool_gen_plans_seconds_count", ())] >= 1
-    assert ("tokenlake:pool_instance_load_tokens_total", (("instance", "1"),)) in m
-    assert m[("tokenlake:engine_put_calls_total", (("instance", "-1"), ("role", "client")))] > 0
+    assert ("tokenlake:pool_instance_load_tokens_total", (("tl_instance", "1"),)) in m
+    assert m[("tokenlake:engine_put_calls_total", (("role", "client"),))] > 0

@@ -63,8 +63,8 @@ def leave_mid_stream(url: str, i: int, chunks_read: list[int]) -> None:
 
 
 def test_disconnected_streams_release_pins_and_the_gauge_follows(server, client):
-    model = {"model_name": "tiny-random"}
-    aborts_before = metric(client, "tokenlake:finished_abort_total", **model)
+    model = {"model_name": "tiny-random", "finished_reason": "abort"}
+    aborts_before = metric(client, "tokenlake:request_success_total", **model)
     chunks_read = [0] * NUM_STREAMS
     threads = [
         threading.Thread(target=leave_mid_stream, args=(server.url, i, chunks_read))
@@ -79,7 +79,7 @@ def test_disconnected_streams_release_pins_and_the_gauge_follows(server, client)
     deadline = time.monotonic() + WAIT_BOUND_S
     while True:  # no further request: the snapshot must catch up on its own
         running = metric(client, "tokenlake:pool_running_requests")
-        aborts = metric(client, "tokenlake:finished_abort_total", **model) - aborts_before
+        aborts = metric(client, "tokenlake:request_success_total", **model) - aborts_before
         if running == 0 and runtime.num_running == 0 and runtime.num_waiting == 0:
             break
         assert time.monotonic() < deadline, (running, aborts, runtime.num_running)

@@ -224,4 +224,4 @@ def test_health_models_and_metrics(client):
         or "# TYPE tokenlake:requests counter" in text
     )
     assert "tokenlake:pool_hit_rate " in text
-    assert 'tokenlake:pool_instance_load_tokens_total{instance="1"}' in text
+    assert 'tokenlake:pool_instance_load_tokens_total{tl_instance="1"}' in text
