@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenlake.engines.model.sampling import SamplingParams
+from tokenlake.errors import InvalidArgumentError
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -21,15 +22,48 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
 
+    def check_sampling(self, vocab_size: int) -> None:
+        """Raise ``InvalidArgumentError`` for what only the model's geometry rules out: a
+        ``logit_bias`` token outside the vocabulary, ``min_tokens`` over ``max_tokens``."""
+        bad = [t for t, _ in self.sampling.logit_bias if t >= vocab_size]
+        if bad:
+            raise InvalidArgumentError(
+                f"logit_bias: token ids must be in [0, {vocab_size}), got {bad[:3]}"
+            )
+        if self.sampling.min_tokens > self.max_tokens:
+            raise InvalidArgumentError(
+                f"min_tokens: expected at most max_tokens={self.max_tokens}, "
+                f"got {self.sampling.min_tokens}"
+            )
+
+    def end_token_ids(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
+        """The tokens that end this request (masked until ``min_tokens``)."""
+        if self.ignore_eos:
+            return self.stop_token_ids
+        return self.stop_token_ids | eos_token_ids
+
+    def stop_reason(self, token_id: int, eos_token_ids: frozenset[int]) -> int | None:
+        """vLLM's ``stop_reason`` for a request that stopped at ``token_id``: the stop
+        token id, or ``None`` for an end-of-sequence token."""
+        if not self.ignore_eos and token_id in eos_token_ids:
+            return None
+        return token_id if token_id in self.stop_token_ids else None
+
 
 @dataclass(frozen=True)
 class TokenEvent:
     """One generated token (``token_id``), or the end of a request (``finish_reason`` set;
     ``token_id`` is the last token, or ``None`` when it ended without one).
-    ``num_cached_tokens``: prompt tokens the pool already held (on the first event)."""
+    ``num_cached_tokens``: prompt tokens the pool already held (on the first event).
+    ``logprob`` / ``top_logprobs``: the token's raw log-probability and the most likely
+    ``(token_id, logprob)`` pairs, when the request asked for them. ``stop_reason``: the
+    stop token id that ended it (``None`` for EOS, length, or no end yet)."""
 
     request_id: str
     token_id: int | None
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    stop_reason: int | None = None

@@ -15,12 +15,13 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tokenlake.engines.dataplane_config import PeerFailedError
 from tokenlake.engines.model.engine import ModelEngine
+from tokenlake.engines.model.logits_processors import Pick, pick
 from tokenlake.engines.model.sampling import SamplingParams, sample
 from tokenlake.errors import InvalidArgumentError, PoolFullError, UnknownRequestError
 from tokenlake.scheduler import ElasticScheduler
@@ -43,6 +44,8 @@ class _Live:
     times: RequestTimes  # for the request histograms of /metrics
     num_cached: int = -1  # set at its first chunk
     num_generated: int = 0
+    output_ids: list[int] = field(default_factory=list)  # for penalties and min_tokens
+    last_pick: Pick | None = None  # this iteration's, with its logprobs if asked for
 
 
 class Runtime:
@@ -112,6 +115,7 @@ class Runtime:
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidArgumentError(f"prompt: token ids must be in [0, {vocab}), got {bad[:3]}")
+        request.check_sampling(vocab)
         generator = None
         if not request.sampling.greedy:
             seed = request.sampling.seed
@@ -277,8 +281,13 @@ class Runtime:
         tokens, failed = {}, {}
         for rid, row in logits.items():
             live = self._live[rid]
+            req = live.request
             try:
-                tokens[rid] = self._sampler(row, live.request.sampling, live.generator)
+                live.last_pick = pick(
+                    self._sampler, row, req.sampling, live.generator, req.prompt_ids,
+                    live.output_ids, req.end_token_ids(self.eos_token_ids),
+                )  # fmt: skip
+                tokens[rid] = live.last_pick.token_id
             except Exception as e:  # ends this request only (below, once committed)
                 log.exception("runtime: sampling for request %s failed", rid)
                 failed[rid] = f"sampling error: {e}"
@@ -309,6 +318,9 @@ class Runtime:
         live = self._live[rid]
         req = live.request
         live.num_generated += 1
+        live.output_ids.append(token)
+        chosen = live.last_pick if live.last_pick is not None else Pick(token)
+        scores = {"logprob": chosen.logprob, "top_logprobs": chosen.top_logprobs}
         self.counters["generation_tokens"] += 1
         self.request_metrics.token(live.times)
         stop = token in req.stop_token_ids or (not req.ignore_eos and token in self.eos_token_ids)
@@ -317,9 +329,14 @@ class Runtime:
                 self.scheduler.cancel(rid)
             del self._live[rid]
             self._count_end(live, "stop" if stop else "length")
-            _deliver(live, TokenEvent(rid, token, "stop" if stop else "length", live.num_cached))
+            stop_reason = req.stop_reason(token, self.eos_token_ids) if stop else None
+            _deliver(
+                live,
+                TokenEvent(rid, token, "stop" if stop else "length", live.num_cached,
+                           stop_reason=stop_reason, **scores),
+            )  # fmt: skip
             return
-        _deliver(live, TokenEvent(rid, token, None, live.num_cached))
+        _deliver(live, TokenEvent(rid, token, None, live.num_cached, **scores))
 
     def _end(self, rid: str, token: int | None, reason: str, error: str | None = None) -> None:
         live = self._live.pop(rid)
