@@ -27,9 +27,13 @@ Serving", §3.1 workflow, §4.1 Algorithm 1, §4.2 cache load balancing, §4.3.2
 - decode admission (§3.1 step 4): the KV lands in the decode node's CPU memory and the request
   joins the decode batch, FCFS, once the instance can reserve its context and output.
 
-Not modelled: the DRAM/SSD tiers of Mooncake Store (the cache is GPU memory only, as every
-system here), chunked pipeline parallelism across prefill nodes, prediction-based early
-rejection (§4.3.4; it needs output-length prediction).
+- Mooncake Store (§3.2, :mod:`.mooncake_store`, on by default): every prefilled prompt's KV
+  is stored in the nodes' pooled DRAM too; the prefix the store holds is one more source in
+  line 5 (the longest prefix anywhere, GPU or DRAM, loaded from DRAM over PCIe/RDMA), so a
+  prefix evicted from every GPU is loaded instead of recomputed.
+
+Not modelled: the SSD tier, chunked pipeline parallelism across prefill nodes,
+prediction-based early rejection (§4.3.4; it needs output-length prediction).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from tokenlake.benchmarks.sim.engine import Engine, EngineConfig
 from tokenlake.benchmarks.sim.events import EventLoop
 from tokenlake.benchmarks.sim.job import Job
 from tokenlake.benchmarks.sim.metrics import LoadTimeline
+from tokenlake.benchmarks.sim.mooncake_store import MooncakeStore, MooncakeStoreConfig
 from tokenlake.benchmarks.sim.radix_cache import LocalPrefixCache
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec, StepTimer
 
@@ -64,6 +69,7 @@ class PrefillChoice(NamedTuple):
     prefix_len: int  # cached prompt tokens the prefill starts from
     fetch_from: int  # prefill instance holding the longer prefix, or -1 (no fetch)
     fetch_tokens: int  # prefix tokens to fetch
+    from_store: bool = False  # the prefix is loaded from Mooncake Store's DRAM
 
 
 class Conductor:
@@ -76,8 +82,10 @@ class Conductor:
         timer: StepTimer,
         fetch_time: Callable[[int, int, int], float],
         config: ConductorConfig | None = None,
+        store: MooncakeStore | None = None,
     ) -> None:
         self.prefill, self.decode, self.timer = prefill, decode, timer
+        self.store = store
         self.fetch_time = fetch_time  # (tokens, src instance, dst instance) -> seconds
         self.config = config or ConductorConfig()
         self.assigned: list[set[Job]] = [set() for _ in decode]
@@ -91,20 +99,26 @@ class Conductor:
         local = [min(e.cache.match(keys, touch=False).num_tokens, cap) for e in self.prefill]
         best_len = max(local)
         best_instance = local.index(best_len)
+        stored = min(self.store.match(keys), cap) if self.store else 0
         threshold = self.config.kvcache_balancing_threshold
         choice = None
         for i, e in enumerate(self.prefill):
             fetch = best_len > 0 and (local[i] == 0 or best_len / local[i] > threshold)
             prefix = best_len if fetch else local[i]
             t_fetch = self.fetch_time(best_len - local[i], best_instance, i) if fetch else 0.0
+            src, from_store = best_instance if fetch else -1, False
+            if stored > local[i] and (local[i] == 0 or stored / local[i] > threshold):
+                t_load = self.store.load_time(keys, local[i], stored, e.index)
+                if stored > prefix or t_load < t_fetch:  # the longest, then the fastest
+                    prefix, t_fetch, src, from_store = stored, t_load, -1, True
             ttft = (
                 t_fetch
                 + self.queue_time(e)
                 + self.timer.prefill_time([input_len - prefix], [prefix])
             )
             if choice is None or ttft < choice.ttft:
-                src = best_instance if fetch else -1
-                choice = PrefillChoice(i, ttft, prefix, src, best_len - local[i] if fetch else 0)
+                fetched = prefix - local[i] if src >= 0 or from_store else 0
+                choice = PrefillChoice(i, ttft, prefix, src, fetched, from_store)
         return choice
 
     def select_decode(self, job: Job) -> tuple[int, float]:
@@ -141,7 +155,10 @@ class MooncakeSystem:
         engine_config: EngineConfig | None = None,
         conductor_config: ConductorConfig | None = None,
         on_rejected: Callable[[Job, float, str], None] | None = None,
+        store_config: MooncakeStoreConfig | None = None,
     ) -> None:
+        """``store_config``: Mooncake Store's DRAM pool (default: on, 1 TiB per node; 0 GB:
+        none, the cache is the prefill GPUs only)."""
         if not 0 < num_prefill < spec.num_instances:
             raise ValueError(
                 f"num_prefill: expected 1..{spec.num_instances - 1}, got {num_prefill}"
@@ -160,8 +177,10 @@ class MooncakeSystem:
         n = spec.num_instances
         self.prefill = [make(i, "prefill") for i in range(num_prefill)]
         self.decode = [make(i, "decode") for i in range(num_prefill, n)]
+        store_config = store_config or MooncakeStoreConfig()
+        self.store = MooncakeStore(spec, store_config) if store_config.gb_per_node > 0 else None
         self.conductor = Conductor(
-            self.prefill, self.decode, timer, self._fetch_time, conductor_config
+            self.prefill, self.decode, timer, self._fetch_time, conductor_config, self.store
         )
         self.nic_free_at = [0.0] * n
         self.pending = [deque() for _ in self.decode]  # KV arrived, waiting for decode memory
@@ -172,6 +191,7 @@ class MooncakeSystem:
         return {
             "evicted_tokens": sum(e.cache.num_evicted_tokens for e in engines),
             "prefix_fetches": self.num_fetches,
+            **(self.store.stats() if self.store else {}),
         }
 
     # ---- placement -----------------------------------------------------------------------
@@ -202,13 +222,21 @@ class MooncakeSystem:
         job.extra["decode"] = d
         self.conductor.assigned[d].add(job)
         p = self.prefill[choice.instance]
-        if choice.fetch_from < 0:
+        if choice.from_store:  # loaded over the instance's own PCIe/NIC
+            seconds = self.store.load_time(
+                keys, choice.prefix_len - choice.fetch_tokens, choice.prefix_len, p.index
+            )
+            self.store.match(keys, touch=True)
+            self.store.num_loads += 1
+            end = self._reserve_nics(p.index, p.index, self.loop.now, seconds)
+        elif choice.fetch_from < 0:
             p.submit(job)
             return
-        src = self.prefill[choice.fetch_from]
-        seconds = self._fetch_time(choice.fetch_tokens, choice.fetch_from, choice.instance)
-        end = self._reserve_nics(src.index, p.index, self.loop.now, seconds)
-        self.num_fetches += 1
+        else:
+            src = self.prefill[choice.fetch_from]
+            seconds = self._fetch_time(choice.fetch_tokens, choice.fetch_from, choice.instance)
+            end = self._reserve_nics(src.index, p.index, self.loop.now, seconds)
+            self.num_fetches += 1
 
         def fetched() -> None:
             # the fetched prefix stays cached on p (hot-spot replication), room permitting
@@ -223,6 +251,8 @@ class MooncakeSystem:
 
     # ---- prefill -> decode ---------------------------------------------------------------
     def _prefilled(self, job: Job, t: float) -> None:
+        if self.store is not None:  # the new KV is stored in the node's DRAM as well
+            self.store.put(*job.prompt_keys(), job.instance)
         d = job.extra["decode"]
         dst, src = self.decode[d], job.instance
         seconds = self._kv_time(job.input_len, src, dst.index)

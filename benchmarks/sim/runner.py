@@ -32,6 +32,7 @@ from tokenlake.benchmarks.sim.metrics import (
     slo_attainment,
 )
 from tokenlake.benchmarks.sim.mooncake import ConductorConfig, MooncakeSystem
+from tokenlake.benchmarks.sim.mooncake_store import MooncakeStoreConfig
 from tokenlake.benchmarks.sim.router import RouterConfig, RouterSystem
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec, CostModelTimer
 from tokenlake.benchmarks.sim.systems import (  # noqa: F401 (re-exported)
@@ -62,7 +63,8 @@ class RunConfig:
     (TokenLake's shared-page groups in the decode timing; off also by the ``-no-groups``
     variant); balance (the router's imbalance thresholds ``(abs, rel)``; None: sgl-router's
     launcher defaults); pricing (TokenLake's distributed attention, control plane CPU time
-    and RPC: :class:`PricingConfig`)."""
+    and RPC: :class:`PricingConfig`); mooncake_store (the Mooncake rows' DRAM store:
+    :class:`MooncakeStoreConfig`; GB 0 or the ``-no-store`` variant: none)."""
 
     system: str
     prefill_tokens: int = 8192
@@ -79,6 +81,7 @@ class RunConfig:
     page_groups: bool = True
     balance: tuple[int, float] | None = None
     pricing: PricingConfig = PricingConfig()
+    mooncake_store: MooncakeStoreConfig = MooncakeStoreConfig()
 
     def __post_init__(self) -> None:
         split_system(self.system)  # raises naming the allowed systems
@@ -186,7 +189,12 @@ def build_system(cfg: RunConfig, loop, timer, spec, on_finished, on_rejected, lo
     if n < 2:
         raise ValueError(f"{cfg.system}: xPyD needs at least 2 instances, got {n}")
     conductor = ConductorConfig(slo_scale=cfg.slo_scale)
-    return MooncakeSystem(loop, timer, spec, on_finished, load, p, engine, conductor, on_rejected)
+    store = cfg.mooncake_store
+    if "no-store" in variants:
+        store = replace(store, gb_per_node=0.0)
+    return MooncakeSystem(
+        loop, timer, spec, on_finished, load, p, engine, conductor, on_rejected, store
+    )
 
 
 def make_record(req: SimRequest, arrival_s: float, timer: CostModelTimer) -> RequestRecord:

@@ -16,9 +16,10 @@ SYSTEMS = (
 EXTRA_SYSTEMS = ("tokenlake-sync",)
 # variants, appended to a system's name in any order (each advantage shown on its own):
 # TokenLake without its shared-page groups; the router with TBT-aware chunks, with the
-# successor gateway's least-loaded rule; the baselines with vLLM V1's cascade decode
+# successor gateway's least-loaded rule; the baselines with vLLM V1's cascade decode; Mooncake
+# without its DRAM store (its cache the prefill GPUs only)
 VARIANTS = {"tokenlake": ("no-groups",), "router": ("tbt", "min-load", "cascade")}
-VARIANTS["mooncake"] = ("tbt", "cascade")
+VARIANTS["mooncake"] = ("tbt", "cascade", "no-store")
 VARIANT_SYSTEMS = (
     "tokenlake-no-groups",
     "router-tbt",
@@ -27,6 +28,8 @@ VARIANT_SYSTEMS = (
     "router-tbt-cascade",
     "mooncake-1p3d-cascade",
     "mooncake-3p1d-cascade",
+    "mooncake-1p3d-no-store",
+    "mooncake-3p1d-no-store",
 )
 
 

@@ -162,7 +162,8 @@ def test_fetched_prefix_stays_cached_on_the_chosen_instance():
         SimRequest(3, 5.02, 9 * B, 2, tuple(range(8)) + (201,)),
     ]
     w = Workload("t", tuple(reqs), B)
-    res = simulate(w, spec, FakeTimer(), RunConfig("mooncake-3p1d", window_s=10.0))
+    # without the DRAM store, which would serve the prefix instead
+    res = simulate(w, spec, FakeTimer(), RunConfig("mooncake-3p1d-no-store", window_s=10.0))
     assert res.extra["prefix_fetches"] >= 1
     assert all(r.finished for r in res.records)
     assert [r.hit_tokens for r in res.records][2:] == [8 * B, 8 * B]

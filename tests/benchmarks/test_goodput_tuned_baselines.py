@@ -161,12 +161,14 @@ def test_page_groups_off_reads_every_rows_pages():
     timer = make_timer(spec)
     rows, tokens, holders = np.array([1, 1, 1]), np.array([4096, 4096, 1024]), np.array([1, 1, 1])
     off = TokenLakeTiming(timer, spec, 512, page_groups=False)
-    work_off = np.zeros(2)
+    work_off = np.zeros((2, 2))  # [origin, holder]
     off._queries(work_off, [(rows, tokens, holders, 0, None)], has_prefill=False)
+    work_off = work_off.sum(axis=0)
     assert work_off[1] == pytest.approx(timer.query_time(1, 9216))  # every row's own pages
     on = TokenLakeTiming(timer, spec, 512)
-    work_on = np.zeros(2)
+    work_on = np.zeros((2, 2))
     shared = np.array([0.0, 4096 + 1024])  # the 4096-token prefix read once
     on._queries(work_on, [(rows, tokens, holders, 0, shared)], has_prefill=False)
+    work_on = work_on.sum(axis=0)
     assert work_on[1] == pytest.approx(timer.cost.query_time(1, 9216, 5120))
     assert work_on[1] < work_off[1]
