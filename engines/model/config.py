@@ -22,7 +22,12 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16")  # what the model computes and stores KV in
+# a checkpoint's dtype -> what dtype "auto" serves it in. No attention kernel here computes in
+# float16 (the C++ CPU kernel has fp32 and bf16 KV), and float32 holds every float16 value
+# exactly, so float16 weights are upcast: the same model, not a lossy cast to bfloat16
+# (vLLM on CPU upcasts float16 too)
+AUTO_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}
 
 
 @dataclass(frozen=True)
@@ -62,8 +67,15 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral: sequences are capped to it (see max_context_len)
 
     @property
+    def auto_dtype(self) -> str:
+        """The dtype ``--dtype auto`` serves this checkpoint in (:data:`AUTO_DTYPES`)."""
+        return AUTO_DTYPES[self.dtype]
+
+    @property
     def max_context_len(self) -> int:
-        """Longest sequence served exactly: a sliding window longer than this never applies."""
+        """Longest sequence served exactly. Prefix attention reads every cached segment (it
+        has no window), so a sequence longer than a sliding window would attend to tokens
+        the model never saw together: sequences are capped at the window."""
         return min(
             self.max_position_embeddings, self.sliding_window or self.max_position_embeddings
         )
@@ -117,8 +129,10 @@ class ModelConfig:
         else:
             qkv_bias = o_bias = bool(raw.get("attention_bias", False))
         dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-        if dtype not in DTYPES + ("float16",):
-            raise InvalidArgumentError(f"config.json dtype: {dtype!r} not supported {DTYPES}")
+        if dtype not in AUTO_DTYPES:
+            raise InvalidArgumentError(
+                f"config.json dtype: {dtype!r} not supported; expected one of {sorted(AUTO_DTYPES)}"
+            )
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(

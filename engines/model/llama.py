@@ -8,6 +8,7 @@ rotate-half, SwiGLU), with q/k/v and gate/up projections fused into one matmul e
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from tokenlake.engines.model.checkpoint import TensorTable, load_tensors
 from tokenlake.engines.model.config import DTYPES, ModelConfig
 from tokenlake.errors import InvalidArgumentError
 
+log = logging.getLogger(__name__)
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -124,15 +126,18 @@ class LlamaModel:
     @classmethod
     def from_dir(cls, path: str | Path, dtype: str = "auto") -> LlamaModel:
         """Load ``config.json`` and the safetensors weights under ``path``. ``dtype``
-        ``"auto"`` keeps the checkpoint's (a float16 checkpoint needs an explicit choice)."""
+        ``"auto"`` keeps the checkpoint's, except float16, served in float32 (weights upcast
+        exactly; see :data:`~tokenlake.engines.model.config.AUTO_DTYPES`)."""
         path = Path(path)
         config = ModelConfig.from_dir(path)
         if dtype == "auto":
-            dtype = config.dtype
-            if dtype not in DTYPES:
-                raise InvalidArgumentError(
-                    f"dtype: the checkpoint is {dtype}; choose one of {DTYPES} explicitly"
-                )
+            dtype = config.auto_dtype
+            if dtype != config.dtype:
+                log.info(
+                    "dtype: the checkpoint is %s, which no attention kernel here computes in; "
+                    "serving it in %s (weights upcast exactly; --dtype bfloat16 halves the "
+                    "memory, rounding them)", config.dtype, dtype,
+                )  # fmt: skip
         if dtype not in DTYPES:
             raise InvalidArgumentError(f"dtype: expected 'auto' or one of {DTYPES}, got {dtype!r}")
         return cls(config, load_tensors(path, _TORCH_DTYPES[dtype]), dtype)

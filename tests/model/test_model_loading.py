@@ -41,13 +41,14 @@ def test_sharded_checkpoint_loads_the_same_weights(checkpoints, tmp_path):
     assert torch.equal(one.lm_head, many.lm_head)
 
 
-def test_dtype_override_and_float16_needs_a_choice(checkpoints, tmp_path):
+def test_dtype_override_and_float16_served_in_float32(checkpoints, tmp_path):
     model = LlamaModel.from_dir(checkpoints.path("llama"), dtype="bfloat16")
     assert model.embed.dtype == torch.bfloat16 and model.shape.dtype == "bfloat16"
     path = make_checkpoint(tmp_path / "fp16", "llama", dtype=torch.float16)
-    with pytest.raises(InvalidArgumentError, match="float16"):
-        LlamaModel.from_dir(path)
-    assert LlamaModel.from_dir(path, dtype="float32").embed.dtype == torch.float32
+    assert LlamaModel.from_dir(path).embed.dtype == torch.float32  # auto: no refusal
+    assert LlamaModel.from_dir(path, dtype="bfloat16").embed.dtype == torch.bfloat16
+    with pytest.raises(InvalidArgumentError, match="dtype"):
+        LlamaModel.from_dir(path, dtype="float16")
 
 
 @pytest.mark.parametrize(
