@@ -104,12 +104,28 @@ def _model_path(config: ServeConfig, closers: list) -> Path:
 def _max_model_len(config: ServeConfig, model: LlamaModel, pool_config: tl.PoolConfig) -> int:
     # one request must fit the whole pool with a segment to spare per instance
     capacity = (pool_config.num_slots - 1) * pool_config.num_instances * pool_config.segment_len
-    limit = min(model.config.max_context_len, capacity)
+    mc = model.config
+    bounds = [
+        (mc.max_position_embeddings, f"max_position_embeddings={mc.max_position_embeddings}"),
+        (capacity, f"the pool's capacity ((num_slots - 1) x num_instances x segment_len = {capacity})"),
+    ]  # fmt: skip
+    windowed = mc.max_context_len < mc.max_position_embeddings
+    if windowed:
+        bounds.append((
+            mc.max_context_len,
+            f"the sliding window (sliding_window={mc.sliding_window}; prefix attention reads "
+            "every cached segment, it does not apply the window)",
+        ))  # fmt: skip
+    limit, why = min(bounds)
     if config.max_model_len > limit:
         raise InvalidArgumentError(
-            f"max_model_len: {config.max_model_len} exceeds what the model and pool allow "
-            f"({limit}: max_position_embeddings / sliding window, pool capacity)"
+            f"max_model_len: {config.max_model_len} exceeds {limit}, the most {why} allows"
         )
+    if windowed and not config.max_model_len and limit == mc.max_context_len:
+        log.warning(
+            "max_model_len: capped at %d tokens instead of max_position_embeddings=%d by %s",
+            limit, mc.max_position_embeddings, why,
+        )  # fmt: skip
     return config.max_model_len or limit
 
 
