@@ -5,9 +5,11 @@
   are several) on the very same shared pool and q rows, at N=1 and N=2 instances, for
   decode with each ``--prefixes`` length, a prefill chunk, and a one-page decode whose
   ``overhead_us`` (engine minus in-process) is the fixed cost per call. Targets: <= 1.2x in-process at N=1; <= 50 us.
-  The remote-part case decodes N one-page requests placed on the N instances: one part per
-  holder, N - 1 of them remote; ``per_remote_part_us`` is the overhead per remote part per
-  layer (target: <= 30 us at idle).
+  The remote-part cases run at instance 0 on pages held elsewhere: one row whose one page
+  is on another instance (``overhead_us``: the fixed cost of one remote part per layer;
+  target: <= 30 us at idle), and one row per other instance, a page on each (the parts run
+  in parallel, the in-process baseline one after another). ``--signal`` picks the per-layer
+  request to a holder: a doorbell in shared memory (default) or a message.
   (At N=1 the only holder is the caller's own instance, whose part runs in the caller; at
   N=2 the other holder's part is a round trip to its query engine.)
 * put: bandwidth of ``put`` (every layer of a chunk, timed until landed) vs ``memcpy``
@@ -62,8 +64,19 @@ def populate(pool: tl.Pool, cluster: MPCluster, prompts: dict, gen: torch.Genera
         pool.commit(plans)
 
 
-def bench_query(pool, cluster, chunks, reps, gen) -> dict:
-    plans = pool.gen_plans([chunks])
+def one_per_holder(pool: tl.Pool, chunks: list) -> list:
+    """``{instance: chunk}``: a chunk whose prefix (one page) that instance holds."""
+    by_holder = {}
+    for chunk in chunks:
+        plans = pool.gen_plans([[chunk]])
+        holders = {p.instance_id for p in plans.query_plans[0].parts}
+        pool.abort(plans)
+        by_holder.setdefault(min(holders), chunk)
+    return by_holder
+
+
+def bench_query(pool, cluster, chunks, reps, gen, origin: int | None = None) -> dict:
+    plans = pool.gen_plans([chunks], instances=None if origin is None else [[origin]])
     qp = plans.query_plans[0]
     engine = cluster.engine(qp.origin)
     q_buf = engine.init_query(qp)
@@ -107,14 +120,16 @@ def bench_query(pool, cluster, chunks, reps, gen) -> dict:
     }
 
 
-def run_instances(n: int, args, rng: np.random.Generator, gen: torch.Generator) -> list[dict]:
+def run_instances(
+    n: int, args, rng: np.random.Generator, gen: torch.Generator, doorbells: bool = True
+) -> list[dict]:
     shape = tl.ModelShape(args.layers, args.q_heads, args.kv_heads, args.head_dim, args.dtype)
     c, reqs, vocab = args.segment_len, args.decode_requests, 50_000
     row_bytes = 2 * shape.num_kv_heads * shape.head_dim * shape.dtype_bytes
     put_rows = [max(1, kib * 1024 // row_bytes) for kib in args.put_kib]
     tokens_needed = sum(p * (reqs + 1) for p in args.prefixes) + args.prefill_rows
     tokens_needed += 2 * sum(put_rows)
-    slots = tokens_needed // c + 4 * (reqs + 4) * len(args.prefixes) + 2 * len(put_rows)
+    slots = tokens_needed // c + 4 * (reqs + 4) * len(args.prefixes) + 2 * len(put_rows) + 4 * n
     cfg = tl.PoolConfig(shape, n, num_slots=-(-slots // n) + 8, segment_len=c)
     pool = tl.Pool(cfg)
     rows_cap = max([args.prefill_rows, reqs, *args.prefixes, *put_rows]) + 8
@@ -129,10 +144,10 @@ def run_instances(n: int, args, rng: np.random.Generator, gen: torch.Generator) 
     longest = max(args.prefixes)
     prompts["long"] = rng.integers(0, vocab, longest)
     prompts["tiny"] = rng.integers(0, vocab, c)  # one page: the kernel costs next to nothing
-    for i in range(n):  # one page per request, spread by placement: one part per holder
+    for i in range(4 * n):  # one page each; one per holder is picked below (of 4 per holder)
         prompts[f"hop{i}"] = rng.integers(0, vocab, c)
     out = []
-    with MPCluster(cfg, dp, backend=args.backend) as cluster:
+    with MPCluster(cfg, dp, backend=args.backend, doorbells=doorbells) as cluster:
         populate(pool, cluster, prompts, gen)
         cases = []
         for p in args.prefixes:
@@ -151,19 +166,24 @@ def run_instances(n: int, args, rng: np.random.Generator, gen: torch.Generator) 
         )
         tiny = [tl.Chunk("tiny", np.append(prompts["tiny"], 1), c)]
         cases.append((f"fixed cost: decode 1x1 row, prefix {c}", tiny))
-        hops = [
-            tl.Chunk(rid, np.append(ids, 1), c)
-            for rid, ids in prompts.items()
-            if rid.startswith("hop")
-        ]
-        cases.append((f"remote part: decode {n}x1 rows, one page each", hops))
+        # origin 0; the pages on the other instances: every part is remote
+        by_holder = one_per_holder(
+            pool, [tl.Chunk(r, np.append(ids, 1), c) for r, ids in prompts.items() if "hop" in r]
+        )
+        remote = [ch for h, ch in sorted(by_holder.items()) if h != 0]
+        if remote:
+            cases.append(("remote part: decode 1x1 row, its page on another instance", remote[:1]))
+        if len(remote) > 1:
+            label = f"remote parts: decode {len(remote)}x1 rows, a page on each other instance"
+            cases.append((label, remote))
         for label, chunks in cases:
-            reps = args.reps * (20 if chunks is tiny or chunks is hops else 1)
-            res = bench_query(pool, cluster, chunks, reps, gen)
+            hops = label.startswith("remote")
+            reps = args.reps * (20 if chunks is tiny or hops else 1)
+            res = bench_query(pool, cluster, chunks, reps, gen, 0 if hops else None)
             res["overhead_us"] = 1e3 * (res["engine_ms"] - res["inprocess_ms"])
-            if chunks is hops:  # the fixed cost of one remote part per layer (N - 1 of them)
-                res["remote_parts"] = res["remote_holders"]
-                res["per_remote_part_us"] = res["overhead_us"] / max(1, res["remote_holders"])
+            if hops:  # the in-process baseline runs the parts one after another
+                res["per_remote_part_us"] = res["overhead_us"] / res["remote_holders"]
+            res["per_layer_signal"] = "doorbell" if doorbells else "message"
             res["load_avg_1m"] = os.getloadavg()[0]
             out.append({"case": "query", "N": n, "workload": label, **res, "target": "<= 1.2"})
         for kib, rows in zip([] if args.query_only else args.put_kib, put_rows, strict=False):
@@ -216,6 +236,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small shapes, few repetitions")
     p.add_argument("--query-only", action="store_true", help="skip the put cases")
+    p.add_argument(
+        "--signal",
+        default="doorbell",
+        choices=["doorbell", "message", "both"],
+        help="per-layer request to a holder on this host: a doorbell in shared memory, a "
+        "message (the earlier protocol), or both in turn",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.prefixes, args.prefill_rows, args.put_kib, args.reps = [1024], 64, [256, 2048], 5
@@ -224,7 +251,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     rng = np.random.default_rng(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
-    rows = [r for n in args.instances for r in run_instances(n, args, rng, gen)]
+    signals = {"doorbell": [True], "message": [False], "both": [False, True]}[args.signal]
+    rows = [
+        r
+        for n in args.instances
+        for bells in signals
+        for r in run_instances(n, args, rng, gen, bells)
+    ]
     print(
         f"{'case':6} {'N':>2}  {'workload':42} {'engines':>10} {'baseline':>10} {'ratio':>6}  target"
     )

@@ -14,7 +14,6 @@ views of this instance's buffers, carved consecutively per epoch (capacity:
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -24,8 +23,7 @@ import torch
 from tokenlake.engines import executor, messages, plan_checks, process_group
 from tokenlake.engines.driver import Driver
 from tokenlake.engines.epoch_bindings import EpochBindings
-from tokenlake.engines.executor import BoundPart
-from tokenlake.engines.kv_pool import KVPool
+from tokenlake.engines.executor import BoundPart, LocalPut, MergeLayout
 from tokenlake.plans import QueryPlan, TransferPlan
 from tokenlake.validate import check_int
 
@@ -37,6 +35,7 @@ class _BoundQuery:
     offset: int
     buf: torch.Tensor
     parts: list[BoundPart]  # in plan order; rows index buf
+    merge: MergeLayout  # the parts' one merge per layer, built at bind
 
 
 @dataclass(eq=False)
@@ -44,7 +43,7 @@ class _BoundTransfer:
     plan: TransferPlan
     binding: int
     buf: torch.Tensor
-    local: list[tuple[KVPool, np.ndarray]]  # (destination pool, runs) written directly
+    local: list[LocalPut]  # destinations in this host, written directly
     remote: list[tuple[int, list]]  # (instance, packed runs) sent to its transfer engine
     host: np.ndarray | None  # CPU: buf's bytes as numpy, converted once (not per put)
     layer_bytes: int
@@ -123,7 +122,8 @@ class EngineClient:
             for p in query_plan.parts
         ]
         buf = self._views.q[offset : offset + n]
-        self._bindings.add("q", _BoundQuery(query_plan, binding, offset, buf, parts))
+        merge = MergeLayout.build(parts, own, offset, self._views.out_o.shape[1], n)
+        self._bindings.add("q", _BoundQuery(query_plan, binding, offset, buf, parts, merge))
         return buf
 
     def query(self, q_buf: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,10 +144,14 @@ class EngineClient:
         if d.events is not None:
             d.events.record(self.instance_id)
         views, off = self._views, bound.offset
-        tickets, works = [], []
+        tickets, works, rung = [], [], []
+        bells = getattr(d, "doorbells", None)  # set by launchers whose engines have them
         for part in bound.parts:
             h, m = part.instance_id, part.num_rows
             if h == self.instance_id:
+                continue
+            if bells is not None and bells.serves(h) and d.same_host(self.instance_id, h):
+                rung.append(bells.ring(h, self.instance_id, bound.binding, layer))
                 continue
             tag = -1
             if not d.same_host(self.instance_id, h):
@@ -165,38 +169,15 @@ class EngineClient:
                     ),
                 )
             )
-        own = None
-        for part in bound.parts:  # overlaps with the peers' work
-            if part.instance_id == self.instance_id:
-                own = part.attend(bound.buf, views.pool.layer(layer), d.backend)
+        # overlaps with the peers' work
+        own = bound.merge.attend_own(bound.buf, views.pool.layer(layer), d.backend)
+        if rung:
+            bells.wait(rung, f"query of layer {layer}")
         if tickets or works:
             d.wait(tickets, works, f"query of layer {layer}")
-        o, lse = self._merge(bound, own)
+        o, lse = bound.merge.merge(own, views.out_o, views.out_lse, bound.buf)
         q = bound.buf
         d.count_call("query", start, q.numel() * q.element_size() + (o.numel() + lse.numel()) * 4)
-        return o, lse
-
-    def _merge(self, bound: _BoundQuery, own) -> tuple[torch.Tensor, torch.Tensor]:
-        views, off, n = self._views, bound.offset, bound.plan.num_rows
-        results = []
-        for part in bound.parts:
-            h, m = part.instance_id, part.num_rows
-            if h == self.instance_id:
-                results.append((part, *own))
-            else:
-                results.append(
-                    (part, views.out_o[h, off : off + m], views.out_lse[h, off : off + m])
-                )
-        if len(results) == 1 and results[0][0].identity and results[0][0].num_rows == n:
-            part, o, lse = results[0]
-            if part.instance_id == self.instance_id:
-                return o, lse  # fresh tensors from the kernel
-            return o.clone(), lse.clone()  # the output region is reused next layer
-        _, h_q, dim = bound.buf.shape
-        o = torch.zeros((n, h_q, dim), dtype=torch.float32, device=bound.buf.device)
-        lse = torch.full((n, h_q), -math.inf, dtype=torch.float32, device=bound.buf.device)
-        for part, o_p, lse_p in results:
-            executor.merge_rows(o, lse, part.rows, o_p, lse_p, self._driver.backend)
         return o, lse
 
     # ---- transfer ------------------------------------------------------------------------
@@ -217,7 +198,7 @@ class EngineClient:
         for k, h in enumerate(transfer_plan.dst_ids.tolist()):
             runs = executor.put_runs(transfer_plan, k)
             if d.same_host(self.instance_id, h):
-                local.append((d.views[h].pool, runs.as_array()))
+                local.append(LocalPut.bind(d.views[h].pool, runs.as_array()))
                 continue
             packed = runs.packed()
             tickets.append(
@@ -257,8 +238,8 @@ class EngineClient:
         d = self._driver
         if bound.local:
             rows = bound.host[layer] if bound.host is not None else bound.buf[layer]
-            for pool, runs in bound.local:
-                executor.write_runs(pool, runs, rows, layer, self._put_min_bytes)
+            for dest in bound.local:
+                dest.write(rows, layer, self._put_min_bytes)
         for h, runs in bound.remote:
             tag = d.new_tag()
             ticket = d.channel.request(

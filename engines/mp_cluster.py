@@ -22,7 +22,7 @@ import tempfile
 import zmq
 
 from tokenlake import wire
-from tokenlake.engines import messages, process_group
+from tokenlake.engines import doorbell, messages, process_group
 from tokenlake.engines.auth import ClusterSecret, FrameAuth
 from tokenlake.engines.auth_store import StoreServer
 from tokenlake.engines.cluster_base import ClusterBase, layout_for, pool_config
@@ -44,6 +44,9 @@ class MPCluster(ClusterBase):
     backend every engine uses (``None``: by device). :meth:`reset` re-lays the running
     cluster for another pool (at most as many instances; the rest idle); :meth:`mark_lost`
     stops using a failed instance; :meth:`restart` brings it back with fresh engines.
+    With ``doorbells`` (on one host), a query's per-layer request to another instance of
+    the host is a doorbell in shared memory (:mod:`tokenlake.engines.doorbell`) instead of
+    a message; ``doorbells=False`` keeps the messages (for comparison).
     """
 
     def __init__(
@@ -52,6 +55,7 @@ class MPCluster(ClusterBase):
         config: DataPlaneConfig | None = None,
         backend: str | None = None,
         secret: ClusterSecret | None = None,
+        doorbells: bool = True,
     ) -> None:
         config = config if config is not None else DataPlaneConfig()
         if not isinstance(config, DataPlaneConfig):
@@ -59,6 +63,7 @@ class MPCluster(ClusterBase):
                 f"config: expected a DataPlaneConfig, got {type(config).__name__}"
             )
         self.config = config
+        self._use_doorbells = doorbells
         self._num_launched = pool_config(pool).num_instances
         self._ctx = zmq.Context()
         self._procs: EngineProcesses | None = None
@@ -87,7 +92,12 @@ class MPCluster(ClusterBase):
 
             self._mps = MpsDaemon()
             self._mps.start()
-        self._buffers = [InstanceBuffers.allocate(layout.nbytes(), cfg.device) for _ in range(n)]
+        # per-layer queries inside one host ring doorbells in shared memory (no message)
+        bells = doorbell.nbytes(n) if self._use_doorbells and not cfg.separate_hosts else 0
+        self._buffers = [
+            InstanceBuffers.allocate(layout.nbytes(), cfg.device, doorbell_bytes=bells)
+            for _ in range(n)
+        ]
         events = None
         if cfg.device == "cuda":  # not run on a GPU
             from tokenlake.engines.gpu import ClientEvents
@@ -115,6 +125,11 @@ class MPCluster(ClusterBase):
         for key, ep in endpoints.items():
             requester.connect(key, ep)
         self._driver = Driver(cfg, n, requester, self._group, events)
+        if bells:
+            areas = {i: doorbell.DoorbellArea(b.doorbells, n) for i, b in enumerate(self._buffers)}
+            self._driver.doorbells = doorbell.DoorbellClient(
+                areas, lambda h: self._is_alive(("query", h)), cfg.timeout_s
+            )
 
     def close(self) -> None:
         """Stop every engine and release sockets, group and buffers (idempotent)."""

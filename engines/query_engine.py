@@ -10,13 +10,15 @@ origin's buffers, CSR offsets covering their arrays, slots and lengths inside th
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
-from tokenlake.engines import messages, process_group
+from tokenlake.engines import doorbell, messages, process_group
 from tokenlake.engines.engine_base import EngineBase, EngineHost
 from tokenlake.engines.executor import BoundPart
 from tokenlake.errors import InvalidArgumentError
+from tokenlake.latency import observe
 from tokenlake.planning.wire import check_array, check_id, check_indptr, check_values
 from tokenlake.plans import HolderPart
 
@@ -40,6 +42,20 @@ class QueryEngine(EngineBase):
         super().__init__(host, group, membership)
         self.handlers[messages.BindQuery] = self.bind
         self.handlers[messages.RunQuery] = self.run
+        # one kernel call at a time: the doorbell thread and the message loop share the pool
+        self._attend_lock = threading.Lock()
+        self.doorbells: doorbell.DoorbellServer | None = None
+        raw = host.buffers[self.instance_id].doorbells
+        if raw is not None and group is None:  # every origin is on this host
+            area = doorbell.DoorbellArea(raw, host.num_instances)
+            self.doorbells = doorbell.DoorbellServer(area, self.ring, self._count_error)
+
+    def configure(self, m: messages.Configure) -> None:
+        super().configure(m)
+        if self.doorbells is not None:
+            self.doorbells.rebase()  # nothing rung for the old layout is served
+            if not self.doorbells.started:
+                self.doorbells.start()
 
     def bind(self, m: messages.BindQuery) -> None:
         lim, rows_cap = self.limits, self.layout.max_q_rows
@@ -69,6 +85,25 @@ class QueryEngine(EngineBase):
             BoundPart.from_part(part, self.device, packed=True, **kernel),
         )
         self.add_binding(m.origin, m.epoch, m.binding, binding)
+        if self.doorbells is not None:
+            self.doorbells.wake()  # its layers are rung next
+
+    def ring(self, origin: int, binding: int, layer: int) -> None:
+        """A doorbell: ``origin`` asks for ``binding``'s part at ``layer`` (the words came
+        from shared memory: checked like a message's fields)."""
+        start, t0 = time.perf_counter(), time.thread_time_ns()
+        self.stats["doorbell_calls"] += 1
+        try:
+            check_id("binding", binding, 1 << 62)
+            b: _QueryBinding = self.binding(origin, binding)
+            self._attend_shared(origin, b, self.check_layer(layer))
+        finally:
+            self.stats["query_thread_ns"] += time.thread_time_ns() - t0
+        # timed like a RunQuery message: one latency count per call that succeeded
+        observe(self.stats, "RunQuery_seconds", time.perf_counter() - start)
+
+    def _count_error(self, error: Exception) -> None:
+        self.stats["errors"] += 1
 
     def run(self, m: messages.RunQuery) -> None:
         t0 = time.thread_time_ns()
@@ -82,25 +117,17 @@ class QueryEngine(EngineBase):
         pool_layer = self.own.pool.layer(self.check_layer(m.layer))
         remote = m.tag != -1
         self.check_tag(m.tag, remote)
-        lo, hi = b.q_offset, b.q_offset + b.num_rows
-        self.stats["query_calls"] += 1
         if not remote:
-            origin = self.peer_views(m.origin)
-            if self.sync is not None:
-                self.sync.wait(m.origin)
-            o, lse = b.part.attend(origin.q[lo:], pool_layer, self.backend)
-            origin.out_o[self.instance_id, lo:hi].copy_(o)
-            origin.out_lse[self.instance_id, lo:hi].copy_(lse)
-            if self.sync is not None:
-                self.sync.finish()
-            self.stats["query_bytes"] += o.numel() * 4 + lse.numel() * 4
+            self._attend_shared(m.origin, b, m.layer)
             return
+        self.stats["query_calls"] += 1
         model = self.layout.model
         self.staging.reset()
         q = self.staging.empty((b.num_rows, model.num_q_heads, model.head_dim), model.torch_dtype)
         client = self.client_rank(m.origin)
         self._wait([process_group.recv(self.group, q, client, m.tag)], client, "q rows")
-        o, lse = b.packed.attend(q, pool_layer, self.backend)
+        with self._attend_lock:
+            o, lse = b.packed.attend(q, pool_layer, self.backend)
         o, lse = o.contiguous(), lse.contiguous()
         if self.sync is not None:
             self.sync.finish()
@@ -113,6 +140,23 @@ class QueryEngine(EngineBase):
             "(o, lse)",
         )
         self.stats["query_bytes"] += q.numel() * q.element_size() + (o.numel() + lse.numel()) * 4
+
+    def _attend_shared(self, origin_id: int, b: _QueryBinding, layer: int) -> None:
+        """Read the origin's q rows from its shared q buffer, write ``(o, lse)`` into its
+        shared output region (``layer`` checked by the caller)."""
+        pool_layer = self.own.pool.layer(layer)
+        lo, hi = b.q_offset, b.q_offset + b.num_rows
+        origin = self.peer_views(origin_id)
+        with self._attend_lock:
+            self.stats["query_calls"] += 1
+            if self.sync is not None:
+                self.sync.wait(origin_id)
+            o, lse = b.part.attend(origin.q[lo:], pool_layer, self.backend)
+            origin.out_o[self.instance_id, lo:hi].copy_(o)
+            origin.out_lse[self.instance_id, lo:hi].copy_(lse)
+            if self.sync is not None:
+                self.sync.finish()
+        self.stats["query_bytes"] += o.numel() * 4 + lse.numel() * 4
 
     def _wait(self, works: list, peer: int, what: str) -> None:
         process_group.wait_works(

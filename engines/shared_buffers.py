@@ -85,24 +85,33 @@ class InstanceViews:
 
 
 class InstanceBuffers:
-    """The raw shared storage of one instance: one ``uint8`` tensor per buffer."""
+    """The raw shared storage of one instance: one ``uint8`` tensor per buffer, and the
+    instance's doorbell area (:mod:`tokenlake.engines.doorbell`; CPU shared memory on every
+    device, ``None`` where the engines are reached by messages only)."""
 
     NAMES = ("pool", "q", "kv", "out_o", "out_lse")
 
-    def __init__(self, raw: dict[str, torch.Tensor]) -> None:
+    def __init__(self, raw: dict[str, torch.Tensor], doorbells: torch.Tensor | None = None) -> None:
         self.raw = raw
+        self.doorbells = doorbells
 
     @classmethod
-    def allocate(cls, nbytes: dict[str, int], device, shared: bool = True) -> InstanceBuffers:
+    def allocate(
+        cls, nbytes: dict[str, int], device, shared: bool = True, doorbell_bytes: int = 0
+    ) -> InstanceBuffers:
         """Storage of ``nbytes[name]`` bytes per buffer, shareable across processes when
-        ``shared``. The pool is zeroed; unshared staging buffers are left to the OS to map
-        on first touch (every row is written before it is read)."""
+        ``shared``, plus ``doorbell_bytes`` of zeroed CPU shared memory (if any). The pool
+        is zeroed; unshared staging buffers are left to the OS to map on first touch (every
+        row is written before it is read)."""
         raw = {}
         for name in cls.NAMES:
             make = torch.zeros if shared or name == "pool" else torch.empty
             t = make(nbytes[name], dtype=torch.uint8, device=device)
             raw[name] = t.share_memory_() if shared and t.device.type == "cpu" else t
-        return cls(raw)
+        doorbells = None
+        if shared and doorbell_bytes > 0:
+            doorbells = torch.zeros(doorbell_bytes, dtype=torch.uint8).share_memory_()
+        return cls(raw, doorbells)
 
     def fits(self, layout: Layout) -> str | None:
         """``None`` if ``layout`` fits, else which buffer is too small and by how much."""
