@@ -31,8 +31,7 @@ class BoundPart:
     """A :class:`HolderPart` as device tensors, built once per bound plan, used every layer.
 
     ``rows`` (int64 ``[num_part_rows]``) are the part's rows of the origin's ``q_buf``;
-    ``q_index`` (int64) the rows of ``q`` the kernel reads, one per kernel row (``None``: rows
-    ``0..n-1`` in order, no gather); ``state_rows`` (int64 ``[num_states]``, or ``None``)
+    ``q_index`` (int64) the rows of ``q`` the kernel reads, one per kernel row; ``state_rows`` (int64 ``[num_states]``, or ``None``)
     which part row each kernel row belongs to when pages read by several requests run as
     shared groups (:mod:`tokenlake.engines.page_groups`): the rows' states are then merged;
     ``identity`` is true when ``rows`` are ``0..n-1`` in order; ``logit_cap`` is the model's
@@ -45,12 +44,13 @@ class BoundPart:
     kv_indptr: torch.Tensor  # int32 [num_kernel_reqs + 1]
     kv_indices: torch.Tensor  # int32 [nnz]
     last_len: torch.Tensor  # int32 [num_kernel_reqs]
-    q_index: torch.Tensor | None
+    q_index: torch.Tensor
     identity: bool  # rows are 0..num_part_rows-1 in order (results need no scatter)
     state_rows: torch.Tensor | None = None
     planned: object | None = None  # a FlashInferPart, planned once at bind (CUDA)
     logit_cap: float = 0.0
     cpu_part: CpuPart | None = None  # the C++ kernel's form, checked once (CPU)
+    num_kernel_rows: int = 0  # rows the kernel reads (states when grouped), known at bind
 
     @classmethod
     def from_part(
@@ -77,22 +77,23 @@ class BoundPart:
             csr = (groups.q_indptr, groups.kv_indptr, groups.kv_indices, groups.last_len)
             q_index = rows[groups.state_rows]
             state_rows = torch.tensor(groups.state_rows, dtype=torch.int64, device=device)
+        num_kernel_rows = int(csr[0][-1]) if groups is not None else n  # on the host here
         csr = tuple(_i32(a, device) for a in csr)
         planned = planner.plan(*csr) if planner is not None else None
         cpu_part = None
         if planned is None and torch.device(device).type == "cpu":
             cpu_part = CpuPart(*csr, causal=False, logit_cap=logit_cap)
-        identity = np.array_equal(q_index, np.arange(len(q_index)))
         return cls(
             part.instance_id,
             torch.tensor(rows, dtype=torch.int64, device=device),
             *csr,
-            None if identity else torch.tensor(q_index, dtype=torch.int64, device=device),
+            torch.tensor(q_index, dtype=torch.int64, device=device),
             bool(np.array_equal(rows, np.arange(n))),
             state_rows,
             planned,
             logit_cap,
             cpu_part,
+            num_kernel_rows,
         )
 
     @property
@@ -105,30 +106,34 @@ class BoundPart:
         """Partial attention of this part's rows of ``q`` ``[>= num_rows, H_q, D]`` over
         ``pool_layer``. Returns ``o`` ``[num_part_rows, H_q, D]``, ``lse``
         ``[num_part_rows, H_q]`` float32 (natural log)."""
-        if self.q_index is not None:
-            q_kernel = q.index_select(0, self.q_index)
-        else:
-            n = int(self.q_indptr[-1]) if self.state_rows is not None else self.num_rows
-            q_kernel = q if q.shape[0] == n else q[:n]
-        if self.planned is not None:
-            o, lse = self.planned.run(q_kernel, pool_layer)
-        elif self.cpu_part is not None and backend in (None, "cpu"):
-            o, lse = self.cpu_part.run(q_kernel, pool_layer)
-        else:
-            o, lse = kernels.partial_attention(
-                q_kernel,
-                self.q_indptr,
-                pool_layer,
-                self.kv_indptr,
-                self.kv_indices,
-                self.last_len,
-                causal=False,
-                backend=backend,
-                logit_cap=self.logit_cap,
-            )
+        o, lse = self.kernel_states(q, pool_layer, backend)
         if self.state_rows is None:
             return o, lse
         return merge_states(o, lse, self.state_rows, self.num_rows)
+
+    def kernel_states(
+        self, q: torch.Tensor, pool_layer: torch.Tensor, backend: str | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's own states, unmerged: one per kernel row (``num_kernel_rows``), state
+        ``s`` belonging to part row ``state_rows[s]`` (to row ``s`` when ungrouped). Every
+        size is the bound one: no value of a tensor is read on the host."""
+        # one gather even when the rows are 0..n-1 in order: the same ops for every plan
+        q_kernel = q.index_select(0, self.q_index)
+        if self.planned is not None:
+            return self.planned.run(q_kernel, pool_layer)
+        if self.cpu_part is not None and backend in (None, "cpu"):
+            return self.cpu_part.run(q_kernel, pool_layer)
+        return kernels.partial_attention(
+            q_kernel,
+            self.q_indptr,
+            pool_layer,
+            self.kv_indptr,
+            self.kv_indices,
+            self.last_len,
+            causal=False,
+            backend=backend,
+            logit_cap=self.logit_cap,
+        )
 
 
 def merge_states(
@@ -148,6 +153,89 @@ def merge_states(
     seen = total > 0
     out = torch.where(seen[..., None], out / torch.where(seen, total, 1.0)[..., None], 0.0)
     return out, torch.where(seen, top + torch.log(total), -torch.inf)
+
+
+@dataclass(frozen=True)
+class MergeLayout:
+    """How one bound query's parts become its ``(o, lse)``, built once per bound plan.
+
+    Every part's states go into one merge (:func:`merge_states`), whatever the number of
+    parts, requests or shared-page groups: the origin's own part's kernel states (rows
+    ``own_rows``) and the holders' results in the origin's output region, gathered by one
+    ``index_select`` on the region's flat rows (``remote_index``, rows ``remote_rows``). One
+    own part that covers every row in order, ungrouped, is the answer as it is (no merge).
+    """
+
+    num_rows: int
+    own: BoundPart | None
+    own_rows: torch.Tensor | None  # int64 [own states]: the query row of each own state
+    remote_index: torch.Tensor | None  # int64 [R]: flat rows of out_o[h, offset + i]
+    state_rows: torch.Tensor  # int64 [own states + R]
+    passthrough: bool
+
+    @classmethod
+    def build(
+        cls, parts: list[BoundPart], own_id: int, offset: int, region_rows: int, num_rows: int
+    ) -> MergeLayout:
+        """``parts`` of a query plan bound at ``offset`` of the origin's buffers, whose output
+        region holds ``region_rows`` rows per instance (``out_o`` ``[N, region_rows, H, D]``)."""
+        own = next((p for p in parts if p.instance_id == own_id), None)
+        own_rows = None
+        pieces, flat = [], []
+        if own is not None:
+            own_rows = own.rows if own.state_rows is None else own.rows[own.state_rows]
+            pieces.append(own_rows)
+        for p in parts:
+            if p.instance_id != own_id:
+                base = p.instance_id * region_rows + offset
+                flat.append(torch.arange(base, base + p.num_rows, device=p.rows.device))
+                pieces.append(p.rows)
+        device = parts[0].rows.device if parts else torch.device("cpu")
+        remote_index = torch.cat(flat) if flat else None
+        state_rows = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+        passthrough = (
+            len(parts) == 1
+            and own is not None
+            and own.identity
+            and own.state_rows is None
+            and own.num_rows == num_rows
+        )
+        return cls(num_rows, own, own_rows, remote_index, state_rows.to(device), passthrough)
+
+    def attend_own(
+        self, q_buf: torch.Tensor, pool_layer: torch.Tensor, backend: str | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The own part's kernel states (``None`` without an own part)."""
+        if self.own is None:
+            return None
+        return self.own.kernel_states(q_buf, pool_layer, backend)
+
+    def merge(
+        self,
+        own: tuple[torch.Tensor, torch.Tensor] | None,
+        out_o: torch.Tensor,
+        out_lse: torch.Tensor,
+        like: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(o [num_rows, H_q, D], lse [num_rows, H_q])`` float32 from the own states and the
+        holders' results in ``out_o`` ``[N, region_rows, H_q, D]`` / ``out_lse``; ``like``
+        (the q buffer) gives the shape and device when no part has states."""
+        if self.passthrough:
+            return own
+        o_states, lse_states = [], []
+        if own is not None:
+            o_states.append(own[0])
+            lse_states.append(own[1])
+        if self.remote_index is not None:
+            h_q, dim = out_o.shape[-2:]
+            o_states.append(out_o.reshape(-1, h_q, dim).index_select(0, self.remote_index))
+            lse_states.append(out_lse.reshape(-1, h_q).index_select(0, self.remote_index))
+        if not o_states:
+            o = like.new_zeros((self.num_rows, *like.shape[1:]), dtype=torch.float32)
+            return o, like.new_full(like.shape[:2], -torch.inf, dtype=torch.float32)
+        o = o_states[0] if len(o_states) == 1 else torch.cat(o_states)
+        lse = lse_states[0] if len(lse_states) == 1 else torch.cat(lse_states)
+        return merge_states(o, lse, self.state_rows, self.num_rows)
 
 
 def merge_rows(
@@ -254,6 +342,71 @@ def write_runs(
     pages = pool.layer(layer)
     for s, n, slot, off in runs.tolist():
         pages[slot, :, off : off + n].copy_(kv_layer[s : s + n].transpose(0, 1))
+
+
+@dataclass(frozen=True)
+class LocalPut:
+    """The put runs of one destination pool in this host, bound once per transfer plan.
+
+    On CPU a put is one C++ call over the runs (:func:`write_runs`). On CUDA it is one
+    scatter: ``scatter_index`` (int64 ``[2 * num_rows]``, built here once) names, for K then
+    V of each ``kv_buf`` row ``src_index`` reads, its flat row of the pool layer viewed as
+    ``[num_slots * 2 * C, H_kv, D]`` (:func:`scatter_rows`), so a layer's put is one
+    ``index_copy_`` whatever the number of runs and requests.
+    """
+
+    pool: KVPool
+    runs: np.ndarray  # int32 [num_runs, 4], PutRuns.as_array()
+    src_index: torch.Tensor | None  # int64 [num_rows]: kv_buf rows in run order (None: CPU)
+    scatter_index: torch.Tensor | None  # int64 [2 * num_rows] (None: CPU)
+
+    @classmethod
+    def bind(cls, pool: KVPool, runs: np.ndarray, scatter: bool | None = None) -> LocalPut:
+        """``scatter`` forces the scatter form (default: on a non-CPU pool)."""
+        device = pool.data.device
+        if scatter is None:
+            scatter = device.type != "cpu"
+        if not scatter:
+            return cls(pool, runs, None, None)
+        src, dst = scatter_indices(runs, pool.data.shape[3])
+        return cls(pool, runs, torch.from_numpy(src).to(device), torch.from_numpy(dst).to(device))
+
+    def write(self, rows: torch.Tensor | np.ndarray, layer: int, min_parallel_bytes: int) -> None:
+        """Store the destination's rows of ``rows`` (``kv_buf[layer]``, or its bytes on CPU)."""
+        if self.scatter_index is None:
+            write_runs(self.pool, self.runs, rows, layer, min_parallel_bytes)
+            return
+        scatter_rows(self.pool.layer(layer), rows, self.src_index, self.scatter_index)
+
+
+def scatter_indices(runs: np.ndarray, page_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """For runs (int32 ``[num_runs, 4]`` of ``(src_row, length, dst_slot, dst_offset)``):
+    the ``kv_buf`` row of each stored token (int64 ``[n]``) and the flat pool rows of its K
+    then V (int64 ``[2n]``: K of token ``i`` at ``2i``, V at ``2i + 1``) in a layer viewed as
+    ``[num_slots * 2 * C, H_kv, D]``."""
+    runs = np.asarray(runs, dtype=np.int64).reshape(-1, 4)
+    lens = runs[:, 1]
+    total = int(lens.sum())
+    run_of = np.repeat(np.arange(len(runs)), lens)
+    within = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+    src = runs[run_of, 0] + within
+    k_row = runs[run_of, 2] * (2 * page_len) + runs[run_of, 3] + within
+    dst = np.stack((k_row, k_row + page_len), axis=1).reshape(-1)
+    return src, dst
+
+
+def scatter_rows(
+    pool_layer: torch.Tensor,
+    kv_layer: torch.Tensor,
+    src_index: torch.Tensor,
+    scatter_index: torch.Tensor,
+) -> None:
+    """One layer's put as one gather and one scatter (:func:`scatter_indices`):
+    ``kv_layer`` ``[num_rows, 2, H_kv, D]`` rows ``src_index`` into ``pool_layer``
+    ``[num_slots, 2, C, H_kv, D]``."""
+    h_kv, dim = pool_layer.shape[-2:]
+    flat = pool_layer.view(-1, h_kv, dim)
+    flat.index_copy_(0, scatter_index, kv_layer.index_select(0, src_index).view(-1, h_kv, dim))
 
 
 def host_rows(kv: torch.Tensor) -> np.ndarray:

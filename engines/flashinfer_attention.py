@@ -27,3 +27,23 @@ def make_planner(layout, backend: str | None, device: torch.device) -> FlashInfe
 
     shape = (m.num_q_heads, m.num_kv_heads, m.head_dim, layout.segment_len)
     return FlashInferPlanner(flashinfer, device, shape, m.torch_dtype, logit_cap=m.logit_cap)
+
+
+def make_causal_planner(
+    model, backend: str | None, device: torch.device
+) -> FlashInferPlanner | None:
+    """A planner for the local causal part of a batch (:class:`~tokenlake.engines.kernels.
+    causal_plan.CausalPlan`) of ``model`` (a ``ModelShape``) on ``device``, or ``None`` where
+    FlashInfer does not run it (as :func:`make_planner`)."""
+    if device.type != "cuda" or backend not in (None, "flashinfer"):
+        return None
+    if model.torch_dtype == torch.float32:
+        return None
+    import flashinfer
+
+    from tokenlake.engines.kernels.causal_plan import PAGE_LEN
+
+    shape = (model.num_q_heads, model.num_kv_heads, model.head_dim, PAGE_LEN)
+    return FlashInferPlanner(
+        flashinfer, device, shape, model.torch_dtype, logit_cap=model.logit_cap
+    )

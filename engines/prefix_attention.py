@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenlake.config import check_logit_cap
-from tokenlake.engines import kernels
+from tokenlake.engines.kernels.causal_plan import CausalPlan
+from tokenlake.engines.kernels.reference import merge_pair
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.validate import check_tensor
 
@@ -24,12 +26,14 @@ _DTYPES = (torch.float32, torch.bfloat16)
 class PrefixAttention:
     """The merge of one iteration's rows, bound once (:meth:`bind`), run every layer.
 
-    Each call checks only that its tensors have the bound geometry (shapes, dtypes, device),
-    a few comparisons; everything else (offsets, scale, soft cap, heads) was checked at bind.
+    Bind checks the layout and plans the local causal part (:class:`CausalPlan`) on the host,
+    once per batch; each call then checks only that its tensors have the bound geometry
+    (shapes, dtypes, device: metadata, no values) and runs a fixed number of ops whatever the
+    number of requests: decode (one new token each) six whole-batch ops, otherwise one
+    scatter of the new K/V into the planned pages, one kernel call and one merge. No value of
+    a tensor is read on the host per call.
     """
 
-    q_indptr: torch.Tensor  # int32 [B + 1]
-    kv_indptr: torch.Tensor | None
     q_shape: tuple[int, int, int]  # (T_q, H_q, D)
     kv_shape: tuple[int, int, int]  # (T_kv, H_kv, D)
     dtype: torch.dtype
@@ -38,24 +42,28 @@ class PrefixAttention:
     logit_cap: float
     backend: str | None
     one_token_each: bool  # every request has one new token and no other key
+    causal: CausalPlan | None  # None when one_token_each
 
     @classmethod
     def bind(
         cls,
-        q_indptr: torch.Tensor,
+        q_indptr: torch.Tensor | np.ndarray,
         q_shape: tuple[int, int, int],
         num_kv_heads: int,
         dtype: torch.dtype,
-        kv_indptr: torch.Tensor | None = None,
+        kv_indptr: torch.Tensor | np.ndarray | None = None,
         num_kv_rows: int | None = None,
         sm_scale: float | None = None,
         backend: str | None = None,
         logit_cap: float = 0.0,
         device: torch.device | str = "cpu",
+        planner=None,
     ) -> PrefixAttention:
         """Check an iteration's layout once: ``q_shape`` = ``(T_q, H_q, D)``, ``num_kv_heads``
-        dividing ``H_q``, ``num_kv_rows`` = ``T_kv`` (default ``T_q``); the rest as in
-        :func:`attend_with_prefix`."""
+        dividing ``H_q``, ``num_kv_rows`` = ``T_kv`` (default ``T_q``); the offsets as in
+        :func:`attend_with_prefix`, int32 tensors or host arrays (a tensor on a GPU is
+        read to the host here: the batch's one small host read). ``planner``: a FlashInfer
+        planner of this shape, which plans the causal part (CUDA)."""
         device = torch.device(device)
         t_q, h_q, d = q_shape
         t_kv = t_q if num_kv_rows is None else num_kv_rows
@@ -65,26 +73,29 @@ class PrefixAttention:
             raise InvalidArgumentError(
                 f"k: expected H_kv >= 1 dividing H_q={h_q} (D={d} >= 1), got {num_kv_heads}"
             )
-        check_tensor("q_indptr", q_indptr, shape=(None,), dtype=torch.int32, device=device)
-        if q_indptr.shape[0] == 0:
-            raise InvalidArgumentError("q_indptr: expected shape [batch_size + 1], got [0]")
+        q_off = _host_offsets("q_indptr", q_indptr, None, t_q, "the rows of q")
         if kv_indptr is not None:
-            check_tensor(
-                "kv_indptr", kv_indptr, shape=tuple(q_indptr.shape), dtype=torch.int32,
-                device=device,
-            )  # fmt: skip
+            kv_off = _host_offsets("kv_indptr", kv_indptr, len(q_off), t_kv, "the rows of k")
         elif t_kv != t_q:
             raise InvalidArgumentError(
                 f"k: expected {t_q} rows (those of q) when kv_indptr is not given, got {t_kv}"
             )
+        else:
+            kv_off = q_off
         scale = d**-0.5 if sm_scale is None else sm_scale
-        one_each = kv_indptr is None and t_q == q_indptr.shape[0] - 1
-        if one_each:  # the rows are one per request exactly when the offsets are 0, 1, 2, ...
-            expected = torch.arange(t_q + 1, dtype=torch.int32, device=device)
-            one_each = bool(torch.equal(q_indptr, expected))
+        cap = check_logit_cap("logit_cap", logit_cap)
+        # the rows are one per request exactly when the offsets are 0, 1, 2, ...
+        one_each = kv_indptr is None and np.array_equal(q_off, np.arange(len(q_off)))
+        causal = None
+        if not one_each:
+            if planner is not None and (planner.sm_scale != scale or planner.dtype != dtype):
+                planner = None  # planned for another scale or dtype: the unplanned kernels
+            causal = CausalPlan.build(
+                q_off, kv_off, num_kv_heads, d, dtype, device, scale, cap, backend, planner
+            )
         return cls(
-            q_indptr, kv_indptr, (t_q, h_q, d), (t_kv, num_kv_heads, d), dtype, device,
-            scale, check_logit_cap("logit_cap", logit_cap), backend, one_each,
+            (t_q, h_q, d), (t_kv, num_kv_heads, d), dtype, device, scale, cap, backend,
+            bool(one_each), causal,
         )  # fmt: skip
 
     def __call__(
@@ -103,13 +114,8 @@ class PrefixAttention:
         self._check("prefix_lse", prefix_lse, self.q_shape[:2], torch.float32)
         if self.one_token_each:
             return self._one_token_each(q, k, v, prefix_o, prefix_lse)
-        o_s, lse_s = kernels.self_attention(
-            q, k, v, self.q_indptr, sm_scale=self.sm_scale, backend=self.backend,
-            kv_indptr=self.kv_indptr, logit_cap=self.logit_cap,
-        )  # fmt: skip
-        return kernels.merge(
-            prefix_o.contiguous(), prefix_lse.contiguous(), o_s, lse_s, self.backend
-        )
+        o_s, lse_s = self.causal.run(q, k, v)
+        return merge_pair(prefix_o, prefix_lse, o_s, lse_s)
 
     def _check(self, name: str, t: object, shape: tuple, dtype: torch.dtype) -> None:
         if not (
@@ -128,17 +134,45 @@ class PrefixAttention:
         (= ``exp(s - lse)``), ``lse = logaddexp(lse_p, s)``, in a few whole-batch tensor ops
         (a row without a prefix, ``lse_p = -inf``, gets ``w = 1``: exactly ``v``)."""
         t, h_q, d = self.q_shape
-        h_kv = self.kv_shape[1]
-        group, n = h_q // h_kv, t * self.kv_shape[1]
+        heads = (self.kv_shape[1], h_q // self.kv_shape[1])  # (H_kv, group)
         if self.dtype != torch.float32:
             q, k, v = q.float(), k.float(), v.float()
-        score = torch.bmm(q.reshape(n, group, d), k.reshape(n, d, 1)).mul_(self.sm_scale)
+        # broadcasts over the views (splitting a dim is always a view): no copy of a strided
+        # k or v, so the ops are the same for every batch size
+        score = (q.unflatten(1, heads) * k.unsqueeze(2)).sum(-1, keepdim=True)
+        score.mul_(self.sm_scale)
         if self.logit_cap:
             score.div_(self.logit_cap).tanh_().mul_(self.logit_cap)
-        prefix_lse = prefix_lse.reshape(n, group, 1)
+        prefix_lse = prefix_lse.unflatten(1, heads).unsqueeze(-1)
         weight = torch.sub(score, prefix_lse).sigmoid_()
-        o = torch.lerp(prefix_o.reshape(n, group, d), v.reshape(n, 1, d), weight)
+        o = torch.lerp(prefix_o.unflatten(1, heads), v.unsqueeze(2), weight)
         return o.view(t, h_q, d), torch.logaddexp(prefix_lse, score).view(t, h_q)
+
+
+def _host_offsets(name: str, indptr: object, size: int | None, total: int, what: str) -> np.ndarray:
+    """int64 host copy of an int32 offsets array ``[B + 1]`` (``size`` entries when given)
+    that starts at 0, never decreases and ends at ``total`` (``what`` it covers)."""
+    if isinstance(indptr, torch.Tensor):
+        check_tensor(name, indptr, shape=(size,), dtype=torch.int32)
+        arr = indptr.cpu().numpy()
+    elif isinstance(indptr, np.ndarray) and indptr.dtype.kind in "iu" and indptr.ndim == 1:
+        arr = indptr
+    else:
+        raise InvalidArgumentError(
+            f"{name}: expected an int32 tensor or an integer array, got {type(indptr).__name__}"
+        )
+    arr = arr.astype(np.int64)
+    if len(arr) == 0 or (size is not None and len(arr) != size):
+        raise InvalidArgumentError(
+            f"{name}: expected shape [{'batch_size + 1' if size is None else size}], "
+            f"got [{len(arr)}]"
+        )
+    if arr[0] != 0 or arr[-1] != total or (np.diff(arr) < 0).any():
+        raise InvalidArgumentError(
+            f"{name}: expected offsets from 0 to {total} ({what}), never decreasing, got "
+            f"{arr.tolist()[:16]}"
+        )
+    return arr
 
 
 def attend_with_prefix(

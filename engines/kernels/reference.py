@@ -124,7 +124,15 @@ def merge(args: MergeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         ``(o, lse)``; where both sides are empty (``lse = -inf``) the result is ``o = 0``,
         ``lse = -inf`` (never NaN).
     """
-    o_a, lse_a, o_b, lse_b = args.o_a, args.lse_a, args.o_b, args.lse_b
+    return merge_pair(args.o_a, args.lse_a, args.o_b, args.lse_b)
+
+
+def merge_pair(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge` on states the caller's own kernels made (shapes and LSE range already
+    hold): the same few whole-tensor ops, empty sides guarded by masks, no value read on the
+    host (so a GPU's stream never waits)."""
     m = torch.maximum(lse_a, lse_b)
     empty = torch.isneginf(m)
     m_safe = torch.where(empty, torch.zeros_like(m), m)

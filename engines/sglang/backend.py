@@ -19,7 +19,8 @@ from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from tokenlake.engines.prefix_attention import attend_with_prefix
+from tokenlake.engines.flashinfer_attention import make_causal_planner
+from tokenlake.engines.prefix_attention import PrefixAttention
 from tokenlake.errors import IterationStateError
 
 from .batch_map import BatchMap, RequestTable, SeqInfo, map_batch
@@ -59,6 +60,10 @@ class TokenLakeAttnBackend(AttentionBackend):
             (kv.k_buffer[0].shape[0],), -1, dtype=torch.int32, device=self.device
         )
         self.forward_metadata: BatchMap | None = None
+        self.attention: PrefixAttention | None = None  # the batch's causal part and merge
+        self._causal_planner = make_causal_planner(
+            self.runtime.pool.config.model, config.kernel_backend, self.device
+        )
         self._layers_done: set[int] = set()
 
     # ---- per forward -------------------------------------------------------------------
@@ -84,9 +89,21 @@ class TokenLakeAttnBackend(AttentionBackend):
         it = self.runtime.begin(chunks)
         try:
             self.forward_metadata = map_batch(it, seqs, chunks, rtt.req_to_token)
+            self.attention = self._bind_attention(self.forward_metadata)
         except BaseException:
             self.runtime.abort()
             raise
+
+    def _bind_attention(self, m: BatchMap) -> PrefixAttention:
+        """Plan the batch's local causal part and merge once, from host offsets."""
+        shape, it = self.shape, m.it
+        backfill = m.num_backfill > 0
+        return PrefixAttention.bind(
+            m.new_offsets, (int(m.plan_new_rows.numel()), shape.num_q_heads, shape.head_dim),
+            shape.num_kv_heads, it.q_buf.dtype, kv_indptr=m.kv_offsets if backfill else None,
+            num_kv_rows=int(it.kv_buf.shape[1]), backend=self.runtime.kernel_backend,
+            logit_cap=shape.logit_cap, device=it.q_buf.device, planner=self._causal_planner,
+        )  # fmt: skip
 
     def _seq_infos(self, fb) -> list[SeqInfo]:
         rows = fb.req_pool_indices.tolist()
@@ -160,17 +177,10 @@ class TokenLakeAttnBackend(AttentionBackend):
             it.q_buf.dtype
         )
         o_p, lse_p = self.runtime.query(it, li)
-        o_plan, _ = attend_with_prefix(
-            it.q_buf[m.plan_new_rows],
-            rows[:, 0].contiguous(),
-            rows[:, 1].contiguous(),
-            m.new_indptr,
-            o_p[m.plan_new_rows],
+        o_plan, _ = self.attention(
+            it.q_buf[m.plan_new_rows], rows[:, 0], rows[:, 1], o_p[m.plan_new_rows],
             lse_p[m.plan_new_rows],
-            kv_indptr=m.kv_indptr if m.num_backfill else None,
-            backend=self.runtime.kernel_backend,
-            logit_cap=shape.logit_cap,
-        )
+        )  # fmt: skip
         out = q3.new_empty((q3.shape[0], shape.num_q_heads, shape.head_dim))
         out[m.plan_src_rows] = o_plan.to(q.dtype)
         self._layers_done.add(li)

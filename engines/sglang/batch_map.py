@@ -108,6 +108,8 @@ class BatchMap:
     kv_indptr: torch.Tensor  # int32 [R + 1]: plan rows (backfill + new) per plan request
     backfill_plan_rows: torch.Tensor  # int64 [G]
     backfill_slots: torch.Tensor  # int64 [G]: SGLang KV slots of the backfilled tokens
+    new_offsets: np.ndarray  # int64 [R + 1]: new_indptr on the host
+    kv_offsets: np.ndarray  # int64 [R + 1]: kv_indptr on the host
 
     @property
     def num_backfill(self) -> int:
@@ -152,13 +154,16 @@ def map_batch(
         return torch.from_numpy(arr.astype(np.int64)).to(device)
 
     i32 = dict(dtype=torch.int32, device=device)
+    new_offsets = np.concatenate([[0], np.cumsum(new_counts)]).astype(np.int64)
     return BatchMap(
         it=it,
         new_plan_rows=torch.from_numpy(new_plan_rows).to(device),
         plan_new_rows=long(plan_new),
         plan_src_rows=long(plan_src),
-        new_indptr=torch.tensor(np.concatenate([[0], np.cumsum(new_counts)]), **i32),
+        new_indptr=torch.tensor(new_offsets, **i32),
         kv_indptr=torch.tensor(qp.q_indptr, **i32),
         backfill_plan_rows=long(fill_rows),
         backfill_slots=long(fill_slots),
+        new_offsets=new_offsets,
+        kv_offsets=np.asarray(qp.q_indptr, dtype=np.int64),
     )
