@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from tokenlake.benchmarks.goodput_sim_options import add_sim_options
 from tokenlake.benchmarks.sim.runner import EXTRA_SYSTEMS, SYSTEMS, VARIANT_SYSTEMS
 from tokenlake.benchmarks.sim.systems import split_system
 from tokenlake.benchmarks.traces import CONVERSATION_TRACE, SYNTHETIC_TRACE, TRACES_DIR
@@ -145,8 +146,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         "shared-page groups), -tbt (router/Mooncake instances size each chunk to fit the TBT "
         "SLO beside their running decodes), -min-load (the router's successor gateway rule: "
         "below the cache threshold, the least-loaded worker), -cascade (baselines with vLLM "
-        f"V1's cascade decode), e.g. {', '.join(VARIANT_SYSTEMS)}",
+        "V1's cascade decode), -no-store (Mooncake without its DRAM store), e.g. "
+        f"{', '.join(VARIANT_SYSTEMS)}",
     )
+    add_sim_options(c)
     c.add_argument(
         "--page-groups",
         choices=("on", "off"),

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from tokenlake.benchmarks.goodput_runs import knob_label, knob_prefill
+from tokenlake.benchmarks.goodput_sim_options import describe
 from tokenlake.benchmarks.sim.confidence import SystemGoodput
 from tokenlake.benchmarks.sim.metrics import hit_rate
 from tokenlake.benchmarks.sim.runner import RunResult
@@ -78,7 +79,7 @@ class GoodputReport:
             f"{getattr(a, 'baseline_prefill_tokens', a.prefill_tokens)}; page groups "
             f"{getattr(a, 'page_groups', 'on')}; router mixed chunked prefill "
             f"{'off' if a.no_mixed_chunk else 'on'}; seeds {seeds}; infinite-cache prefix hit "
-            f"rate {infinite_hit_rate(probe):.1%}",
+            f"rate {infinite_hit_rate(probe):.1%}; {describe(a)}",
             flush=True,
         )
 

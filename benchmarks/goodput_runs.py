@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor
 from typing import NamedTuple
 
+from tokenlake.benchmarks.goodput_sim_options import pricing_of, store_of
 from tokenlake.benchmarks.sim.runner import (
     SLO_MISSED,
     WALL_BUDGET,
@@ -99,6 +100,8 @@ def simulate_key(args: argparse.Namespace, make_workload: WorkloadFn, key: RunKe
             stop_below=key.stop_below,
             page_groups=getattr(args, "page_groups", "on") == "on",
             balance=knob_balance(key.knob),
+            pricing=pricing_of(args),
+            mooncake_store=store_of(args),
         )
         res = simulate(workload, key.spec, make_timer(key.spec), cfg)
         if res.stop_reason != WALL_BUDGET:
