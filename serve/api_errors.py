@@ -1,8 +1,9 @@
-"""The API's errors, as vLLM answers them: a JSON body ``{"object": "error", "message",
-"type", "param", "code"}`` for a request that failed before its response started (every
-4xx and 5xx the app gives, including unknown paths, unparsable bodies and internal
-errors), and an error event then the end of the stream for one that failed while
-streaming."""
+"""The API's errors, as vLLM answers them: a JSON body ``{"error": {"message", "type",
+"param", "code"}}`` (the shape the ``openai`` client parses; ``param`` names the field at
+fault when there is one, ``code`` is the HTTP status) for a request that failed before its
+response started (every 4xx and 5xx the app gives, including unknown paths, unparsable
+bodies and internal errors), and the same body as an event, then the end of the stream, for
+one that failed while streaming."""
 
 from __future__ import annotations
 
@@ -21,20 +22,34 @@ log = logging.getLogger(__name__)
 
 MAX_PROBLEMS = 5  # a body with a million bad items gets a short answer
 MAX_SHOWN_CHARS = 200  # of a client's value quoted back in an error message
-_KINDS = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+_KINDS = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+          405: "MethodNotAllowedError",
           413: "RequestTooLargeError", 503: "ServiceUnavailableError"}  # fmt: skip
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "BadRequestError") -> None:
+    """An answer other than 200: ``status``, a message naming what was wrong, the error's
+    ``kind`` (its ``type``) and the request field at fault (``param``), if one is."""
+
+    def __init__(
+        self, status: int, message: str, kind: str = "BadRequestError", param: str | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def error_response(
-    status: int, message: str, kind: str, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    kind: str,
+    headers: dict[str, str] | None = None,
+    param: str | None = None,
 ) -> JSONResponse:
-    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+    body = error_body(status, message, kind, param)
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -61,6 +76,15 @@ def validation_message(exc: RequestValidationError) -> str:
     return "; ".join(problems) or "invalid request"
 
 
+def _first_field(exc: RequestValidationError) -> str | None:
+    """The first bad field's top-level name (``logit_bias`` of ``logit_bias.7``)."""
+    for e in exc.errors()[:1]:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if loc and e.get("type") != "json_invalid":
+            return shown(loc[0])
+    return None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Answer bad JSON or fields (400, each problem named), :class:`APIError`, the control
     plane's :class:`InvalidArgumentError` (400), HTTP errors of the framework (404, 405,
@@ -68,15 +92,20 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return error_response(400, validation_message(exc), "BadRequestError")
+        return error_response(
+            400, validation_message(exc), "BadRequestError", param=_first_field(exc)
+        )
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.kind)
+        return error_response(exc.status, exc.message, exc.kind, param=exc.param)
 
     @app.exception_handler(InvalidArgumentError)
     async def _bad_argument(request: Request, exc: InvalidArgumentError):
-        return error_response(400, str(exc), "BadRequestError")
+        message = str(exc)  # the control plane's messages start with the argument's name
+        head = message.split(":", 1)[0]
+        param = head if ":" in message and head.isidentifier() else None
+        return error_response(400, message, "BadRequestError", param=param)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException):
@@ -103,8 +132,7 @@ async def guarded(stream: AsyncIterator[str]) -> AsyncIterator[str]:
         async for item in stream:
             yield item
     except APIError as e:
-        body = {"object": "error", "message": e.message, "type": e.kind, "code": e.status}
-        yield sse({"error": body})
+        yield sse(error_body(e.status, e.message, e.kind, e.param))
         yield "data: [DONE]\n\n"
 
 

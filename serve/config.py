@@ -81,6 +81,11 @@ class ServeConfig:
         8 << 20, "largest HTTP request body in bytes; a larger one gets a 413 before it is "
         "read whole (default: %(default)s)", HTTP,
     )  # fmt: skip
+    api_key_file: str | None = _flag(
+        None, "a file holding the API key that /v1/* requests must send as 'Authorization: "
+        "Bearer <key>' (or set TOKENLAKE_API_KEY); a key is never taken on the command line, "
+        "where other users' ps shows it (default: no key)", HTTP,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         for name in ("num_instances", "segment_len", "num_slots", "chunk_len", "max_num_seqs"):

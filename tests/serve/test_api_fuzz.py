@@ -16,14 +16,17 @@ COMPLETION = {"prompt": [3, 4, 5], "max_tokens": 2, "temperature": 0}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
 SAMPLING_FIELDS = [
     "model", "temperature", "top_p", "top_k", "seed", "n", "stop", "stop_token_ids",
-    "ignore_eos", "stream", "stream_options", "return_token_ids", "user",
+    "ignore_eos", "stream", "stream_options", "return_token_ids", "user", "best_of",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+    "response_format",
 ]  # fmt: skip
 FIELDS = {
     "/v1/completions": (COMPLETION, [*SAMPLING_FIELDS, "prompt", "max_tokens", "echo",
-                                     "logprobs", "unknown_field"]),
+                                     "logprobs", "suffix", "unknown_field"]),
     "/v1/chat/completions": (CHAT, [*SAMPLING_FIELDS, "messages", "max_tokens",
                                     "max_completion_tokens", "add_generation_prompt",
-                                    "logprobs", "unknown_field"]),
+                                    "logprobs", "top_logprobs", "tools", "tool_choice",
+                                    "unknown_field"]),
 }  # fmt: skip
 
 
@@ -55,9 +58,10 @@ def splice(base: dict, field: str, value_text: str) -> str:
 def check_answer(r: httpx.Response, what: str) -> None:
     assert r.status_code < 500, f"{what}: {r.status_code} {r.text[:300]}"
     if r.status_code >= 400:
-        err = r.json()
-        assert set(err) == {"object", "message", "type", "param", "code"}, what
-        assert err["object"] == "error" and err["code"] == r.status_code, what
+        assert set(r.json()) == {"error"}, what
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}, what
+        assert err["code"] == r.status_code, what
         assert isinstance(err["message"], str) and err["message"], what
         assert len(err["message"]) < 4000, f"{what}: the error echoes the input"
     elif r.headers.get("content-type", "").startswith("text/event-stream"):

@@ -1,0 +1,86 @@
+"""The API key: when one is set, every ``/v1/*`` request must carry
+``Authorization: Bearer <key>`` or is answered 401 before its body is read (other paths,
+``/health``, ``/metrics``, ``/tokenize`` and the like, stay open, as in vLLM).
+
+The key is a secret, so it never travels on a command line (where ``ps`` shows it): it is
+read from ``--api-key-file`` or, failing that, the ``TOKENLAKE_API_KEY`` environment
+variable (vLLM's ``--api-key`` / ``VLLM_API_KEY``)."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Mapping
+from pathlib import Path
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tokenlake.errors import InvalidArgumentError
+from tokenlake.serve.api_errors import error_response
+
+API_KEY_ENV = "TOKENLAKE_API_KEY"
+MAX_API_KEY_BYTES = 4096
+PROTECTED_PREFIX = "/v1"
+
+
+def load_api_key(api_key_file: str | None, environ: Mapping[str, str]) -> str | None:
+    """The key from ``api_key_file`` (its text, surrounding whitespace dropped), else from
+    ``environ[TOKENLAKE_API_KEY]``; ``None`` when neither is set. Raises
+    ``InvalidArgumentError`` for both set, an unreadable, empty or oversized file."""
+    from_env = environ.get(API_KEY_ENV) or None
+    if api_key_file is None:
+        return _checked(from_env.strip(), API_KEY_ENV) if from_env is not None else None
+    if from_env is not None:
+        raise InvalidArgumentError(
+            f"api_key_file: both --api-key-file and {API_KEY_ENV} are set; give one"
+        )
+    path = Path(api_key_file)
+    try:
+        if path.stat().st_size > MAX_API_KEY_BYTES:
+            raise InvalidArgumentError(
+                f"api_key_file: {api_key_file!r} is over {MAX_API_KEY_BYTES} bytes"
+            )
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidArgumentError(f"api_key_file: cannot read {api_key_file!r}: {e}") from None
+    return _checked(text.strip(), "api_key_file")
+
+
+def _checked(key: str, source: str) -> str:
+    if not key or not key.isprintable():
+        raise InvalidArgumentError(f"{source}: expected a non-empty printable key")
+    return key
+
+
+class APIKeyAuth:
+    """ASGI middleware: ``/v1/*`` requests without ``Authorization: Bearer <api_key>`` get
+    a 401 (the standard error body) and never reach ``app``; CORS preflights pass."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope.get("method") == "OPTIONS"
+            or not _protected(scope.get("path", ""))
+        ):
+            await self.app(scope, receive, send)
+            return
+        given = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                given = value
+                break
+        if hmac.compare_digest(given, self._expected):
+            await self.app(scope, receive, send)
+            return
+        response = error_response(
+            401, "Unauthorized: send the API key as 'Authorization: Bearer <key>'",
+            "AuthenticationError", {"www-authenticate": "Bearer", "connection": "close"},
+        )  # fmt: skip
+        await response(scope, receive, send)
+
+
+def _protected(path: str) -> bool:
+    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
