@@ -32,7 +32,7 @@ from tokenlake.scheduler.policy import (
     plan_batches,
     select_work,
 )
-from tokenlake.scheduler.profiler import default_cases, measure_rows
+from tokenlake.scheduler.profiler import default_cases, measure_hop_seconds, measure_rows
 from tokenlake.scheduler.request import Phase, Request, chunk_end
 from tokenlake.scheduler.scheduler import ElasticScheduler
 
@@ -63,6 +63,7 @@ __all__ = [
     "default_cases",
     "fit_coeffs",
     "fit_latency_model",
+    "measure_hop_seconds",
     "measure_rows",
     "plan_batches",
     "select_work",

@@ -8,6 +8,13 @@ the segments' holders, spread over every instance, and the scheduler accounts fo
 the cache load ``L`` (``T / (1 - L)``, see :mod:`tokenlake.scheduler.dp`). A mixed batch
 (colocated mode) uses the prefill coefficients with ``l = 1`` for its decode rows.
 
+A remote prefix part has a fixed cost: the round trip to its holder, the merge of its
+``(o, lse)``, the per-layer signal. ``hop_s`` prices it: seconds per remote holder per step
+(all layers), measured by :func:`tokenlake.scheduler.profiler.measure_hop_seconds`. A DoP-``k``
+prefill pays it ``k - 1`` times (its last sub-batch reads the earlier sub-batches' new KV on
+``k - 1`` other instances), so the DP spreads a batch only where the predicted step, hops
+included, is shorter; ``hop_s = 0`` leaves every prediction and decision as without it.
+
 Fitting minimizes the squared *relative* error ``Σ ((x·θ - y) / y)²`` so short and long
 batches weigh the same, with ``θ >= 0`` (more tokens never take less time); on rows produced
 by a model with non-negative coefficients this is the plain least-squares solution.
@@ -60,7 +67,8 @@ class ProfileRow(NamedTuple):
 
 @dataclass(frozen=True)
 class LatencyModel:
-    """Fitted coefficients: ``prefill[k]`` for the DoPs that were profiled, ``decode`` (DoP 1).
+    """Fitted coefficients: ``prefill[k]`` for the DoPs that were profiled, ``decode`` (DoP 1),
+    and ``hop_s``, the fixed seconds of one remote holder per step (see the module doc).
 
     A DoP ``k`` without a fit extrapolates from the nearest profiled ``k' <= k`` (else the
     smallest) by ideal sequence parallelism: ``A_k = A_k'``, ``B_k, C_k = (B_k', C_k')·k'/k``.
@@ -68,6 +76,7 @@ class LatencyModel:
 
     prefill: Mapping[int, Coeffs]
     decode: Coeffs
+    hop_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefill, Mapping) or not self.prefill:
@@ -79,6 +88,7 @@ class LatencyModel:
             table[k] = _coeffs("LatencyModel.prefill", coeffs)
         object.__setattr__(self, "prefill", MappingProxyType(dict(sorted(table.items()))))
         object.__setattr__(self, "decode", _coeffs("LatencyModel.decode", self.decode))
+        object.__setattr__(self, "hop_s", _hop("LatencyModel.hop_s", self.hop_s))
 
     def coeffs(self, phase: str, dop: int = 1) -> Coeffs:
         """Coefficients of a ``phase`` batch on ``dop`` instances."""
@@ -97,17 +107,54 @@ class LatencyModel:
         a, b, c = self.prefill[base]
         return Coeffs(a, b * base / dop, c * base / dop)
 
-    def table(self, max_dop: int) -> np.ndarray:
-        """float64 ``[max_dop, 3]``: prefill ``(A_k, B_k, C_k)`` for ``k = 1..max_dop``."""
-        return np.array([self.coeffs(PREFILL, k) for k in range(1, max_dop + 1)], dtype=float)
+    def table(self, max_dop: int, load: float = 0.0) -> np.ndarray:
+        """float64 ``[max_dop, 3]``: prefill ``(A_k, B_k, C_k)`` for ``k = 1..max_dop``, the
+        hops of DoP ``k`` in ``A_k`` (``(k - 1)·hop_s·(1 - load)``: the DP divides every
+        coefficient by ``1 - load``, and a hop is not slowed by the cache load)."""
+        rows = [self.coeffs(PREFILL, k) for k in range(1, max_dop + 1)]
+        scale = 1.0 - _load(load)
+        return np.array(
+            [(a + (k - 1) * self.hop_s * scale, b, c) for k, (a, b, c) in enumerate(rows, 1)],
+            dtype=float,
+        )
 
-    def predict(self, phase: str, lengths: Sequence[int], dop: int = 1, load: float = 0.0) -> float:
-        """Seconds of one batch whose requests compute ``lengths`` new tokens, under load L."""
-        if not 0.0 <= load < 1.0:
-            raise InvalidArgumentError(f"load: expected 0 <= load < 1, got {load!r}")
+    def predict(
+        self,
+        phase: str,
+        lengths: Sequence[int],
+        dop: int = 1,
+        load: float = 0.0,
+        remote_holders: int | None = None,
+    ) -> float:
+        """Seconds of one batch whose requests compute ``lengths`` new tokens, under load L,
+        plus ``hop_s`` per remote holder (default: ``dop - 1``, the DoP's own hops)."""
+        load = _load(load)
         s1 = float(sum(lengths))
         s2 = float(sum(x * x for x in lengths))
-        return self.coeffs(phase, dop).predict(s1, s2) / (1.0 - load)
+        hops = dop - 1 if remote_holders is None else remote_holders
+        if isinstance(hops, bool) or not isinstance(hops, int) or hops < 0:
+            raise InvalidArgumentError(f"remote_holders: expected an int >= 0, got {hops!r}")
+        return self.coeffs(phase, dop).predict(s1, s2) / (1.0 - load) + hops * self.hop_s
+
+    def with_hop(self, hop_s: float) -> LatencyModel:
+        """This model with the fixed cost of a remote holder set to ``hop_s`` seconds."""
+        return LatencyModel(dict(self.prefill), self.decode, hop_s)
+
+
+def _load(load: float) -> float:
+    if not 0.0 <= load < 1.0:
+        raise InvalidArgumentError(f"load: expected 0 <= load < 1, got {load!r}")
+    return float(load)
+
+
+def _hop(name: str, value: object) -> float:
+    try:
+        hop = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{name}: expected seconds >= 0, got {value!r}") from None
+    if not (np.isfinite(hop) and hop >= 0.0):
+        raise InvalidArgumentError(f"{name}: expected finite seconds >= 0, got {value!r}")
+    return hop
 
 
 def _coeffs(name: str, value: object) -> Coeffs:
@@ -134,8 +181,9 @@ def fit_coeffs(rows: Sequence[ProfileRow]) -> Coeffs:
     return Coeffs(*(theta / scale).tolist())
 
 
-def fit_latency_model(rows: Iterable[ProfileRow]) -> LatencyModel:
-    """Fit prefill coefficients per profiled DoP and decode coefficients (DoP 1).
+def fit_latency_model(rows: Iterable[ProfileRow], hop_s: float = 0.0) -> LatencyModel:
+    """Fit prefill coefficients per profiled DoP and decode coefficients (DoP 1); ``hop_s``
+    is the measured fixed cost of a remote holder per step (kept as given).
 
     Without decode rows the decode step uses the DoP-1 prefill fit (a decode step is a
     one-token batch for the compute engine).
@@ -155,4 +203,4 @@ def fit_latency_model(rows: Iterable[ProfileRow]) -> LatencyModel:
     model = LatencyModel(prefill, Coeffs(0.0, 0.0, 0.0))
     decode_rows = groups.get((DECODE, 1))
     decode = fit_coeffs(decode_rows) if decode_rows else model.coeffs(PREFILL, 1)
-    return LatencyModel(prefill, decode)
+    return LatencyModel(prefill, decode, hop_s)

@@ -192,7 +192,7 @@ def build_problem(
         lens=[it.num_new for it in order],
         slos=[item_slo(it, config, decoding) for it in order],
         num_prefill=num_prefill,
-        prefill_coef=model.table(max(1, min(config.max_prefill_dop, limits.prefill))),
+        prefill_coef=model.table(max(1, min(config.max_prefill_dop, limits.prefill)), load),
         decode_coef=list(model.coeffs(DECODE)),
         num_instances=limits.total,
         max_prefill_instances=limits.prefill,

@@ -93,3 +93,49 @@ def _run_once(pool, execute, dop, lengths, rng, vocab, tag, clock) -> float:
     for c in chunks:
         pool.finish(c.request_id)
     return slowest
+
+
+def measure_hop_seconds(
+    pool: Pool,
+    execute: Execute,
+    repeats: int = 5,
+    seed: int = 0,
+    vocab: int = 32000,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """The fixed cost of one remote holder per step (all layers): a one-row decode over a
+    one-page prefix, run on the instance that holds the page (every part local) and on
+    another instance (the page's part remote), each the fastest of ``repeats`` runs;
+    ``remote - local``, at least 0 (0 with one live instance). The kernel work is the same
+    in both, so the difference is the round trip, the merge and the per-layer signals.
+
+    Leaves the pool as it was: the prompt is stored, decoded and aborted, then finished.
+    """
+    if repeats < 1:
+        raise InvalidArgumentError(f"repeats: expected >= 1, got {repeats}")
+    live = pool.live_instances
+    if len(live) < 2:
+        return 0.0
+    rng = np.random.default_rng(seed)
+    page = pool.config.segment_len
+    prompt = Chunk("profile-hop", rng.integers(0, vocab, page).astype(np.int32), 0)
+    plans = pool.gen_plans([[prompt]], None, pool.get_prefix_tree())
+    execute(plans, {prompt.request_id: prompt})
+    pool.commit(plans)
+    try:
+        step = Chunk(prompt.request_id, np.append(prompt.token_ids, 1).astype(np.int32), page)
+        probe = pool.gen_plans([[step]], None, pool.get_prefix_tree())
+        holder = min(int(h) for h in probe.query_plans[0].holder_ids)
+        pool.abort(probe, executed=False)
+        other = next(i for i in live if i != holder)
+        best = {holder: float("inf"), other: float("inf")}
+        for _ in range(repeats):
+            for origin in (holder, other):
+                plans = pool.gen_plans([[step]], None, pool.get_prefix_tree(), [[origin]])
+                t0 = clock()
+                execute(plans, {step.request_id: step})
+                best[origin] = min(best[origin], clock() - t0)
+                pool.abort(plans)
+        return max(0.0, best[other] - best[holder])
+    finally:
+        pool.finish(prompt.request_id)
