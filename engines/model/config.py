@@ -23,10 +23,10 @@ ARCHITECTURES = {
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16")  # what the model computes and stores KV in
-# a checkpoint's dtype -> what dtype "auto" serves it in. No attention kernel here computes in
-# float16 (the C++ CPU kernel has fp32 and bf16 KV), and float32 holds every float16 value
-# exactly, so float16 weights are upcast: the same model, not a lossy cast to bfloat16
-# (vLLM on CPU upcasts float16 too)
+# a checkpoint's dtype -> what dtype "auto" serves it in. The model and prefix attention compute
+# in float32 or bfloat16 only (the C++ CPU kernel has no float16 KV), and float32 holds every
+# float16 value exactly, so float16 weights are upcast: the same model, not a lossy cast to
+# bfloat16 (vLLM on CPU upcasts float16 too)
 AUTO_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}
 
 

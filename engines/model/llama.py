@@ -134,9 +134,9 @@ class LlamaModel:
             dtype = config.auto_dtype
             if dtype != config.dtype:
                 log.info(
-                    "dtype: the checkpoint is %s, which no attention kernel here computes in; "
-                    "serving it in %s (weights upcast exactly; --dtype bfloat16 halves the "
-                    "memory, rounding them)", config.dtype, dtype,
+                    "dtype: the checkpoint is %s, which the model does not compute in; serving "
+                    "it in %s (weights upcast exactly; --dtype bfloat16 halves the memory, "
+                    "rounding them)", config.dtype, dtype,
                 )  # fmt: skip
         if dtype not in DTYPES:
             raise InvalidArgumentError(f"dtype: expected 'auto' or one of {DTYPES}, got {dtype!r}")

@@ -1,5 +1,5 @@
-"""A float16 checkpoint (many Llama-2 ones are) is served as it is, with no --dtype: no
-attention kernel here computes in float16, so the server runs it in float32 with the weights
+"""A float16 checkpoint (many Llama-2 ones are) is served as it is, with no --dtype: the model
+computes in float32 or bfloat16 only, so the server runs it in float32 with the weights
 upcast exactly and says so in its log; greedy tokens equal transformers' run in float32 on
 the same weights."""
 
