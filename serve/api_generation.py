@@ -23,6 +23,7 @@ from tokenlake.serve.request import GenerationRequest, TokenEvent
 from tokenlake.serve.text import TextStream
 
 DISCONNECT_POLL_S = 0.5
+MAX_SAMPLED_SEQUENCES = 1024  # prompts x best_of of one request, when best_of or n > 1
 
 Body = CompletionRequest | ChatCompletionRequest
 
@@ -172,6 +173,9 @@ def start(
     base = f"{prefix}-{uuid.uuid4().hex}"
     choices: list[Choice] = []
     per_prompt = num_samples(body)
+    if per_prompt > 1 and len(prompts) * per_prompt > MAX_SAMPLED_SEQUENCES:
+        raise APIError(400, f"n: {len(prompts)} prompts x {per_prompt} samples exceed "
+                       f"{MAX_SAMPLED_SEQUENCES} sequences per request", param="n")  # fmt: skip
     params = [sampling_params(body, j) for j in range(per_prompt)]
     for i, ids in enumerate(prompts):
         budget = max_tokens if max_tokens is not None else runtime.max_model_len - len(ids)

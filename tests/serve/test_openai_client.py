@@ -128,6 +128,7 @@ def test_stop_reason_names_what_stopped(oai):
         (lambda c: complete(c, presence_penalty=2.5), "presence_penalty"),
         (lambda c: complete(c, extra_body={"repetition_penalty": 0}), "repetition_penalty"),
         (lambda c: complete(c, logprobs=21), "logprobs"),
+        (lambda c: complete(c, prompt=[PROMPT] * 20, n=64, max_tokens=1), "n"),
         (lambda c: c.chat.completions.create(model=MODEL, messages=CHAT, tool_choice="required",
                                              tools=[{"type": "function",
                                                      "function": {"name": "f"}}]),
