@@ -156,8 +156,10 @@ def server_registry(runtime, model_name: str) -> CollectorRegistry:
     the pool's and the engines' that its loop takes between iterations."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RuntimeCollector(runtime, model_name))
-    registry.register(PoolCollector(lambda: runtime.pool_stats, runtime.scheduler.pool.config))
-    registry.register(EngineCollector(lambda: runtime.engine_stats))
+    registry.register(
+        PoolCollector(lambda: runtime.stats.pool_stats, runtime.scheduler.pool.config)
+    )
+    registry.register(EngineCollector(lambda: runtime.stats.engine_stats))
     return registry
 
 

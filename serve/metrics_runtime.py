@@ -52,7 +52,7 @@ class RuntimeCollector(Collector):
         for name, kind, doc, value in (
             ("num_preemptions", CounterMetricFamily,
              "Requests sent back to waiting to be recomputed (pool short of slots, instance "
-             "lost)", rt.num_preemptions),
+             "lost)", rt.stats.num_preemptions),
             ("num_requests_running", GaugeMetricFamily, "Requests in the scheduler",
              rt.num_running),
             ("num_requests_waiting", GaugeMetricFamily, "Requests queued", rt.num_waiting),

@@ -22,7 +22,30 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
 
-    def check_sampling(self, vocab_size: int) -> None:
+    def check(self, max_model_len: int, vocab_size: int) -> None:
+        """Raise ``InvalidArgumentError`` for an empty or over-long prompt, a token id
+        outside the vocabulary, a bad ``max_tokens``, or sampling the geometry rules out."""
+        n = len(self.prompt_ids)
+        if n == 0:
+            raise InvalidArgumentError("prompt: expected at least one token")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise InvalidArgumentError(f"max_tokens: expected an int, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise InvalidArgumentError(f"max_tokens: expected >= 1, got {self.max_tokens}")
+        if n + self.max_tokens > max_model_len:
+            raise InvalidArgumentError(
+                f"prompt: this model's maximum context length is {max_model_len} tokens; "
+                f"the request has {n} prompt tokens and max_tokens={self.max_tokens} "
+                f"({n + self.max_tokens} in total)"
+            )
+        bad = [t for t in self.prompt_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidArgumentError(
+                f"prompt: token ids must be in [0, {vocab_size}), got {bad[:3]}"
+            )
+        self._check_sampling(vocab_size)
+
+    def _check_sampling(self, vocab_size: int) -> None:
         """Raise ``InvalidArgumentError`` for what only the model's geometry rules out: a
         ``logit_bias`` token outside the vocabulary, ``min_tokens`` over ``max_tokens``."""
         bad = [t for t, _ in self.sampling.logit_bias if t >= vocab_size]

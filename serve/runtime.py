@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import math
 import threading
 import time
 import zlib
@@ -28,11 +27,10 @@ from tokenlake.scheduler import ElasticScheduler
 from tokenlake.serve.membership import Membership
 from tokenlake.serve.metrics_requests import RequestMetrics, RequestTimes
 from tokenlake.serve.request import GenerationRequest, TokenEvent
+from tokenlake.serve.runtime_stats import StatsSnapshots
 
 log = logging.getLogger(__name__)
 Sink = Callable[[TokenEvent], None]
-ENGINE_STATS_PERIOD_S = 1.0  # engine counters cost a round trip to every engine process
-POOL_STATS_PERIOD_S = 0.5  # the pool's snapshot while idle (a dead instance, a sweep)
 Sampler = Callable[[torch.Tensor, SamplingParams, torch.Generator | None], int]
 
 
@@ -86,36 +84,15 @@ class Runtime:
         self.counters = collections.Counter()
         self.iteration_seconds = 0.0
         self.request_metrics = RequestMetrics(max_model_len)  # read by /metrics' thread
-        self.num_preemptions = 0  # the scheduler's, snapshotted by the loop for /metrics
-        self.pool_stats: dict = self._pool_snapshot()  # /metrics reads this snapshot
-        self._pool_stats_at = time.monotonic()
-        self._pool_changed = False  # a request ended outside an iteration
-        self.engine_stats: dict = {}  # the data plane's counters, refreshed by the loop
-        self._engine_stats_at = -math.inf
+        # what /metrics reads (pool_stats, engine_stats, num_preemptions), taken by the loop
+        self.stats = StatsSnapshots(scheduler, getattr(engine.cluster, "engine_stats", None))
         self.membership = Membership(scheduler, engine, self.counters, self._end_all)
 
     # ---- client side (any thread) ---------------------------------------------------------
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         """Queue ``request``; ``sink`` receives its events. Raises ``InvalidArgumentError``
         (nothing queued) for an empty or over-long prompt, a bad token id, a duplicate id."""
-        n = len(request.prompt_ids)
-        if n == 0:
-            raise InvalidArgumentError("prompt: expected at least one token")
-        if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int):
-            raise InvalidArgumentError(f"max_tokens: expected an int, got {request.max_tokens!r}")
-        if request.max_tokens < 1:
-            raise InvalidArgumentError(f"max_tokens: expected >= 1, got {request.max_tokens}")
-        if n + request.max_tokens > self.max_model_len:
-            raise InvalidArgumentError(
-                f"prompt: this model's maximum context length is {self.max_model_len} tokens; "
-                f"the request has {n} prompt tokens and max_tokens={request.max_tokens} "
-                f"({n + request.max_tokens} in total)"
-            )
-        vocab = self.engine.model.config.vocab_size
-        bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidArgumentError(f"prompt: token ids must be in [0, {vocab}), got {bad[:3]}")
-        request.check_sampling(vocab)
+        request.check(self.max_model_len, self.engine.model.config.vocab_size)
         generator = None
         if not request.sampling.greedy:
             seed = request.sampling.seed
@@ -175,9 +152,7 @@ class Runtime:
     def _loop(self) -> None:
         try:
             while True:
-                self._refresh_engine_stats()
-                self._refresh_pool_stats()
-                self.num_preemptions = self.scheduler.num_preemptions
+                self.stats.refresh()
                 self.membership.poll()  # also while idle: a death is seen within the wait below
                 with self._cond:
                     if self._stopping:
@@ -200,33 +175,6 @@ class Runtime:
                 pending, self._inbox = list(self._inbox), collections.deque()
             for live in pending:
                 _deliver(live, TokenEvent(live.request.request_id, None, "abort"))
-
-    def _refresh_engine_stats(self) -> None:
-        """Snapshot the engines' counters for /metrics (on this thread: the data plane is
-        not thread-safe), at most every ENGINE_STATS_PERIOD_S."""
-        now = time.monotonic()
-        source = getattr(self.engine.cluster, "engine_stats", None)
-        if source is None or now - self._engine_stats_at < ENGINE_STATS_PERIOD_S:
-            return
-        self._engine_stats_at = now
-        try:
-            self.engine_stats = source()
-        except Exception as e:  # metrics must never stop serving
-            log.warning("runtime: engine stats unavailable: %s", e)
-
-    def _refresh_pool_stats(self) -> None:
-        """Snapshot the pool's counters for /metrics (the pool is not thread-safe) after
-        requests ended between iterations, else every POOL_STATS_PERIOD_S: a cancel on an
-        idle server shows at once, not at the next request's iteration."""
-        now = time.monotonic()
-        if not self._pool_changed and now - self._pool_stats_at < POOL_STATS_PERIOD_S:
-            return
-        self._pool_changed, self._pool_stats_at = False, now
-        self.pool_stats = self._pool_snapshot()
-
-    def _pool_snapshot(self) -> dict:
-        pool = self.scheduler.pool
-        return {**pool.get_stats(), "free_capacity": pool.free_capacity()}
 
     def _apply_cancels(self, cancels: set[str]) -> None:
         for rid in cancels:
@@ -306,8 +254,7 @@ class Runtime:
             self._end(rid, None, "error", error)
         for rid, token in tokens.items():
             self._emit(rid, token, rid in finished)
-        self.pool_stats = self._pool_snapshot()
-        self._pool_changed, self._pool_stats_at = False, time.monotonic()
+        self.stats.after_iteration()
         self.iteration_seconds += time.perf_counter() - t0
 
     def _end_all(self, error: str) -> None:
@@ -342,7 +289,7 @@ class Runtime:
         live = self._live.pop(rid)
         with contextlib.suppress(InvalidArgumentError, UnknownRequestError):
             self.scheduler.cancel(rid)  # unless it already finished there
-        self._pool_changed = True
+        self.stats.pool_changed()
         self._count_end(live, reason)
         _deliver(live, TokenEvent(rid, token, reason, max(live.num_cached, 0), error))
 

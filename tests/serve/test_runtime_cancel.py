@@ -69,7 +69,7 @@ def test_cancelled_streams_release_pins_and_the_gauge_follows_while_idle():
         assert all(CANCEL_AFTER <= n < 150 for n in received.values()), received
         assert rt.counters["finished_abort"] == NUM_STREAMS
         # no further request: the snapshot and the gauge must catch up on their own
-        wait_for(lambda: rt.pool_stats["num_running_requests"] == 0, WAIT_BOUND_S, "snapshot")
+        wait_for(lambda: rt.stats.pool_stats["num_running_requests"] == 0, WAIT_BOUND_S, "snapshot")
         assert gauge(registry, GAUGE) == 0
         wait_for(lambda: not rt.scheduler.has_work, WAIT_BOUND_S, "scheduler idle")
         pool = rt.scheduler.pool
