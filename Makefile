@@ -67,3 +67,9 @@ format: $(VENV)/.deps
 
 clean:
 	rm -rf build $(VENV)
+
+# Wheels the device machine lacks, for tests/gpu/device_check.sh (ignored folder; <= 64 MiB)
+gpu-wheels:
+	python3 -m pip download --only-binary=:all: --python-version 3.12 \
+		--platform manylinux_2_28_x86_64 --no-deps pyzmq flashinfer-python==0.7.2.post1 -d .gpu-wheels
+	du -sh .gpu-wheels
