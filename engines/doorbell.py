@@ -24,6 +24,7 @@ process exited or that does not answer within the timeout.
 from __future__ import annotations
 
 import os
+import platform
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +50,13 @@ COLD_SLEEP_S = 1e-3
 ORIGIN_SPIN_S = 2e-3
 ORIGIN_SLEEP_S = 50e-6
 LIVENESS_EVERY_S = 5e-3
+
+
+def supported(machine: str | None = None) -> bool:
+    """Whether this host's store order publishes a slot's fields before its sequence number
+    (x86-64's TSO); elsewhere the cluster keeps one message per layer."""
+    machine = (machine if machine is not None else platform.machine()).lower()
+    return machine in ("x86_64", "amd64")
 
 
 def nbytes(num_instances: int) -> int:

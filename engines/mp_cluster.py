@@ -93,7 +93,8 @@ class MPCluster(ClusterBase):
             self._mps = MpsDaemon()
             self._mps.start()
         # per-layer queries inside one host ring doorbells in shared memory (no message)
-        bells = doorbell.nbytes(n) if self._use_doorbells and not cfg.separate_hosts else 0
+        use = self._use_doorbells and not cfg.separate_hosts and doorbell.supported()
+        bells = doorbell.nbytes(n) if use else 0
         self._buffers = [
             InstanceBuffers.allocate(layout.nbytes(), cfg.device, doorbell_bytes=bells)
             for _ in range(n)

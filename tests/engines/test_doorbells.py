@@ -187,3 +187,8 @@ def test_cuda_doorbells_match_messages():
     for (o_m, lse_m), (o_d, lse_d) in zip(results[False], results[True], strict=True):
         torch.testing.assert_close(o_d, o_m, atol=0, rtol=0)
         torch.testing.assert_close(lse_d, lse_m, atol=0, rtol=0)
+
+
+def test_doorbells_only_where_the_store_order_publishes_fields_first():
+    assert doorbell.supported("x86_64") and doorbell.supported("AMD64")
+    assert not doorbell.supported("aarch64") and not doorbell.supported("ppc64le")
