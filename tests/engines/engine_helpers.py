@@ -12,6 +12,9 @@ import os
 import re
 from multiprocessing import resource_tracker
 
+import numpy as np
+from harness import tokens
+
 import tokenlake as tl
 from tokenlake.engines.dataplane_config import DataPlaneConfig
 
@@ -96,3 +99,19 @@ def shm_entries() -> set[str]:
         if mapped or (m and int(m[1]) in ours):
             out.add(entry.name)
     return out
+
+
+def warm_up(h, names: str, seed: int) -> dict[str, np.ndarray]:
+    """One request per letter of ``names``, multi-segment prompts (seeds from ``seed``),
+    each prefilled and checked exact; their token ids by name."""
+    ids = {r: tokens(seed + k, 16 * 7 + 3) for k, r in enumerate(names)}
+    for r in ids:
+        assert h.step([[tl.Chunk(r, ids[r], 0)]]) <= h.tolerance
+    return ids
+
+
+def decode_batch(h, ids: dict[str, np.ndarray], token: int) -> list[tl.Chunk]:
+    """Append ``token`` to every request of ``ids``: one decode chunk each."""
+    for r in ids:
+        ids[r] = np.append(ids[r], token)
+    return [tl.Chunk(r, ids[r], h.pool.num_stored_tokens(r)) for r in sorted(ids)]

@@ -10,8 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from engine_helpers import CONFIG
-from harness import tokens
+from engine_helpers import CONFIG, decode_batch, warm_up
 
 import tokenlake as tl
 from tokenlake.engines import doorbell
@@ -83,28 +82,15 @@ def test_a_dead_holder_fails_the_wait_fast_and_a_silent_one_at_the_timeout():
     assert 0.3 <= time.monotonic() - t0 < WAIT_BOUND_S
 
 
-def _warm_up(h) -> dict[str, np.ndarray]:
-    ids = {r: tokens(200 + k, 16 * 7 + 3) for k, r in enumerate("abcd")}
-    for r in ids:
-        assert h.step([[tl.Chunk(r, ids[r], 0)]]) <= h.tolerance
-    return ids
-
-
-def _decode(h, ids: dict[str, np.ndarray], token: int) -> list[tl.Chunk]:
-    for r in ids:
-        ids[r] = np.append(ids[r], token)
-    return [tl.Chunk(r, ids[r], h.pool.num_stored_tokens(r)) for r in sorted(ids)]
-
-
 def _query_stats(cluster) -> dict[int, dict]:
     return {k[1]: v for k, v in cluster.engine_stats().items() if k[0] == "query"}
 
 
 def test_layers_are_rung_not_sent_and_stay_exact(shared_cluster):
     h = shared_cluster.harness(4, 16, 64, backend="cpu")
-    ids = _warm_up(h)
+    ids = warm_up(h, "abcd", 200)
     before = _query_stats(h.cluster)
-    batch = _decode(h, ids, 5)
+    batch = decode_batch(h, ids, 5)
     assert h.step([batch]) <= h.tolerance  # against monolithic attention
     after = _query_stats(h.cluster)
     qp = h.last_plans.query_plans[0]
@@ -120,8 +106,8 @@ def test_layers_are_rung_not_sent_and_stay_exact(shared_cluster):
 
 def test_hostile_doorbell_words_are_refused_and_the_holder_serves_on(shared_cluster):
     h = shared_cluster.harness(4, 16, 64, backend="cpu")
-    ids = _warm_up(h)
-    batch = _decode(h, ids, 6)
+    ids = warm_up(h, "abcd", 200)
+    batch = decode_batch(h, ids, 6)
     assert h.step([batch]) <= h.tolerance
     qp = h.last_plans.query_plans[0]
     holder = next(int(v) for v in qp.holder_ids if v != qp.origin)
@@ -143,7 +129,7 @@ def test_hostile_doorbell_words_are_refused_and_the_holder_serves_on(shared_clus
         with pytest.raises(RemoteEngineError, match=field):
             client.wait([client.ring(holder, origin, binding, layer)], "hostile")
     assert _query_stats(h.cluster)[holder]["errors"] - errors_before == len(cases)
-    assert h.step([_decode(h, ids, 7)]) <= h.tolerance  # still serving, still exact
+    assert h.step([decode_batch(h, ids, 7)]) <= h.tolerance  # still serving, still exact
 
 
 @pytest.mark.gpu

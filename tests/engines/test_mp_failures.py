@@ -10,10 +10,8 @@ import signal
 import threading
 import time
 
-import numpy as np
 import pytest
-from engine_helpers import CONFIG
-from harness import tokens
+from engine_helpers import CONFIG, decode_batch, warm_up
 
 import tokenlake as tl
 from tokenlake.engines.dataplane_config import PeerFailedError
@@ -65,24 +63,10 @@ class _Proxy:
         return call
 
 
-def _warm_up(h) -> dict[str, np.ndarray]:
-    """Three requests with multi-segment prompts, placed over the live instances."""
-    ids = {r: tokens(100 + k, 16 * 7 + 3) for k, r in enumerate("abc")}
-    for r in ids:
-        assert h.step([[tl.Chunk(r, ids[r], 0)]]) <= h.tolerance
-    return ids
-
-
-def _decode(h, ids: dict[str, np.ndarray], token: int) -> list[tl.Chunk]:
-    for r in ids:
-        ids[r] = np.append(ids[r], token)
-    return [tl.Chunk(r, ids[r], h.pool.num_stored_tokens(r)) for r in sorted(ids)]
-
-
 def _fail_and_recover(h, ids, pick_victim, method: str, kill: bool):
     """Run one decode iteration with a sabotaged engine; check the error, fail over,
     re-plan and check exactness. Returns (error, seconds to the error, sabotage)."""
-    batch = _decode(h, ids, 5)
+    batch = decode_batch(h, ids, 5)
     plans = h.pool.gen_plans([batch])
     victim, role = pick_victim(plans)
     sabotage = Sabotage(h.cluster, method, h.cluster.pids[(role, victim)], kill)
@@ -104,7 +88,7 @@ def _fail_and_recover(h, ids, pick_victim, method: str, kill: bool):
             replanned.append(c)
     assert h.step([replanned]) <= h.tolerance
     assert all(victim not in qp.holder_ids for qp in h.last_plans.query_plans)
-    assert h.step([_decode(h, ids, 6)]) <= h.tolerance  # one more on the shrunken cluster
+    assert h.step([decode_batch(h, ids, 6)]) <= h.tolerance  # one more on the shrunken cluster
     h.pool.check_invariants()
     return err, elapsed, sabotage
 
@@ -128,7 +112,7 @@ def _remote_destination(plans):
 
 def test_holder_dies_mid_query(shared_cluster):
     h = shared_cluster.harness(4, 16, 64, backend="cpu", min_live=3)
-    ids = _warm_up(h)
+    ids = warm_up(h, "abc", 100)
     err, elapsed, _ = _fail_and_recover(h, ids, _remote_holder, "query", kill=True)
     assert elapsed < KILL_AFTER_S + DEATH_BOUND_S, elapsed
     assert "exited" in str(err)
@@ -138,8 +122,8 @@ def test_puts_inside_a_host_do_not_need_the_transfer_engine(shared_cluster):
     """Inside one host a put is a direct write into the destination's shared pool: a
     destination whose transfer engine is stopped mid-put does not stall or fail it."""
     h = shared_cluster.harness(4, 16, 64, backend="cpu", min_live=3)
-    ids = _warm_up(h)
-    batch = _decode(h, ids, 5)
+    ids = warm_up(h, "abc", 100)
+    batch = decode_batch(h, ids, 5)
     plans = h.pool.gen_plans([batch])
     victim, role = _remote_destination(plans)
     pid = h.cluster.pids[(role, victim)]
@@ -158,7 +142,7 @@ def test_puts_inside_a_host_do_not_need_the_transfer_engine(shared_cluster):
 
 def test_engine_that_stops_answering_times_out(shared_cluster):
     h = shared_cluster.harness(4, 16, 64, backend="cpu", min_live=2)
-    ids = _warm_up(h)
+    ids = warm_up(h, "abc", 100)
     err, elapsed, _ = _fail_and_recover(h, ids, _remote_holder, "query", kill=False)
     assert CONFIG.timeout_s - 0.5 < elapsed < CONFIG.timeout_s + DEATH_BOUND_S, elapsed
     assert "no answer" in str(err)
