@@ -3,6 +3,7 @@ pool → data plane → compute engine → (profiled) elastic scheduler → :cla
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import tempfile
@@ -26,6 +27,7 @@ from tokenlake.scheduler import (
     SchedulerConfig,
     default_cases,
     fit_latency_model,
+    measure_hop_seconds,
     measure_rows,
 )
 from tokenlake.serve.config import ServeConfig
@@ -62,8 +64,10 @@ def build(config: ServeConfig, engine_factory: Callable | None = None) -> Served
         )  # fmt: skip
         max_len = _max_model_len(config, model, pool_config)
         pool = tl.Pool(pool_config)
+        cluster = None
         if engine_factory is None:
-            engine = ModelEngine(model, _cluster(config, pool, closers))
+            cluster = _cluster(config, pool, closers)
+            engine = ModelEngine(model, cluster)
         else:
             engine = engine_factory(model, pool, closers)
         sched_config = SchedulerConfig(
@@ -73,6 +77,8 @@ def build(config: ServeConfig, engine_factory: Callable | None = None) -> Served
             chunk_len=config.chunk_len,
         )
         latency = _latency_model(config, model)
+        if config.profile and cluster is not None:
+            latency = latency.with_hop(_hop_seconds(config, model, pool, cluster))
         scheduler = ElasticScheduler(sched_config, latency, pool)
         eos = model.config.eos_token_ids
         if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -151,6 +157,39 @@ def _latency_model(config: ServeConfig, model: LlamaModel) -> LatencyModel:
     return profile_latency_model(
         model, config.num_instances, config.segment_len, config.chunk_len, config.kernel_backend
     )
+
+
+def _hop_seconds(config: ServeConfig, model: LlamaModel, pool: tl.Pool, cluster) -> float:
+    # The served data plane itself, on a scratch pool of the same geometry: a hop's cost is
+    # the processes' round trip and signals, which an in-process cluster would not show.
+    if config.num_instances < 2:
+        return 0.0
+    cfg = pool.config
+    scratch = tl.Pool(dataclasses.replace(cfg, num_slots=4))
+    if config.data_plane == "local":
+        from tokenlake.engines.local_cluster import LocalCluster
+
+        local = LocalCluster(scratch, backend=config.kernel_backend)
+        return measure_served_hop(model, local, scratch)
+    cluster.reset(scratch, config.kernel_backend)
+    try:
+        return measure_served_hop(model, cluster, scratch)
+    finally:
+        cluster.reset(pool, config.kernel_backend)
+
+
+def measure_served_hop(model: LlamaModel, cluster, pool: tl.Pool, repeats: int = 5) -> float:
+    """Seconds of one remote holder per step on ``cluster`` serving ``pool`` (see
+    :func:`tokenlake.scheduler.measure_hop_seconds`); ``pool`` is left as it was."""
+    engine = ModelEngine(model, cluster)
+
+    def execute(plans: tl.Plans, chunks) -> None:
+        engine.run(plans, chunks)
+        engine.retire(plans)
+
+    hop_s = measure_hop_seconds(pool, execute, repeats=repeats, vocab=model.config.vocab_size)
+    log.info("latency model: hop_s=%.6f", hop_s)
+    return hop_s
 
 
 def profile_latency_model(
