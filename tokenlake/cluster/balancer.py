@@ -36,6 +36,9 @@ class BalancerConfig:
         pool's slots (replicas cost hit rate).
     recent_decay: per-iteration decay of the short-horizon load that replica choice uses
         (the window load lags; choosing on it herds every access to one replica).
+    hop_bytes: what the fixed cost of one remote holder is worth in the dispatcher's
+        traffic bytes (its measured seconds times the link's bytes per second); 0 prices
+        traffic bytes only.
     """
 
     window: int = 64
@@ -47,6 +50,7 @@ class BalancerConfig:
     replicate: bool = True
     max_replica_fraction: float = 0.1
     recent_decay: float = 0.9
+    hop_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         name = "BalancerConfig."
@@ -60,6 +64,7 @@ class BalancerConfig:
             "heavy_hitter_k": (0.0, 1e6, True, False),
             "max_replica_fraction": (0.0, 1.0, False, False),
             "recent_decay": (0.0, 1.0, False, True),
+            "hop_bytes": (0.0, 1e15, False, False),
         }
         for field, (low, high, low_open, high_open) in floats.items():
             value = check_float(

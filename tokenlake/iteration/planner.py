@@ -56,7 +56,7 @@ class IterationPlanner:
         )
         self.builder = PlanBuilder(
             tree.table, config.segment_len, n, q_row_bytes, m.kv_bytes_per_token,
-            config.segment_bytes,
+            config.segment_bytes, balancer.hop_bytes,
         )  # fmt: skip
 
     def plan(self, it: Iteration, dops, instances, matches, busy) -> None:

@@ -49,11 +49,13 @@ class PlanBuilder:
         q_row_bytes: float,
         kv_token_bytes: float,
         segment_bytes: float,
+        hop_bytes: float = 0.0,
     ) -> None:
         self.pages = PageGatherer(table, segment_len, num_instances)
         self.num_instances = num_instances
         self.q_row_bytes, self.kv_token_bytes = q_row_bytes, kv_token_bytes
         self.segment_bytes = segment_bytes
+        self.hop_bytes = hop_bytes
 
     def build(
         self,
@@ -80,7 +82,9 @@ class PlanBuilder:
         put_tokens = np.zeros((num_subs, n_inst))
         if len(runs):
             np.add.at(put_tokens, (runs[:, 0], runs[:, 1]), runs[:, 3])
-        cost = traffic_cost(query_rows, put_tokens, self.q_row_bytes, self.kv_token_bytes)
+        cost = traffic_cost(
+            query_rows, put_tokens, self.q_row_bytes, self.kv_token_bytes, self.hop_bytes
+        )
         allowed = None
         if instances is not None and any(i is not None for i in instances):
             allowed = np.ones((num_subs, n_inst), dtype=bool)

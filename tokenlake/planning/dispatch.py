@@ -13,9 +13,14 @@ _NO_ASSIGNMENT = "instances: no assignment of sub-batches to distinct allowed li
 
 
 def traffic_cost(
-    query_rows: np.ndarray, put_tokens: np.ndarray, q_row_bytes: float, kv_token_bytes: float
+    query_rows: np.ndarray,
+    put_tokens: np.ndarray,
+    q_row_bytes: float,
+    kv_token_bytes: float,
+    hop_bytes: float = 0.0,
 ) -> np.ndarray:
-    """Bytes sent if sub-batch ``u`` runs on instance ``v`` (§5.2's edge weight, negated).
+    """Bytes sent if sub-batch ``u`` runs on instance ``v`` (§5.2's edge weight, negated),
+    plus ``hop_bytes`` per remote holder.
 
     Args:
         query_rows: ``[U, N]`` query rows sub-batch ``u`` must send to holder ``k``
@@ -23,12 +28,20 @@ def traffic_cost(
         put_tokens: ``[U, N]`` new-KV tokens sub-batch ``u`` stores on home ``k``.
         q_row_bytes: bytes per query row and remote holder (q out, ``(o, lse)`` back).
         kv_token_bytes: bytes per new-KV token.
+        hop_bytes: the fixed cost of one remote holder (round trip, merge, per-layer
+            signals) in bytes of traffic it is worth; 0 prices bytes only. A small decode's
+            rows are few, so its bytes barely tell instances apart while each holder it
+            makes remote costs a fixed time: this term keeps it where its pages are.
     Returns:
         ``[U, N]``: everything not local to ``v`` crosses the network.
     """
     q_total = query_rows.sum(axis=1, keepdims=True)
     p_total = put_tokens.sum(axis=1, keepdims=True)
-    return q_row_bytes * (q_total - query_rows) + kv_token_bytes * (p_total - put_tokens)
+    cost = q_row_bytes * (q_total - query_rows) + kv_token_bytes * (p_total - put_tokens)
+    if hop_bytes:
+        holds = query_rows > 0
+        cost = cost + hop_bytes * (holds.sum(axis=1, keepdims=True) - holds)
+    return cost
 
 
 def hungarian_dispatch(
