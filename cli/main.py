@@ -93,6 +93,11 @@ BENCHES: dict[str, Command] = {
         "goodput on a real CPU mini-cluster: TokenLake vs cache-aware router",
         needs="model",
     ),
+    "serving-compare": Command(
+        "tokenlake.benchmarks.serving_compare",
+        "serve N vs 1 instance, SGLang's bench_serving client",
+        needs="sglang",
+    ),
     "sim-crosscheck": Command(
         "tokenlake.benchmarks.sim_crosscheck", "simulator step times vs published A100 figures"
     ),
