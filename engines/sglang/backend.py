@@ -34,7 +34,10 @@ _MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED)
 class TokenLakeAttnBackend(AttentionBackend):
     """Selected by ``--attention-backend tokenlake``; pool settings from ``TOKENLAKE_CONFIG``."""
 
-    def __init__(self, model_runner, config: SGLangPoolConfig | None = None) -> None:
+    def __init__(self, model_runner, config: SGLangPoolConfig | None = None, runtime=None) -> None:
+        """``runtime``: a :class:`.shared_runtime.SharedPoolRuntime` when this worker is one
+        instance of a pool shared by several SGLang workers; by default a pool of its own
+        (:class:`.pool_runtime.PoolRuntime`, ``config``'s instances in this process)."""
         super().__init__()
         layers = [m for m in model_runner.model.modules() if isinstance(m, RadixAttention)]
         shape = check_model(model_runner, layers)
@@ -43,14 +46,26 @@ class TokenLakeAttnBackend(AttentionBackend):
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         kv = self.token_to_kv_pool
-        if config.capacity_tokens < kv.size:
+        if runtime is None:
+            if config.capacity_tokens < kv.size:
+                raise UnsupportedFeatureError(
+                    f"tokenlake config: the pool holds {config.capacity_tokens} tokens "
+                    f"(num_instances x num_slots x segment_len), less than SGLang's KV cache "
+                    f"of {kv.size} tokens; set num_slots >= {config.slots_for(kv.size)}"
+                )
+            namespace = config.namespace or str(model_runner.model_config.model_path)
+            runtime = PoolRuntime(config, shape, namespace, self.device)
+        elif runtime.model != shape:
             raise UnsupportedFeatureError(
-                f"tokenlake config: the pool holds {config.capacity_tokens} tokens "
-                f"(num_instances x num_slots x segment_len), less than SGLang's KV cache of "
-                f"{kv.size} tokens; set num_slots >= {config.slots_for(kv.size)}"
+                f"tokenlake shared pool: the pool's model shape {runtime.model} differs from "
+                f"this SGLang worker's {shape}"
             )
-        namespace = config.namespace or str(model_runner.model_config.model_path)
-        self.runtime = PoolRuntime(config, shape, namespace, self.device)
+        elif runtime.capacity_tokens < kv.size:  # every worker pins at most its own cache
+            raise UnsupportedFeatureError(
+                f"tokenlake shared pool: an instance holds {runtime.capacity_tokens} tokens, "
+                f"less than this SGLang worker's KV cache of {kv.size} tokens"
+            )
+        self.runtime = runtime
         self.requests = RequestTable(self.runtime)
         self.shape = shape
         self.start_layer = kv.start_layer
@@ -62,7 +77,7 @@ class TokenLakeAttnBackend(AttentionBackend):
         self.forward_metadata: BatchMap | None = None
         self.attention: PrefixAttention | None = None  # the batch's causal part and merge
         self._causal_planner = make_causal_planner(
-            self.runtime.pool.config.model, config.kernel_backend, self.device
+            self.runtime.model, self.runtime.kernel_backend, self.device
         )
         self._layers_done: set[int] = set()
 

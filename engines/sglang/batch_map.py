@@ -85,7 +85,7 @@ class RequestTable:
             self.runtime.finish(tracked.pool_id)
         self._serial += 1
         name = seq.rid if seq.rid is not None else f"row{seq.row}"
-        tracked = _Tracked(f"{name}#{self._serial}", seq.generation)
+        tracked = _Tracked(f"{self.runtime.request_prefix}{name}#{self._serial}", seq.generation)
         self._rows[seq.row] = tracked
         start = min(self.runtime.match_len(token_ids[: seq.prefix_len]), seq.prefix_len)
         return Chunk(tracked.pool_id, token_ids, start, seq.seq_len)

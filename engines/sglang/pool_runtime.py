@@ -51,6 +51,8 @@ class PoolRuntime:
             shape, config.num_instances, config.num_slots, config.segment_len, namespace
         )
         self.config = config
+        self.model = shape
+        self.request_prefix = ""  # one process: no other worker's ids to keep apart
         self.pool = Pool(pool_config)
         self.cluster = LocalCluster(pool_config, device=device, backend=config.kernel_backend)
         self.kernel_backend = config.kernel_backend

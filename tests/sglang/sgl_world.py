@@ -84,6 +84,7 @@ class World:
         config: SGLangPoolConfig,
         seed: int = 0,
         reference: str = "torch_native",
+        runtime=None,
         **runner_kwargs,
     ) -> None:
         assert reference in ("torch_native", "plain")
@@ -91,7 +92,7 @@ class World:
         self.native_err = 0.0
         self.runner = make_runner(**runner_kwargs)
         self.allocator = None  # SGLang's slot allocator, when a test sets one
-        self.tokenlake = TokenLakeAttnBackend(self.runner, config)
+        self.tokenlake = TokenLakeAttnBackend(self.runner, config, runtime=runtime)
         self.reference = TorchNativeAttnBackend(self.runner)
         self.layers = list(self.runner.model)
         self.rtt = self.runner.req_to_token_pool
@@ -108,7 +109,8 @@ class World:
 
     @property
     def pool(self):
-        return self.tokenlake.runtime.pool
+        """The pool, when it lives in this process (``None`` for a worker of a shared pool)."""
+        return getattr(self.tokenlake.runtime, "pool", None)
 
     # ---- the scheduler's side ------------------------------------------------------------
     def add(
@@ -200,7 +202,8 @@ class World:
             err = max(err, float((out - ref).abs().max()))
         for req, n in zip(reqs, new_lens, strict=True):
             req.num_cached += n
-        self.pool.check_invariants()
+        if self.pool is not None:
+            self.pool.check_invariants()
         self.max_err = max(self.max_err, err)
         return err
 

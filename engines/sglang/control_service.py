@@ -1,0 +1,264 @@
+"""One pool shared by N SGLang worker processes: the control service that hosts it.
+
+The control plane (``Pool``: ``gen_plans``, ``commit``, ``abort``, ``finish``, matching) runs
+once, in the process that hosts this service (a launcher of its own, or one worker). Every
+SGLang worker is one instance of the pool; it asks the service for its forward's plans and
+runs them on its own engine clients (:mod:`.shared_runtime`), so a prefix computed on one
+worker is attended where it lives from every other worker.
+
+The socket: a ZeroMQ ROUTER bound to loopback (by default), a CURVE server keyed by the
+cluster secret (only holders complete the handshake, so nothing an outsider sends is
+buffered past one frame), every frame sealed with :class:`FrameAuth` (HMAC, nonce, audience)
+and at most ``max_request_bytes``. A request is a msgpack map ``{"op", "seq", ...}``; plans
+and chunks travel in the versioned plan wire (:mod:`tokenlake.planning.wire`), decoded and
+range-checked against the pool's own geometry. No pickle. One thread serves every request in
+arrival order, so the ``Pool`` is only ever touched by that thread.
+
+A worker registers its process id (``hello``); a worker that dies has its iterations in flight
+aborted and its instance dropped (``Pool.drop_instance``, its engines stopped) as soon as no
+other worker's iteration in flight still reads it; the other workers go on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import numpy as np
+import zmq
+
+from tokenlake import wire
+from tokenlake.engines.auth import AuthError, FrameAuth
+from tokenlake.engines.peers import LauncherId, bind_random
+from tokenlake.errors import InvalidArgumentError, IterationStateError, TokenLakeError
+from tokenlake.planning import wire as plan_wire
+from tokenlake.plans import Chunk, Plans
+from tokenlake.pool import Pool
+
+from .control_ops import OPS, check_request, request_prefix
+
+
+class ControlService:
+    """Serves ``pool`` to the workers of ``cluster`` (an ``MPCluster`` over the same pool:
+    every instance's engines and shared buffers) on a thread of this process."""
+
+    def __init__(
+        self, pool: Pool, cluster, host: str = "127.0.0.1", max_request_bytes: int = 1 << 26
+    ) -> None:
+        self.pool, self.cluster = pool, cluster
+        cfg = pool.config
+        self.limits = plan_wire.PlanLimits(cfg.num_instances, cfg.num_slots, cfg.segment_len)
+        self.max_request_bytes = max_request_bytes
+        self.stats: Counter = Counter()
+        self._auth = FrameAuth(cluster.secret)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_request_bytes + 4096)
+        self._auth.curve_server(self._sock)
+        self.endpoint = bind_random(self._sock, host)
+        self._audience = self.endpoint.encode()
+        self._plans: dict[int, tuple[Plans, int]] = {}  # epoch -> (plans, worker instance)
+        self._workers: dict[int, LauncherId] = {}
+        self._dropping: set[int] = set()
+        self.lost: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="tokenlake-control", daemon=True)
+        self._thread.start()
+
+    # ---- the loop --------------------------------------------------------------------------
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            ready = dict(poller.poll(100))
+            with self._lock:
+                try:
+                    self._watch_workers()
+                except Exception:  # never die: a drop is tried again at the next wake-up
+                    self.stats["internal_errors"] += 1
+                if self._sock in ready:
+                    self._serve_one()
+
+    def _serve_one(self) -> None:
+        frames = self._sock.recv_multipart()
+        if len(frames) != 2:
+            self.stats["malformed_frames"] += 1
+            return
+        identity, frame = frames
+        try:
+            body = self._auth.open(frame, self._audience)
+        except AuthError:
+            self.stats["unauthenticated_frames"] += 1
+            return
+        seq = -1
+        try:
+            request = wire.unpackb(body, self.max_request_bytes)
+            op, seq = check_request(request)
+            reply = {"seq": seq, "ok": True, "value": getattr(self, f"_op_{op}")(request)}
+        except TokenLakeError as e:
+            self.stats["rejected_requests"] += 1
+            reply = {"seq": seq, "ok": False, "kind": type(e).__name__, "error": str(e)}
+        except Exception as e:  # never die of a request: answer it and go on
+            self.stats["internal_errors"] += 1
+            reply = {"seq": seq, "ok": False, "kind": "TokenLakeError", "error": repr(e)}
+        to = FrameAuth.sender_of(frame)
+        self._sock.send_multipart([identity, self._auth.seal(wire.packb(reply), to)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+        self._sock.close(linger=0)
+        self._ctx.destroy(linger=0)
+
+    # ---- workers coming and going -------------------------------------------------------------
+    def _watch_workers(self) -> None:
+        for instance, who in list(self._workers.items()):
+            if not who.alive():
+                del self._workers[instance]
+                self._lose(instance)
+        self._drop_pending()
+
+    def _lose(self, instance: int) -> None:
+        """A worker died: undo what it had in flight; drop its instance once no one reads it."""
+        for epoch, (plans, owner) in list(self._plans.items()):
+            if owner == instance:
+                del self._plans[epoch]
+                self.pool.abort(plans, executed=True)
+        self._dropping.add(instance)
+
+    def _drop_pending(self) -> None:
+        for instance in sorted(self._dropping):
+            try:
+                self.pool.drop_instance(instance)
+            except IterationStateError:
+                continue  # another worker's forward reads it; try again after its commit
+            except InvalidArgumentError:  # the last live instance: nothing left to serve
+                self._dropping.discard(instance)
+                self.stats["last_instance_lost"] += 1
+                continue
+            self._dropping.discard(instance)
+            self.lost.add(instance)
+            self.cluster.mark_lost(instance)
+            self.stats["instances_dropped"] += 1
+
+    # ---- operations (one per op name in control_ops.OPS) ----------------------------------
+    def _instance(self, request: dict) -> int:
+        instance = plan_wire.check_id(
+            "instance", request.get("instance"), self.limits.num_instances
+        )
+        if instance in self.lost or instance in self._dropping:
+            raise InvalidArgumentError(f"instance: {instance} was dropped (its worker died)")
+        return instance
+
+    def _op_hello(self, r: dict) -> dict:
+        instance, pid = self._instance(r), r.get("pid")
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+            raise InvalidArgumentError(f"pid: expected a positive int, got {pid!r}")
+        self._workers[instance] = LauncherId.of(pid)
+        cfg = self.pool.config
+        return {"num_instances": cfg.num_instances, "num_slots": cfg.num_slots,
+                "segment_len": cfg.segment_len, "lost": sorted(self.lost)}  # fmt: skip
+
+    def _tokens(self, r: dict) -> np.ndarray:
+        return plan_wire.check_array("tokens", r.get("tokens")).astype(np.int64)
+
+    def _op_match(self, r: dict) -> int:
+        return int(self.pool.get_prefix_tree().match(self._tokens(r)).num_tokens)
+
+    def _pool_id(self, r: dict) -> str:
+        pool_id = r.get("pool_id")
+        prefix = request_prefix(self._instance(r))
+        if not isinstance(pool_id, str) or not pool_id.startswith(prefix):
+            raise InvalidArgumentError(
+                f"pool_id: expected a str starting {prefix!r}, got {pool_id!r}"
+            )
+        return pool_id
+
+    def _op_stored(self, r: dict) -> int | None:
+        pool_id = self._pool_id(r)
+        return self.pool.num_stored_tokens(pool_id) if pool_id in self.pool.requests else None
+
+    def _op_finish(self, r: dict) -> None:
+        pool_id = self._pool_id(r)
+        if pool_id in self.pool.requests:
+            self.pool.finish(pool_id)
+
+    def _op_plan(self, r: dict) -> bytes:
+        instance = self._instance(r)
+        raw = r.get("chunks")
+        if not isinstance(raw, list) or not raw:
+            raise InvalidArgumentError("chunks: expected a non-empty list of encoded chunks")
+        chunks = [plan_wire.decode(c, self.limits, Chunk) for c in raw]
+        prefix = request_prefix(instance)
+        for c in chunks:
+            if not str(c.request_id).startswith(prefix):
+                raise InvalidArgumentError(
+                    f"chunks: request {c.request_id!r} does not belong to worker {instance}"
+                )
+        plans = self.pool.gen_plans([chunks], dops=[1], instances=[[instance]])
+        self._plans[plans.epoch] = (plans, instance)
+        self._count_hits(plans)
+        return plan_wire.encode(plans)
+
+    def _count_hits(self, plans: Plans) -> None:
+        """Prefix tokens attended per iteration, on the worker's own instance or another's."""
+        c = self.pool.config.segment_len
+        for qp in plans.query_plans:
+            for h, holder in enumerate(qp.holder_ids.tolist()):
+                lo, hi = int(qp.holder_indptr[h]), int(qp.holder_indptr[h + 1])
+                pages = int(qp.kv_indptr[hi] - qp.kv_indptr[lo])
+                n = pages * c - int((c - qp.last_len[lo:hi]).sum())
+                key = "local_hit_tokens" if holder == qp.origin else "cross_worker_hit_tokens"
+                self.stats[key] += n
+
+    def _epoch(self, r: dict) -> tuple[int, Plans]:
+        instance = self._instance(r)
+        epoch = r.get("epoch")
+        entry = self._plans.get(epoch) if isinstance(epoch, int) else None
+        if entry is None or entry[1] != instance:
+            raise InvalidArgumentError(f"epoch: {epoch!r} is not in flight for worker {instance}")
+        return epoch, entry[0]
+
+    def _op_commit(self, r: dict) -> None:
+        epoch, plans = self._epoch(r)
+        del self._plans[epoch]
+        self.pool.commit(plans)
+
+    def _op_abort(self, r: dict) -> None:
+        epoch, plans = self._epoch(r)
+        del self._plans[epoch]
+        self.pool.abort(plans, executed=True)
+
+    def _op_locate(self, r: dict) -> dict:
+        """Where tokens ``lo:hi`` of a held prefix live: ``(instance, slot)`` per segment."""
+        tokens = self._tokens(r)
+        lo, hi = r.get("lo"), r.get("hi")
+        match = self.pool.get_prefix_tree().match(tokens[: hi if isinstance(hi, int) else 0])
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (lo, hi)) or not (
+            0 <= lo <= hi <= match.num_tokens
+        ):
+            raise InvalidArgumentError(
+                f"lo/hi: expected 0 <= lo <= hi <= {match.num_tokens} held tokens, got {lo}, {hi}"
+            )
+        nodes = list(match.nodes) + ([match.partial] if match.partial_len else [])
+        c = self.pool.config.segment_len
+        first, last = lo // c, max(lo, hi - 1) // c + (1 if hi > lo else 0)
+        where = [self._replica(nodes[s]) for s in range(first, last)]
+        return {"first_segment": first, "where": np.asarray(where, dtype=np.int64).reshape(-1)}
+
+    def _replica(self, node) -> tuple[int, int]:
+        for instance, slot in node.replicas:
+            if instance not in self.lost:
+                return int(instance), int(slot)
+        raise IterationStateError("locate: a segment has no replica on a live instance")
+
+    def _op_stats(self, r: dict) -> dict:
+        s = self.pool.get_stats()
+        return {"num_hit_tokens": s["num_hit_tokens"], "hit_rate": float(s["hit_rate"]),
+                "num_prompt_tokens": s["num_prompt_tokens"], "lost": sorted(self.lost),
+                **{k: int(v) for k, v in self.stats.items()}}  # fmt: skip
+
+
+assert all(hasattr(ControlService, f"_op_{op}") for op in OPS)

@@ -1,0 +1,230 @@
+"""One SGLang worker as one instance of a shared pool: the worker's side of
+:mod:`.control_service`.
+
+:class:`SharedPoolRuntime` has :class:`.pool_runtime.PoolRuntime`'s interface, so the backend
+and its request table do not know which they drive. The control plane is remote (one
+request per forward to plan it, one to commit it); the data plane is local: the worker's
+engine clients talk to every instance's query and transfer engines (co-processes sharing
+the instances' buffers: shared memory on CPU, CUDA IPC on a GPU), and the worker's rows
+go through its own instance's buffers. Prefix segments held by other workers are attended
+through their query engines, exactly as the in-process data plane does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zmq
+
+from tokenlake import errors, wire
+from tokenlake.config import ModelShape
+from tokenlake.engines.auth import AuthError, ClusterSecret, FrameAuth
+from tokenlake.engines.compute_worker import ComputeClients
+from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
+from tokenlake.engines.driver import Driver
+from tokenlake.engines.peers import LinkMonitor
+from tokenlake.engines.shared_buffers import InstanceBuffers, Layout
+from tokenlake.engines.transport import Requester
+from tokenlake.errors import InvalidArgumentError, IterationStateError, TokenLakeError
+from tokenlake.planning import wire as plan_wire
+from tokenlake.plans import Chunk, Plans
+
+from .control_ops import request_prefix
+from .pool_runtime import BoundIteration
+
+_MAX_REPLY_BYTES = 1 << 28
+_LOCATE_TRIES = 4
+
+
+@dataclass(frozen=True)
+class WorkerAttachment:
+    """What a worker process needs to join a shared pool (handed over at spawn, one host)."""
+
+    instance_id: int
+    control_endpoint: str
+    secret_path: str
+    dataplane: DataPlaneConfig
+    layout: Layout
+    backend: str | None
+    buffers: tuple[InstanceBuffers, ...]
+    endpoints: dict[tuple[str, int], str]
+
+
+class ControlClient:
+    """Requests to the control service: sealed, answered in order, each within ``timeout_s``
+    (a dead service is an error, never a hang)."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, auth: FrameAuth, timeout_s: float) -> None:
+        self._auth, self._audience = auth, endpoint.encode()
+        self._timeout_ms = int(timeout_s * 1000)
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REPLY_BYTES + 4096)
+        auth.curve_client(self._sock)
+        self._sock.connect(endpoint)
+        self._seq = itertools.count()
+
+    def call(self, op: str, **args):
+        seq = next(self._seq)
+        self._sock.send(self._auth.seal(wire.packb({"op": op, "seq": seq, **args}), self._audience))
+        while self._sock.poll(self._timeout_ms):  # bounded: each wait ends by the timeout
+            try:
+                reply = wire.unpackb(self._auth.open(self._sock.recv(), self._auth.sender),
+                                     _MAX_REPLY_BYTES)  # fmt: skip
+            except (AuthError, wire.WireError):
+                continue  # not an answer of the service's
+            if not isinstance(reply, dict) or reply.get("seq") != seq:
+                continue  # a late answer to a request that already timed out
+            if reply.get("ok") is True:
+                return reply.get("value")
+            kind = getattr(errors, str(reply.get("kind")), TokenLakeError)
+            if not (isinstance(kind, type) and issubclass(kind, TokenLakeError)):
+                kind = TokenLakeError
+            raise kind(f"control service: {reply.get('error')}")
+        raise PeerFailedError(-1, "control", f"no answer to {op!r} in {self._timeout_ms} ms")
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class SharedPoolRuntime:
+    """Worker ``attach.instance_id``'s view of the shared pool (see the module docstring)."""
+
+    def __init__(self, attach: WorkerAttachment, kernel_backend: str | None = None) -> None:
+        self.instance_id = attach.instance_id
+        self.layout = attach.layout
+        self.model: ModelShape = attach.layout.model
+        self.kernel_backend = kernel_backend if kernel_backend is not None else attach.backend
+        self.request_prefix = request_prefix(attach.instance_id)
+        self.capacity_tokens = attach.layout.num_slots * attach.layout.segment_len
+        cfg = attach.dataplane
+        auth = FrameAuth(ClusterSecret.from_file(attach.secret_path))
+        self._ctx = zmq.Context()
+        self.control = ControlClient(self._ctx, attach.control_endpoint, auth, cfg.timeout_s)
+        hello = self.control.call("hello", instance=self.instance_id, pid=os.getpid())
+        self._links = LinkMonitor(self._ctx, auth)  # a dead peer fails at once, not at timeout
+        requester = Requester(self._ctx, cfg.timeout_s, cfg.poll_interval_s,
+                              self._links.is_alive, auth)  # fmt: skip
+        for key, endpoint in attach.endpoints.items():
+            requester.connect(key, endpoint)
+            self._links.watch(key, endpoint)
+        n = attach.layout.num_instances
+        driver = Driver(cfg, n, requester)
+        driver.set_layout(attach.layout, attach.backend)
+        driver.views = {i: b.views(attach.layout) for i, b in enumerate(attach.buffers)}
+        driver.lost = set(hello["lost"])
+        self._driver = driver
+        self.clients = ComputeClients(driver, n)
+        self.limits = plan_wire.PlanLimits(n, hello["num_slots"], hello["segment_len"])
+        self._inflight: BoundIteration | None = None
+
+    # ---- requests ------------------------------------------------------------------------
+    def match_len(self, token_ids: np.ndarray) -> int:
+        return int(self.control.call("match", tokens=_int32(token_ids)))
+
+    def stored_len(self, pool_id: str) -> int | None:
+        return self.control.call("stored", instance=self.instance_id, pool_id=pool_id)
+
+    def finish(self, pool_id: str) -> None:
+        self.control.call("finish", instance=self.instance_id, pool_id=pool_id)
+
+    def read_kv(self, token_ids: np.ndarray, lo: int, hi: int) -> torch.Tensor:
+        """K and V of tokens ``lo:hi`` of a held prefix, read from the holders' slots in the
+        mapped buffers: ``[num_layers, hi - lo, 2, H_kv, D]``. The placement is asked again
+        after the read; a segment evicted or moved meanwhile is read again (bounded)."""
+        if self._inflight is not None:
+            raise IterationStateError("read_kv: an SGLang forward is in flight")
+        tokens = _int32(token_ids[:hi])
+        for _ in range(_LOCATE_TRIES):
+            where = self.control.call("locate", tokens=tokens, lo=lo, hi=hi)
+            out = self._read(where, lo, hi)
+            if _same(where, self.control.call("locate", tokens=tokens, lo=lo, hi=hi)):
+                return out
+        raise IterationStateError(f"read_kv: the placement of tokens {lo}:{hi} kept changing")
+
+    def _read(self, where: dict, lo: int, hi: int) -> torch.Tensor:
+        m, c = self.model, self.layout.segment_len
+        pairs = np.asarray(where["where"], dtype=np.int64).reshape(-1, 2)
+        seg, offset = np.divmod(np.arange(lo, hi), c)
+        seg -= int(where["first_segment"])
+        out = torch.empty((m.num_layers, hi - lo, 2, m.num_kv_heads, m.head_dim),
+                          dtype=m.torch_dtype)  # fmt: skip
+        for instance in np.unique(pairs[seg, 0]).tolist():
+            rows = np.flatnonzero(pairs[seg, 0] == instance)
+            data = self._driver.views[instance].pool.data  # [L, S, 2, C, H_kv, D]
+            slot = torch.from_numpy(pairs[seg[rows], 1]).to(data.device)
+            off = torch.from_numpy(offset[rows]).to(data.device)
+            out[:, torch.from_numpy(rows)] = data[:, slot, :, off].transpose(0, 1).to(out.device)
+        return out
+
+    def stats(self) -> dict:
+        return self.control.call("stats")
+
+    # ---- one iteration -------------------------------------------------------------------
+    @property
+    def inflight(self) -> BoundIteration | None:
+        return self._inflight
+
+    def begin(self, chunks: list[Chunk]) -> BoundIteration:
+        if self._inflight is not None:
+            raise IterationStateError("an SGLang forward is still in flight; commit or abort it")
+        encoded = [plan_wire.encode(c) for c in chunks]
+        raw = self.control.call("plan", instance=self.instance_id, chunks=encoded)
+        plans = plan_wire.decode(raw, self.limits, Plans)
+        try:
+            (qp,), (tp,) = plans.query_plans, plans.transfer_plans
+            if qp.origin != self.instance_id:
+                raise InvalidArgumentError(
+                    f"plans: origin {qp.origin}, expected this worker's {self.instance_id}"
+                )
+            engine = self.clients.engine(qp.origin)
+            q_buf, kv_buf = engine.init_query(qp), engine.init_transfer(tp)
+        except BaseException:
+            self._end("abort", plans.epoch)
+            raise
+        self._inflight = BoundIteration(plans, qp, q_buf, kv_buf, engine)
+        return self._inflight
+
+    def put(self, it: BoundIteration, layer: int) -> None:
+        it.engine.put(it.kv_buf, layer)
+
+    def query(self, it: BoundIteration, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return it.engine.query(it.q_buf, layer)
+
+    def commit(self) -> None:
+        if self._inflight is not None:
+            it, self._inflight = self._inflight, None
+            try:
+                it.engine.synchronize()
+            except BaseException:
+                self._end("abort", it.plans.epoch)
+                raise
+            self._end("commit", it.plans.epoch)
+
+    def abort(self) -> None:
+        if self._inflight is not None:
+            it, self._inflight = self._inflight, None
+            self._end("abort", it.plans.epoch)
+
+    def _end(self, op: str, epoch: int) -> None:
+        try:
+            self.control.call(op, instance=self.instance_id, epoch=epoch)
+        finally:
+            self.clients.retire(epoch)
+
+    def close(self) -> None:
+        self.control.close()
+        self._driver.channel.close()
+        self._ctx.destroy(linger=0)
+
+
+def _int32(token_ids) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(token_ids), dtype=np.int32)
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a["first_segment"] == b["first_segment"] and np.array_equal(a["where"], b["where"])

@@ -1,0 +1,131 @@
+"""Worker processes of one shared pool, for the cross-process tests.
+
+Each worker process is one instance of the pool: a real SGLang world (``sgl_world.World``:
+``ReqToTokenPool``, ``MHATokenToKVPool``, ``RadixAttention``, ``ForwardBatch``, the
+``torch_native`` reference) whose TokenLake backend drives a ``SharedPoolRuntime``. The test
+process hosts the control plane (``Pool``, the engines' ``MPCluster``, the
+``ControlService``) and drives the workers over pipes carrying msgpack (no pickle).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torchvision_stub  # noqa: F401  (before any sglang import, also in a worker process)
+
+from tokenlake import wire
+
+_MAX = 1 << 24
+IDLE_EXIT_S = 300  # a worker whose test is gone ends by itself
+
+
+def worker_main(attach, conn, world_kwargs: dict) -> None:
+    """A worker process (spawn target): build the world, then answer the test's requests."""
+    import numpy as np
+    import sgl_world
+    import torch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from tokenlake.engines.sglang.config import SGLangPoolConfig
+    from tokenlake.engines.sglang.shared_runtime import SharedPoolRuntime
+
+    torch.set_num_threads(1)
+    runtime = SharedPoolRuntime(attach)
+    world = sgl_world.World(SGLangPoolConfig(), runtime=runtime, **world_kwargs)
+    modes = {"extend": ForwardMode.EXTEND, "decode": ForwardMode.DECODE,
+             "mixed": ForwardMode.MIXED, None: None}  # fmt: skip
+
+    def load_add(rid: str, tokens: list[int]) -> int:
+        """A new request whose prefix only the pool holds, as SGLang's radix cache
+        (``TokenLakeRadixCache``) admits it: the held prefix is loaded into this worker's
+        SGLang cache, then reused (not recomputed)."""
+        ids = np.asarray(tokens, dtype=np.int32)
+        n = min(runtime.match_len(ids), len(tokens) - 1)
+        slots = [world.free_kv.pop() for _ in range(n)]
+        if n:
+            world.tokenlake.load_prefix(ids, 0, n, torch.tensor(slots))
+        world.add(rid, tokens, prefix_slots=slots)
+        return n
+
+    def kv_storage() -> dict:
+        kv = world.runner.token_to_kv_pool
+        pool = runtime._driver.views[runtime.instance_id].pool.data
+        return {"sglang_bytes": int(sum(b.nbytes for b in kv.k_buffer + kv.v_buffer)),
+                "instance_bytes": int(pool.nbytes)}  # fmt: skip
+
+    handlers = {
+        "add": lambda m: (
+            world.add(m["rid"], m["tokens"], m.get("share_from"), m.get("share", 0)) and None
+        ),  # fmt: skip
+        "load_add": lambda m: load_add(m["rid"], m["tokens"]),
+        "step": lambda m: world.step(m["work"], modes[m.get("mode")]),
+        "release": lambda m: world.release(m["rid"]),
+        "tokens": lambda m: world.reqs[m["rid"]].tokens[: world.reqs[m["rid"]].num_cached],
+        "stats": lambda m: runtime.stats(),
+        "kv_storage": lambda m: kv_storage(),
+        "max_err": lambda m: world.max_err,
+    }
+    conn.send_bytes(wire.packb({"ok": True, "value": os.getpid()}))
+    while conn.poll(IDLE_EXIT_S):
+        try:
+            msg = wire.unpackb(conn.recv_bytes(), _MAX)
+        except EOFError:
+            break
+        if msg.get("op") == "stop":
+            break
+        try:
+            reply = {"ok": True, "value": handlers[msg["op"]](msg)}
+        except Exception as e:  # the test reads it; the worker goes on
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        conn.send_bytes(wire.packb(reply))
+    runtime.close()
+    os._exit(0)
+
+
+class Workers:
+    """The test's side: spawns one worker per instance of ``cluster`` and calls them."""
+
+    def __init__(self, cluster, service, world_kwargs: dict, timeout_s: float = 60.0) -> None:
+        from tokenlake.engines.launcher import Started, process_context
+        from tokenlake.engines.sglang.shared_runtime import WorkerAttachment
+
+        ctx = process_context()
+        self.timeout_s = timeout_s
+        self.conns, self.procs = [], []
+        for i in range(cluster.layout.num_instances):
+            attach = WorkerAttachment(
+                i, service.endpoint, cluster.secret_path, cluster.config, cluster.layout,
+                cluster.backend, tuple(cluster.buffers), cluster.endpoints,
+            )  # fmt: skip
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker_main, args=(attach, child, world_kwargs), daemon=True)
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(Started(p))
+        self.pids = [self._reply(i) for i in range(len(self.conns))]  # ready, or an error
+
+    def call(self, i: int, op: str, **args):
+        self.conns[i].send_bytes(wire.packb({"op": op, **args}))
+        return self._reply(i)
+
+    def _reply(self, i: int):
+        if not self.conns[i].poll(self.timeout_s):
+            raise TimeoutError(f"worker {i}: no answer in {self.timeout_s} s")
+        reply = wire.unpackb(self.conns[i].recv_bytes(), _MAX)
+        if not reply["ok"]:
+            raise AssertionError(f"worker {i}: {reply['error']}")
+        return reply["value"]
+
+    def kill(self, i: int) -> None:
+        self.procs[i].kill()
+
+    def close(self) -> None:
+        from tokenlake.engines.launcher import stop_processes
+
+        for i, conn in enumerate(self.conns):
+            if self.procs[i].alive():
+                with contextlib.suppress(OSError):
+                    conn.send_bytes(wire.packb({"op": "stop"}))
+        stop_processes(self.procs, 5.0)
