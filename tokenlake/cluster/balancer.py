@@ -39,6 +39,9 @@ class BalancerConfig:
     hop_bytes: what the fixed cost of one remote holder is worth in the dispatcher's
         traffic bytes (its measured seconds times the link's bytes per second); 0 prices
         traffic bytes only.
+    small_decode_rows: with ``hop_bytes > 0``, an iteration that is one decode batch of at
+        most this many requests reads replicas on its home instance
+        (:mod:`tokenlake.cluster.locality`).
     """
 
     window: int = 64
@@ -51,10 +54,16 @@ class BalancerConfig:
     max_replica_fraction: float = 0.1
     recent_decay: float = 0.9
     hop_bytes: float = 0.0
+    small_decode_rows: int = 8
 
     def __post_init__(self) -> None:
         name = "BalancerConfig."
-        ints = {"window": (1, 2**20), "max_replications": (0, 2**20), "interval": (1, 2**20)}
+        ints = {
+            "window": (1, 2**20),
+            "max_replications": (0, 2**20),
+            "interval": (1, 2**20),
+            "small_decode_rows": (0, 2**20),
+        }
         for field, (low, high) in ints.items():
             value = check_int(name + field, getattr(self, field), low=low, high=high + 1)
             object.__setattr__(self, field, value)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tokenlake.cluster import locality
 from tokenlake.cluster.balancer import AccessStats, BalancerConfig, plan_replications
 from tokenlake.cluster.placement import Placement
 from tokenlake.cluster.slots import SlotAllocator
@@ -84,6 +85,10 @@ class IterationPlanner:
                     if w.copy_from is not None and w.copy_from not in pc.source.replicas:
                         w.copy_from = pc.source.replicas[0]  # pinned: its last copy stays
         free = [i for i in self.placement.live if i not in busy]
+        base_load = locality.prefer_home(
+            self.inflight.total_load(self.access.recent_load), cs, dops, self.tree.table,
+            self.config.segment_len, self.placement.live, self.balancer,
+        )  # fmt: skip
         plans, traffic, reads = self.builder.build(
             (self.inflight.pool_id, it.epoch),
             cs,
@@ -91,7 +96,7 @@ class IterationPlanner:
             free,
             it.replications,
             instances,
-            self.inflight.total_load(self.access.recent_load),
+            base_load,
             (self.seed * 1_000_003 + it.epoch) % 2**62,
         )
         self._add_readers(it, reads.rows)
