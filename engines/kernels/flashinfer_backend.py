@@ -173,7 +173,14 @@ class FlashInferPart:
         fi = planner.flashinfer
         self.decode = bool((batch.q_indptr[1:] - batch.q_indptr[:-1]).eq(1).all())
         if self.decode:
-            self.wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+            # the CUDA-core decode kernels cover only some GQA group sizes (5 and 7 are not
+            # among them: Qwen2.5-0.5B is 14/2); the tensor-core path takes any, and is the
+            # faster one from a group of 4, which is SGLang's own FlashInfer backend's rule
+            # for 16-bit caches (should_use_tensor_core)
+            tensor_cores = num_q_heads // num_kv_heads >= 4
+            self.wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_tensor_cores=tensor_cores
+            )
             self.wrapper.plan(*kv, num_q_heads, num_kv_heads, head_dim, page_size, **common)
         else:
             self.wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
