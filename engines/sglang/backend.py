@@ -10,6 +10,7 @@ Extend, decode and mixed batches (chunked prefill included) all take the same pa
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -21,10 +22,11 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from tokenlake.engines.flashinfer_attention import make_causal_planner
 from tokenlake.engines.prefix_attention import PrefixAttention
-from tokenlake.errors import IterationStateError
+from tokenlake.errors import IterationStateError, PoolFullError
 
 from .batch_map import BatchMap, RequestTable, SeqInfo, map_batch
 from .config import SGLangPoolConfig, config_from_env
+from .local_batch import LocalBatch, attend, local_batch, plan_rows
 from .model_check import UnsupportedFeatureError, check_model
 from .pool_runtime import PoolRuntime
 
@@ -37,7 +39,9 @@ class TokenLakeAttnBackend(AttentionBackend):
     def __init__(self, model_runner, config: SGLangPoolConfig | None = None, runtime=None) -> None:
         """``runtime``: a :class:`.shared_runtime.SharedPoolRuntime` when this worker is one
         instance of a pool shared by several SGLang workers; by default a pool of its own
-        (:class:`.pool_runtime.PoolRuntime`, ``config``'s instances in this process)."""
+        (:class:`.pool_runtime.PoolRuntime`, ``config``'s instances in this process). The pool
+        may hold fewer tokens than SGLang's KV cache: a forward it cannot take is attended
+        from SGLang's cache (:mod:`.local_batch`)."""
         super().__init__()
         layers = [m for m in model_runner.model.modules() if isinstance(m, RadixAttention)]
         shape = check_model(model_runner, layers)
@@ -47,23 +51,12 @@ class TokenLakeAttnBackend(AttentionBackend):
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         kv = self.token_to_kv_pool
         if runtime is None:
-            if config.capacity_tokens < kv.size:
-                raise UnsupportedFeatureError(
-                    f"tokenlake config: the pool holds {config.capacity_tokens} tokens "
-                    f"(num_instances x num_slots x segment_len), less than SGLang's KV cache "
-                    f"of {kv.size} tokens; set num_slots >= {config.slots_for(kv.size)}"
-                )
             namespace = config.namespace or str(model_runner.model_config.model_path)
             runtime = PoolRuntime(config, shape, namespace, self.device)
         elif runtime.model != shape:
             raise UnsupportedFeatureError(
                 f"tokenlake shared pool: the pool's model shape {runtime.model} differs from "
                 f"this SGLang worker's {shape}"
-            )
-        elif runtime.capacity_tokens < kv.size:  # every worker pins at most its own cache
-            raise UnsupportedFeatureError(
-                f"tokenlake shared pool: an instance holds {runtime.capacity_tokens} tokens, "
-                f"less than this SGLang worker's KV cache of {kv.size} tokens"
             )
         self.runtime = runtime
         self.requests = RequestTable(self.runtime)
@@ -80,6 +73,8 @@ class TokenLakeAttnBackend(AttentionBackend):
             self.runtime.model, self.runtime.kernel_backend, self.device
         )
         self._layers_done: set[int] = set()
+        self.local: LocalBatch | None = None  # a forward attended from SGLang's cache
+        self.num_local_forwards = 0
 
     # ---- per forward -------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch) -> None:
@@ -101,13 +96,32 @@ class TokenLakeAttnBackend(AttentionBackend):
         )
         seqs = self._seq_infos(forward_batch)
         chunks = [self.requests.chunk(s, self._token_ids(s)) for s in seqs]
-        it = self.runtime.begin(chunks)
+        self.local = None
+        it = None
+        if plan_rows(seqs, [c.start for c in chunks]) <= self.runtime.max_rows:
+            # a full pool (pinned data leaves too few slots) sends this forward local
+            with contextlib.suppress(PoolFullError):
+                it = self.runtime.begin(chunks)
+        if it is None:
+            self._go_local(seqs)
+            return
         try:
             self.forward_metadata = map_batch(it, seqs, chunks, rtt.req_to_token)
             self.attention = self._bind_attention(self.forward_metadata)
         except BaseException:
             self.runtime.abort()
             raise
+
+    def _go_local(self, seqs: list[SeqInfo]) -> None:
+        """Attend this forward from SGLang's cache (:mod:`.local_batch`); its requests' pool
+        side starts again at their next forward."""
+        self.requests.forget([s.row for s in seqs])
+        self.forward_metadata = None
+        self.local = local_batch(
+            seqs, self.req_to_token_pool.req_to_token, self.shape, self.token_to_kv_pool.dtype,
+            self.runtime.kernel_backend, self._causal_planner, self.device,
+        )  # fmt: skip
+        self.num_local_forwards += 1
 
     def _bind_attention(self, m: BatchMap) -> PrefixAttention:
         """Plan the batch's local causal part and merge once, from host offsets."""
@@ -164,6 +178,8 @@ class TokenLakeAttnBackend(AttentionBackend):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
 
     def _forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool) -> torch.Tensor:
+        if self.local is not None:
+            return self._forward_local(q, k, v, layer, forward_batch, save_kv_cache)
         m = self.forward_metadata
         if m is None or self.runtime.inflight is not m.it:
             raise IterationStateError(
@@ -203,6 +219,22 @@ class TokenLakeAttnBackend(AttentionBackend):
             self.runtime.commit()
             self._layers_done.clear()
         return out.reshape(-1, shape.num_q_heads * shape.head_dim)
+
+    def _forward_local(self, q, k, v, layer, forward_batch, save_kv_cache: bool):
+        kv, shape = self.token_to_kv_pool, self.shape
+        loc = forward_batch.out_cache_loc
+        if save_kv_cache and k is not None and v is not None:
+            kv.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v)
+        k_cache, v_cache = kv.get_key_buffer(layer.layer_id), kv.get_value_buffer(layer.layer_id)
+        if k is None or v is None:
+            k, v = k_cache[loc.long()], v_cache[loc.long()]
+        q3 = q.reshape(-1, shape.num_q_heads, shape.head_dim)
+        scaled = (q3.float() * (layer.scaling * math.sqrt(shape.head_dim))).to(k_cache.dtype)
+        o = attend(
+            self.local, scaled, k.reshape(-1, shape.num_kv_heads, shape.head_dim),
+            v.reshape(-1, shape.num_kv_heads, shape.head_dim), k_cache, v_cache,
+        )  # fmt: skip
+        return o.to(q.dtype).reshape(-1, shape.num_q_heads * shape.head_dim)
 
     # ---- load-back into SGLang's cache (engines/sglang/radix_cache.py) -------------------
     def load_prefix(self, token_ids: np.ndarray, lo: int, hi: int, slots: torch.Tensor) -> None:

@@ -73,6 +73,13 @@ class RequestTable:
                 done.append(tracked.pool_id)
         return done
 
+    def forget(self, rows: list[int]) -> None:
+        """Finish the pool side of ``rows`` now (their forward is not pooled)."""
+        for row in rows:
+            tracked = self._rows.pop(row, None)
+            if tracked is not None:
+                self.runtime.finish(tracked.pool_id)
+
     def chunk(self, seq: SeqInfo, token_ids: np.ndarray) -> Chunk:
         """The pool chunk computing ``seq``'s tokens: ``start`` is where the pool's KV ends
         (≤ SGLang's prefix); ``token_ids`` are the request's first ``seq_len`` tokens."""

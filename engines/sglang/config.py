@@ -11,7 +11,6 @@ from SGLang's KV pool. Example::
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -33,6 +32,12 @@ class SGLangPoolConfig:
         namespace: hash namespace; ``None`` uses SGLang's model path, so different models
             never share segments.
         kernel_backend: ``"torch"``, ``"cpu"``, ``"flashinfer"`` or ``None`` (by device).
+        max_forward_rows: rows of the data plane's staging buffers, per instance: one forward's
+            new tokens plus the prefix tokens it backfills into the pool. A forward needing
+            more is attended from SGLang's cache instead (exact, not pooled). SGLang's own
+            batches stay below its ``--max-prefill-tokens`` (16384 by default) plus its
+            running requests; the buffers cost about ``rows x (H_q x D x (2 + 4 x
+            num_instances) + num_layers x 2 x H_kv x D x 2)`` bytes per instance in 16 bits.
     """
 
     num_instances: int = 1
@@ -40,9 +45,10 @@ class SGLangPoolConfig:
     segment_len: int = 64
     namespace: str | None = None
     kernel_backend: str | None = None
+    max_forward_rows: int = 16384
 
     def __post_init__(self) -> None:
-        for name in ("num_instances", "num_slots", "segment_len"):
+        for name in ("num_instances", "num_slots", "segment_len", "max_forward_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgumentError(
@@ -63,10 +69,6 @@ class SGLangPoolConfig:
     @property
     def capacity_tokens(self) -> int:
         return self.num_instances * self.num_slots * self.segment_len
-
-    def slots_for(self, num_tokens: int) -> int:
-        """Slots per instance that hold ``num_tokens`` spread evenly."""
-        return math.ceil(num_tokens / (self.segment_len * self.num_instances))
 
 
 def load_config(path: str | os.PathLike) -> SGLangPoolConfig:

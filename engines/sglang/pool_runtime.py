@@ -12,13 +12,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenlake.config import ModelShape, PoolConfig
+from tokenlake.config import KERNEL_DTYPES, ModelShape, PoolConfig
+from tokenlake.engines.dataplane_config import DataPlaneConfig
 from tokenlake.engines.local_cluster import LocalCluster
 from tokenlake.errors import InvalidArgumentError, IterationStateError
 from tokenlake.plans import Chunk, Plans, QueryPlan
 from tokenlake.pool import Pool
 
 from .config import SGLangPoolConfig
+from .model_check import UnsupportedFeatureError
 
 
 @dataclass(eq=False)
@@ -36,6 +38,22 @@ class BoundIteration:
     engine: object
 
 
+def pool_config_for(
+    config: SGLangPoolConfig, shape: ModelShape, namespace: str, device: torch.device | str
+) -> PoolConfig:
+    """The pool's config for SGLang's KV ``shape`` on SGLang's ``device``: the kernels of that
+    device decide which dtypes the pool accepts (float16 on CUDA, not on the CPU kernels)."""
+    kind = torch.device(device).type
+    if shape.dtype not in KERNEL_DTYPES.get(kind, ()):
+        raise UnsupportedFeatureError(
+            f"--attention-backend tokenlake does not support a {shape.dtype} KV cache on "
+            f"{kind}: the pool's {kind} kernels take {KERNEL_DTYPES.get(kind, ())}"
+        )
+    return PoolConfig(
+        shape, config.num_instances, config.num_slots, config.segment_len, namespace, kind
+    )
+
+
 class PoolRuntime:
     """A :class:`tokenlake.Pool` of ``config.num_instances`` instances with an in-process
     data plane on ``device``."""
@@ -47,14 +65,17 @@ class PoolRuntime:
         namespace: str,
         device: torch.device | str = "cpu",
     ) -> None:
-        pool_config = PoolConfig(
-            shape, config.num_instances, config.num_slots, config.segment_len, namespace
-        )
+        pool_config = pool_config_for(config, shape, namespace, device)
         self.config = config
         self.model = shape
         self.request_prefix = ""  # one process: no other worker's ids to keep apart
         self.pool = Pool(pool_config)
-        self.cluster = LocalCluster(pool_config, device=device, backend=config.kernel_backend)
+        rows = config.max_forward_rows
+        self.max_rows = rows
+        self.cluster = LocalCluster(
+            pool_config, device=device, backend=config.kernel_backend,
+            dataplane=DataPlaneConfig(max_q_rows=rows, max_kv_rows=rows),
+        )  # fmt: skip
         self.kernel_backend = config.kernel_backend
         self._inflight: BoundIteration | None = None
 

@@ -100,7 +100,7 @@ class SharedPoolRuntime:
         self.model: ModelShape = attach.layout.model
         self.kernel_backend = kernel_backend if kernel_backend is not None else attach.backend
         self.request_prefix = request_prefix(attach.instance_id)
-        self.capacity_tokens = attach.layout.num_slots * attach.layout.segment_len
+        self.max_rows = min(attach.layout.max_q_rows, attach.layout.max_kv_rows)
         cfg = attach.dataplane
         auth = FrameAuth(ClusterSecret.from_file(attach.secret_path))
         self._ctx = zmq.Context()

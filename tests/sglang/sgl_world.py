@@ -37,6 +37,7 @@ def make_runner(
     max_reqs: int = 16,
     max_context_len: int = 512,
     scaling: float | None = None,
+    dtype: torch.dtype = torch.float32,
     **layer_kwargs,
 ) -> SimpleNamespace:
     """A stand-in ``ModelRunner`` holding real SGLang pools and attention layers."""
@@ -51,7 +52,7 @@ def make_runner(
         model_config=SimpleNamespace(is_encoder_decoder=False, model_path="tiny-test-model"),
         req_to_token_pool=ReqToTokenPool(max_reqs, max_context_len, "cpu", False),
         token_to_kv_pool=MHATokenToKVPool(
-            kv_size, 1, torch.float32, num_kv_heads, head_dim, num_layers, "cpu", False
+            kv_size, 1, dtype, num_kv_heads, head_dim, num_layers, "cpu", False
         ),
         use_mla_backend=False,
         spec_algorithm=SpeculativeAlgorithm.NONE,
@@ -105,6 +106,8 @@ class World:
         h_kv, d = layer.tp_k_head_num, layer.head_dim
         # K, V depend only on (token, position, layer), as in a real model's prefix
         self._kv_table = torch.randn((len(self.layers), 997, 2, h_kv, d), generator=gen)
+        self.dtype = self.runner.token_to_kv_pool.dtype  # the model's activations, too
+        self._kv_table = self._kv_table.to(self.dtype)
         self._gen = gen
 
     @property
@@ -239,7 +242,7 @@ class World:
         q = torch.randn(
             (len(token_ids), layer.tp_q_head_num * layer.head_dim), generator=self._gen
         ) / math.sqrt(2)
-        return q, kv[:, 0].contiguous(), kv[:, 1].contiguous()
+        return q.to(self.dtype), kv[:, 0].contiguous(), kv[:, 1].contiguous()
 
 
 def tokens(seed: int, n: int) -> list[int]:

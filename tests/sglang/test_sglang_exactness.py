@@ -47,9 +47,11 @@ def test_plain_reference_is_torch_native_without_a_cap() -> None:
     assert w.native_err <= TOL
 
 
-def serving_session(w: sgl_world.World) -> None:
+def serving_session(w: sgl_world.World, tol: float = TOL) -> None:
     """Extend without and with a prefix, chunked prefill, decode and mixed batches, a radix
-    hit inside another request's open segment (backfill), finish and the next turn."""
+    hit inside another request's open segment (backfill), finish and the next turn; each
+    forward within ``tol`` of the reference."""
+    TOL = tol  # noqa: N806
     doc = tokens(1, 45)
     a = doc + tokens(2, 6)
     w.add("a", a + tokens(3, 8))
@@ -129,3 +131,23 @@ def test_backfill_when_pool_lacks_sglang_prefix() -> None:
     m = w.tokenlake.forward_metadata
     assert m.num_backfill == 40
     assert w.pool.num_stored_tokens(w.tokenlake.requests.pool_id(w.reqs["share"].row)) == 46
+
+
+@pytest.mark.parametrize(
+    "num_slots,max_forward_rows,num_local",
+    [(8, 16384, (1, 8)), (12, 16384, (1, 8)), (2048, 40, (9, 9)), (2048, 64, (0, 0))],
+)
+def test_pool_smaller_than_sglang_cache_stays_exact(
+    num_slots: int, max_forward_rows: int, num_local: tuple[int, int]
+) -> None:
+    """A pool far smaller than SGLang's 2048-token cache (8 or 12 slots of 4 tokens per
+    instance: some forwards pooled, some not), or staging buffers smaller than the session's
+    first batch (60 rows): the forwards the pool cannot take are attended from SGLang's
+    cache, the others are pooled, all 9 exact."""
+    config = SGLangPoolConfig(num_instances=2, num_slots=num_slots, segment_len=4,
+                              max_forward_rows=max_forward_rows)  # fmt: skip
+    w = sgl_world.World(config)
+    serving_session(w)
+    low, high = num_local
+    assert low <= w.tokenlake.num_local_forwards <= high
+    w.pool.check_invariants()
