@@ -75,6 +75,17 @@ class Placement:
         order = np.argsort(self._weights(key))[::-1]
         return [int(i) for i in self._ids[order]]
 
+    def rank_beside(self, key: int, beside: int | None) -> list[int]:
+        """:meth:`rank`, with ``beside`` (a live instance) moved first: a request's next
+        segment next to its previous one, so that its decode steps read one holder instead
+        of one per segment when each remote holder costs a fixed hop."""
+        order = self.rank(key)
+        if beside is None:
+            return order
+        if beside not in self._live:
+            raise InvalidArgumentError(f"beside: {beside} is not live")
+        return [beside] + [i for i in order if i != beside]
+
     def homes(self, keys: np.ndarray) -> np.ndarray:
         """Vectorised :meth:`home` over a uint64 array of keys → int64 instance ids."""
         weights = _mix(keys.astype(np.uint64)[:, None] ^ self._salts[None, :])

@@ -50,7 +50,8 @@ class IterationPlanner:
         )
         self.seed = seed
         n = config.num_instances
-        self.segments = SegmentPlanner(tree, placement, allocators)
+        beside = self._not_overloaded if balancer.hop_bytes > 0 else None
+        self.segments = SegmentPlanner(tree, placement, allocators, beside)
         m = config.model
         q_row_bytes = m.num_layers * (
             m.q_bytes_per_token_layer + 4 * m.num_q_heads * (m.head_dim + 1)
@@ -59,6 +60,16 @@ class IterationPlanner:
             tree.table, config.segment_len, n, q_row_bytes, m.kv_bytes_per_token,
             config.segment_bytes, balancer.hop_bytes,
         )  # fmt: skip
+
+    def _not_overloaded(self, instance_id: int) -> bool:
+        """Hop-priced placement keeps a request's segments together on a live instance whose
+        window load is within the balancer's factor of the mean."""
+        live = self.placement.live
+        if instance_id not in live:
+            return False
+        load = self.access.window_load
+        mean = float(load[list(live)].mean())
+        return mean <= 0 or load[instance_id] <= self.balancer.overload_factor * mean
 
     def plan(self, it: Iteration, dops, instances, matches, busy) -> None:
         """Admit ``it``'s new requests, reserve its writes and replica copies, build its plans."""

@@ -7,7 +7,7 @@ until it commits, and undone if it is aborted before anything was written (see
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tokenlake.cluster.placement import Placement
 from tokenlake.cluster.slots import SlotAllocator
@@ -22,11 +22,15 @@ class SegmentPlanner:
         tree: PrefixTree,
         placement: Placement,
         allocators: Sequence[SlotAllocator],
+        beside: Callable[[int], bool] | None = None,
     ) -> None:
         self.tree = tree
         self.placement = placement
         self.allocators = allocators
         self.segment_len = tree.segment_len
+        # hop-priced placement: whether a request's next segment may go on the instance of
+        # its previous one (None: always by hash; see Placement.rank_beside)
+        self.beside = beside
 
     def num_new_slots(self, pc: PlannedChunk) -> int:
         seg = self.segment_len
@@ -58,6 +62,7 @@ class SegmentPlanner:
         pos = pc.start
         parent_key = state.last_key(tree.root.key)
         parent_ref = state.nodes[-1] if state.nodes else tree.root  # for tree reservations
+        prev = _last_instance(state) if self.beside is not None else None
         while pos < pc.end:
             offset = pos % seg
             seg_start = pos - offset
@@ -69,7 +74,9 @@ class SegmentPlanner:
                 parent_key = state.open.parent_key
             else:
                 key = tree.hasher.key(parent_key, content)
-                preferred = self.placement.rank(key)
+                beside = self.beside
+                near = prev if prev is not None and beside is not None and beside(prev) else None
+                preferred = self.placement.rank_beside(key, near)
                 if offset:  # copy-on-extend: the first `offset` tokens come from the source
                     copy_from = pc.source.replicas[0]
                     preferred = [copy_from.instance_id] + [
@@ -90,6 +97,7 @@ class SegmentPlanner:
                     write.pending = parent_ref = tree.reserve(parent_ref, content, location)
                 parent_key = tree.hasher.key(parent_key, content)
             pc.writes.append(write)
+            prev = location.instance_id
             pos = seg_end
 
     def reserve_replica(self, destination: int, journal: list[Evicted]) -> Location | None:
@@ -100,3 +108,12 @@ class SegmentPlanner:
             return Location(destination, slot)
         evicted = self.tree.evict_lru(instance_id=destination, journal=journal)
         return None if evicted is None else evicted[1]
+
+
+def _last_instance(state) -> int | None:
+    """Where the request's last segment lives (its open tail, else its last full one)."""
+    if state.open is not None:
+        return state.open.location.instance_id
+    if state.nodes and state.nodes[-1].replicas:
+        return state.nodes[-1].replicas[0].instance_id
+    return None
