@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 import tokenlake as tl
+from tokenlake.cluster.balancer import BalancerConfig
 from tokenlake.engines.model.engine import ModelEngine
 from tokenlake.engines.model.llama import LlamaModel
 from tokenlake.engines.model.tiny import TINY_RANDOM, write_tiny_random
@@ -34,6 +35,12 @@ from tokenlake.serve.config import ServeConfig
 from tokenlake.serve.runtime import Runtime
 
 log = logging.getLogger(__name__)
+
+# bytes per second between two instances of one host (shared memory): converts the measured
+# hop seconds into the traffic bytes dispatch and placement weigh. Only the order matters: a
+# hop (~1 ms) is then worth megabytes, far more than a decode's query rows (kilobytes) and
+# less than a long prefill's.
+LINK_BYTES_PER_S = 10e9
 
 
 @dataclass(frozen=True)
@@ -63,10 +70,14 @@ def build(config: ServeConfig, engine_factory: Callable | None = None) -> Served
             namespace=f"{config.model_name}:{model.dtype}",
         )  # fmt: skip
         max_len = _max_model_len(config, model, pool_config)
-        pool = tl.Pool(pool_config)
-        cluster = None
+        cluster = None if engine_factory is not None else _cluster(config, pool_config, closers)
+        latency = _latency_model(config, model)
+        if config.profile and cluster is not None:
+            latency = latency.with_hop(_hop_seconds(config, model, pool_config, cluster))
+        # the dispatcher and placement weigh a hop in bytes: its seconds at the link's rate
+        balancer = BalancerConfig(hop_bytes=latency.hop_s * LINK_BYTES_PER_S)
+        pool = tl.Pool(pool_config, balancer=balancer)
         if engine_factory is None:
-            cluster = _cluster(config, pool, closers)
             engine = ModelEngine(model, cluster)
         else:
             engine = engine_factory(model, pool, closers)
@@ -76,9 +87,6 @@ def build(config: ServeConfig, engine_factory: Callable | None = None) -> Served
             mode=config.scheduler_mode,
             chunk_len=config.chunk_len,
         )
-        latency = _latency_model(config, model)
-        if config.profile and cluster is not None:
-            latency = latency.with_hop(_hop_seconds(config, model, pool, cluster))
         scheduler = ElasticScheduler(sched_config, latency, pool)
         eos = model.config.eos_token_ids
         if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -135,7 +143,7 @@ def _max_model_len(config: ServeConfig, model: LlamaModel, pool_config: tl.PoolC
     return config.max_model_len or limit
 
 
-def _cluster(config: ServeConfig, pool: tl.Pool, closers: list):
+def _cluster(config: ServeConfig, pool: tl.PoolConfig, closers: list):
     if config.data_plane == "local":
         from tokenlake.engines.local_cluster import LocalCluster
 
@@ -159,12 +167,12 @@ def _latency_model(config: ServeConfig, model: LlamaModel) -> LatencyModel:
     )
 
 
-def _hop_seconds(config: ServeConfig, model: LlamaModel, pool: tl.Pool, cluster) -> float:
+def _hop_seconds(config: ServeConfig, model: LlamaModel, pool: tl.PoolConfig, cluster) -> float:
     # The served data plane itself, on a scratch pool of the same geometry: a hop's cost is
     # the processes' round trip and signals, which an in-process cluster would not show.
     if config.num_instances < 2:
         return 0.0
-    cfg = pool.config
+    cfg = pool
     scratch = tl.Pool(dataclasses.replace(cfg, num_slots=4))
     if config.data_plane == "local":
         from tokenlake.engines.local_cluster import LocalCluster

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import tokenlake as tl
-from tokenlake.serve.build import build
+from tokenlake.serve.build import LINK_BYTES_PER_S, build
 from tokenlake.serve.config import ServeConfig
 
 
@@ -22,7 +22,10 @@ def served_model(num_instances: int, data_plane: str, profile: bool = True):
         assert pool.get_stats() == tl.Pool(pool.config).get_stats()
         assert pool.get_prefix_tree().num_segments == 0
         pool.check_invariants()
-        return served.runtime.scheduler.latency_model
+        model = served.runtime.scheduler.latency_model
+        # dispatch and placement weigh the same hop, in bytes at the link's rate
+        assert pool.balancer.hop_bytes == pytest.approx(model.hop_s * LINK_BYTES_PER_S)
+        return model
     finally:
         served.runtime.close()
 
