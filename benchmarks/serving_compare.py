@@ -240,8 +240,9 @@ def running_server(args, model_dir: Path, name: str, num_instances: int) -> Iter
 def run_case(args, port: int, name: str, tokenizer: Path, dataset: str, load: str) -> dict:
     argv = client_argv(args, dataset, load, port, name, tokenizer)
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_DATASETS_OFFLINE="1")
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=args.case_timeout_s,
-                         env=env, check=False)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="bench-serving-") as cwd:  # it writes a JSONL there
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=args.case_timeout_s,
+                             env=env, check=False, cwd=cwd)  # fmt: skip
     try:
         return parse_bench_output(out.stdout)
     except ValueError as e:
