@@ -106,6 +106,14 @@ class ControlService:
         to = FrameAuth.sender_of(frame)
         self._sock.send_multipart([identity, self._auth.seal(wire.packb(reply), to)])
 
+    def snapshot(self) -> dict:
+        """The pool's stats (with ``free_capacity``) and the service's counters, taken
+        between requests (for ``/metrics``, from any thread)."""
+        with self._lock:
+            pool = {**self.pool.get_stats(), "free_capacity": self.pool.free_capacity()}
+            service = {**self.stats, "workers": len(self._workers), "lost": sorted(self.lost)}
+            return {"pool": pool, "service": service}
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5.0)
@@ -197,21 +205,26 @@ class ControlService:
                 raise InvalidArgumentError(
                     f"chunks: request {c.request_id!r} does not belong to worker {instance}"
                 )
+        new = {c.request_id for c in chunks if c.request_id not in self.pool.requests}
         plans = self.pool.gen_plans([chunks], dops=[1], instances=[[instance]])
         self._plans[plans.epoch] = (plans, instance)
-        self._count_hits(plans)
+        self._count_prefix(plans, new)
         return plan_wire.encode(plans)
 
-    def _count_hits(self, plans: Plans) -> None:
-        """Prefix tokens attended per iteration, on the worker's own instance or another's."""
+    def _count_prefix(self, plans: Plans, new: set) -> None:
+        """Prefix tokens attended on the worker's own instance or on another's: every
+        forward (``*_prefix_tokens``), and at a request's admission (``*_hit_tokens``: the
+        pool's hits, split by where they live)."""
         c = self.pool.config.segment_len
         for qp in plans.query_plans:
             for h, holder in enumerate(qp.holder_ids.tolist()):
-                lo, hi = int(qp.holder_indptr[h]), int(qp.holder_indptr[h + 1])
-                pages = int(qp.kv_indptr[hi] - qp.kv_indptr[lo])
-                n = pages * c - int((c - qp.last_len[lo:hi]).sum())
-                key = "local_hit_tokens" if holder == qp.origin else "cross_worker_hit_tokens"
-                self.stats[key] += n
+                where = "local" if holder == qp.origin else "cross_worker"
+                for e in range(int(qp.holder_indptr[h]), int(qp.holder_indptr[h + 1])):
+                    pages = int(qp.kv_indptr[e + 1] - qp.kv_indptr[e])
+                    n = (pages - 1) * c + int(qp.last_len[e]) if pages else 0
+                    self.stats[f"{where}_prefix_tokens"] += n
+                    if qp.request_ids[int(qp.entry_req[e])] in new:
+                        self.stats[f"{where}_hit_tokens"] += n
 
     def _epoch(self, r: dict) -> tuple[int, Plans]:
         instance = self._instance(r)

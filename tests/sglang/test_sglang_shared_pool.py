@@ -16,8 +16,10 @@ mp_world = pytest.importorskip("mp_world")
 from tokenlake.config import ModelShape, PoolConfig  # noqa: E402
 from tokenlake.engines.dataplane_config import DataPlaneConfig  # noqa: E402
 from tokenlake.engines.mp_cluster import MPCluster  # noqa: E402
+from tokenlake.engines.sglang.control_metrics import shared_pool_registry  # noqa: E402
 from tokenlake.engines.sglang.control_service import ControlService  # noqa: E402
 from tokenlake.pool import Pool  # noqa: E402
+from tokenlake.serve.metrics import render  # noqa: E402
 
 TOL = sgl_world.TOLERANCE
 tokens = sgl_world.tokens
@@ -60,8 +62,12 @@ def test_prefixes_are_reused_across_workers_exactly(shared) -> None:
     assert w.call(1, "step", work={"b": 12}) <= TOL  # chunked prefill: first chunk
     assert w.call(1, "step", work={"b": 18}) <= TOL  # last chunk
     after = w.call(1, "stats")
-    assert after["cross_worker_hit_tokens"] > before["cross_worker_hit_tokens"]
-    assert after["num_hit_tokens"] >= before["num_hit_tokens"] + len(doc)
+    assert after["num_hit_tokens"] == before["num_hit_tokens"] + len(doc)  # the pool's hits
+    hits = sum(
+        after.get(k, 0) - before.get(k, 0) for k in ("local_hit_tokens", "cross_worker_hit_tokens")
+    )
+    assert hits == len(doc)  # split by where the document's segments live
+    assert after["cross_worker_hit_tokens"] > before.get("cross_worker_hit_tokens", 0)
     # worker 2: a mixed batch, one request reusing worker 0's whole turn so far
     w.call(2, "add", rid="c", tokens=tokens(6, 20) + [1, 2, 3])
     assert w.call(2, "step", work={"c": 20}) <= TOL
@@ -80,9 +86,21 @@ def test_prefixes_are_reused_across_workers_exactly(shared) -> None:
     assert w.call(1, "step", work={"b": len(b_done) + 1}) <= TOL
     stats = w.call(0, "stats")
     assert stats["hit_rate"] > 0 and stats["cross_worker_hit_tokens"] > 0
+    assert stats["local_hit_tokens"] + stats["cross_worker_hit_tokens"] == stats["num_hit_tokens"]
     assert max(w.call(i, "max_err") for i in range(NUM_WORKERS)) <= TOL
     pool_stats = pool.get_stats()
     assert pool_stats["num_hit_tokens"] == stats["num_hit_tokens"]
+    # the same counters on /metrics of the process hosting the pool
+    text = render(shared_pool_registry(service)).decode()
+    cross = _sample(text, "tokenlake:sglang_cross_worker_hit_tokens_total")
+    assert cross == stats["cross_worker_hit_tokens"] > 0
+    assert _sample(text, "tokenlake:pool_hit_tokens_total") == stats["num_hit_tokens"]
+    assert _sample(text, "tokenlake:sglang_workers") == NUM_WORKERS
+
+
+def _sample(text: str, name: str) -> float:
+    (line,) = [x for x in text.splitlines() if x.startswith(name + " ")]
+    return float(line.split()[1])
 
 
 def test_a_worker_that_dies_is_dropped_and_the_others_go_on(shared) -> None:
