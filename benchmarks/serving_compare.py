@@ -188,10 +188,20 @@ def prepare_model(name: str, directory: Path, seed: int) -> Path:
     tiny = write_tiny_random(directory / "tiny", seed=seed)
     if name == "tiny-random":
         return tiny
-    from tokenlake.benchmarks.model_steps import make_model
+    import torch
+    import transformers
 
-    path = make_model(directory / "bench-model", seed)
-    for f in tiny.iterdir():  # the tiny tokenizer's ids all lie inside bench-model's vocab
+    from tokenlake.benchmarks.model_steps import SHAPE
+
+    # bench_model's shape with the tiny tokenizer's vocabulary: every sampled id then decodes
+    # to text, which the client needs to time first tokens
+    vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(**{**SHAPE, "vocab_size": vocab}, bos_token_id=None,
+                                   eos_token_id=None)  # fmt: skip
+    path = directory / "bench-model"
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(str(path))
+    for f in tiny.iterdir():
         if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
             shutil.copy(f, path / f.name)
     return path
