@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tokenlake.cluster.remote_reads import MIN_REMOTE_READS, RemoteReads
 from tokenlake.tree.prefix_tree import Location, Node, PrefixTree
 from tokenlake.validate import check_bool, check_float, check_int
 
@@ -202,6 +203,7 @@ def plan_replications(
     config: BalancerConfig,
     capacity_slots: int | None = None,
     failover: frozenset[int] | set[int] = frozenset(),
+    remote: RemoteReads | None = None,
 ) -> list[ReplicationOrder]:
     """This iteration's replication orders.
 
@@ -209,7 +211,9 @@ def plan_replications(
     a dropped instance) gets one copy on the least-loaded live instance without one, whatever
     the load. Then, for each overloaded instance, its heavy hitters (most accessed first) are
     copied to the least-loaded live instance without a copy, while the estimated load says it
-    helps. Both share the budget.
+    helps. Last, with ``remote`` (hops priced), each heavy hitter that small decodes read
+    remotely at least ``MIN_REMOTE_READS`` times gets a copy on its main reader, unless that
+    reader holds one or is overloaded. All share the budget.
     """
     if not config.replicate or len(live) < 2:
         return []
@@ -223,7 +227,8 @@ def plan_replications(
     mean = float(load[live].mean())
     threshold = config.overload_factor * mean
     over = [i for i in sorted(live, key=lambda i: -load[i]) if load[i] > threshold]
-    if (not over and not failover) or stats.total_access_tokens <= 0:
+    hop_pass = remote is not None and bool(remote.counts)
+    if (not over and not failover and not hop_pass) or stats.total_access_tokens <= 0:
         return []
     hot = heavy_hitters(tree, config.num_heavy_hitters(len(live)))
     if not hot:
@@ -271,4 +276,16 @@ def plan_replications(
             planned[h, dst] = True
             est[src] -= gain
             est[dst] += node_load / (n + 1)
+    for h in range(len(hot)) if hop_pass else ():
+        reader, reads = remote.top_reader(hot[h].key)
+        n = int(num_rep[h])
+        if len(orders) >= budget:
+            break
+        if reads < MIN_REMOTE_READS or dead[reader] or planned[h, reader]:
+            continue
+        if reader in rep_inst[h, :n] or est[reader] > threshold:
+            continue
+        orders.append(ReplicationOrder(hot[h], hot[h].replicas[0], reader))
+        planned[h, reader] = True
+        est[reader] += node_loads[h] / (n + 1)
     return orders

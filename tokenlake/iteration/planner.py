@@ -9,6 +9,7 @@ import numpy as np
 from tokenlake.cluster import locality
 from tokenlake.cluster.balancer import AccessStats, BalancerConfig, plan_replications
 from tokenlake.cluster.placement import Placement
+from tokenlake.cluster.remote_reads import RemoteReads, record_remote_reads
 from tokenlake.cluster.slots import SlotAllocator
 from tokenlake.config import PoolConfig
 from tokenlake.errors import PoolFullError
@@ -50,7 +51,9 @@ class IterationPlanner:
         )
         self.seed = seed
         n = config.num_instances
-        beside = self._not_overloaded if balancer.hop_bytes > 0 else None
+        priced = balancer.hop_bytes > 0
+        beside = self._not_overloaded if priced else None
+        self.remote = RemoteReads(n, balancer.decay) if priced else None
         self.segments = SegmentPlanner(tree, placement, allocators, beside)
         m = config.model
         q_row_bytes = m.num_layers * (
@@ -137,6 +140,7 @@ class IterationPlanner:
             else:
                 tree.add_replica(node, dst)
         self._drop_readers(it)
+        self._record_remote_reads(it)
         self.access.record_load(it.traffic.load, live)
         self.stats.record_iteration(it.traffic, it.new_chunks, len(it.victims))
         self.stats.record_gen_plans(it.gen_plans_s)
@@ -159,6 +163,19 @@ class IterationPlanner:
             if loc not in restored:
                 self.allocators[loc.instance_id].free(loc.slot_id)
         self.stats.num_evictions += len(it.victims) - len(restored)
+
+    def _record_remote_reads(self, it: Iteration) -> None:
+        """A committed small decode: the shared segments it read on other instances."""
+        cs = it.chunk_set
+        if self.remote is None or len(it.plans.query_plans) != 1:
+            return
+        if not locality.is_small_decode(cs, [1], self.balancer.small_decode_rows):
+            return
+        r, tree = it.reads, self.tree
+        record_remote_reads(
+            self.remote, tree.table, lambda row: tree.node_at(row).key,
+            it.plans.query_plans[0].origin, r.rows, r.chosen_idx, r.chosen_inst,
+        )  # fmt: skip
 
     def _add_readers(self, it: Iteration, idx: np.ndarray) -> None:
         """``it`` reads the table rows ``idx`` (a reader per occurrence until it ends)."""
@@ -184,8 +201,9 @@ class IterationPlanner:
         capacity = self.config.num_slots * len(self.placement.live)
         live = list(self.placement.live)
         orders = plan_replications(
-            self.tree, self.access, live, self.balancer, capacity, failover=it.failover[1]
-        )
+            self.tree, self.access, live, self.balancer, capacity, failover=it.failover[1],
+            remote=self.remote,
+        )  # fmt: skip
         paths = []
         for node, _, _ in orders:
             while node is not self.tree.root and node.idx >= 0:
