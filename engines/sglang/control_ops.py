@@ -17,9 +17,19 @@ def check_request(request: object) -> tuple[str, int]:
     """``(op, seq)`` of a decoded request map; :class:`InvalidArgumentError` otherwise."""
     if not isinstance(request, dict):
         raise InvalidArgumentError(f"request: expected a map, got {type(request).__name__}")
-    op, seq = request.get("op"), request.get("seq")
+    op, seq = request.get("op"), request_seq(request)
+    if seq < 0:
+        raise InvalidArgumentError(
+            f"seq: expected an int in [0, 2**62), got {request.get('seq')!r}"
+        )
     if op not in OPS:
         raise InvalidArgumentError(f"op: expected one of {OPS}, got {op!r}")
-    if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**62:
-        raise InvalidArgumentError(f"seq: expected an int in [0, 2**62), got {seq!r}")
     return op, seq
+
+
+def request_seq(request: object) -> int:
+    """The request's sequence number (the reply carries it back), -1 if it has none."""
+    seq = request.get("seq") if isinstance(request, dict) else None
+    if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**62:
+        return -1
+    return seq

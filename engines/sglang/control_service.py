@@ -35,7 +35,7 @@ from tokenlake.planning import wire as plan_wire
 from tokenlake.plans import Chunk, Plans
 from tokenlake.pool import Pool
 
-from .control_ops import OPS, check_request, request_prefix
+from .control_ops import OPS, check_request, request_prefix, request_seq
 
 
 class ControlService:
@@ -95,6 +95,7 @@ class ControlService:
         seq = -1
         try:
             request = wire.unpackb(body, self.max_request_bytes)
+            seq = request_seq(request)  # an error reply still reaches its requester
             op, seq = check_request(request)
             reply = {"seq": seq, "ok": True, "value": getattr(self, f"_op_{op}")(request)}
         except TokenLakeError as e:
@@ -229,7 +230,8 @@ class ControlService:
     def _epoch(self, r: dict) -> tuple[int, Plans]:
         instance = self._instance(r)
         epoch = r.get("epoch")
-        entry = self._plans.get(epoch) if isinstance(epoch, int) else None
+        valid = isinstance(epoch, int) and not isinstance(epoch, bool)
+        entry = self._plans.get(epoch) if valid else None
         if entry is None or entry[1] != instance:
             raise InvalidArgumentError(f"epoch: {epoch!r} is not in flight for worker {instance}")
         return epoch, entry[0]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,7 +57,7 @@ class WorkerAttachment:
 
 class ControlClient:
     """Requests to the control service: sealed, answered in order, each within ``timeout_s``
-    (a dead service is an error, never a hang)."""
+    in all (a dead or babbling service is an error, never a hang)."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, auth: FrameAuth, timeout_s: float) -> None:
         self._auth, self._audience = auth, endpoint.encode()
@@ -71,7 +72,8 @@ class ControlClient:
     def call(self, op: str, **args):
         seq = next(self._seq)
         self._sock.send(self._auth.seal(wire.packb({"op": op, "seq": seq, **args}), self._audience))
-        while self._sock.poll(self._timeout_ms):  # bounded: each wait ends by the timeout
+        deadline = time.monotonic() + self._timeout_ms / 1000
+        while self._sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             try:
                 reply = wire.unpackb(self._auth.open(self._sock.recv(), self._auth.sender),
                                      _MAX_REPLY_BYTES)  # fmt: skip

@@ -1,0 +1,119 @@
+"""The shared pool's control service as a hostile peer sees it: only holders of the cluster
+secret are answered, every bad request gets an error naming what was wrong and changes
+nothing, a worker reaches only its own requests and epochs, and the service goes on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import zmq
+
+from tokenlake import wire
+from tokenlake.config import ModelShape, PoolConfig
+from tokenlake.engines.auth import ClusterSecret, FrameAuth
+from tokenlake.engines.dataplane_config import PeerFailedError
+from tokenlake.engines.sglang.control_service import ControlService
+from tokenlake.engines.sglang.shared_runtime import ControlClient
+from tokenlake.errors import InvalidArgumentError, TokenLakeError
+from tokenlake.planning import wire as plan_wire
+from tokenlake.plans import Chunk
+from tokenlake.pool import Pool
+
+SHAPE = ModelShape(2, 4, 2, 16, "float32")
+
+
+@pytest.fixture
+def service():
+    pool = Pool(PoolConfig(SHAPE, 2, 16, 4, "m"))
+    lost: list[int] = []
+    cluster = SimpleNamespace(secret=ClusterSecret.generate(), mark_lost=lost.append)
+    svc = ControlService(pool, cluster, max_request_bytes=1 << 16)
+    ctx = zmq.Context()
+    yield svc, ctx, lost
+    svc.close()
+    ctx.destroy(linger=0)
+
+
+def _client(svc, ctx, secret=None, timeout_s: float = 5.0) -> ControlClient:
+    return ControlClient(ctx, svc.endpoint, FrameAuth(secret or svc.cluster.secret), timeout_s)
+
+
+def test_outsiders_get_no_answer_and_the_service_goes_on(service) -> None:
+    svc, ctx, _ = service
+    outsider = _client(svc, ctx, ClusterSecret.generate(), timeout_s=0.5)
+    with pytest.raises(PeerFailedError, match="no answer"):
+        outsider.call("match", tokens=np.arange(8, dtype=np.int32))
+    raw = ctx.socket(zmq.DEALER)  # no CURVE at all
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(svc.endpoint)
+    raw.send(b"\x00" * 64)
+    assert not raw.poll(300)
+    raw.close()
+    member = _client(svc, ctx)
+    assert member.call("match", tokens=np.arange(8, dtype=np.int32)) == 0
+
+
+def test_bad_requests_are_answered_with_errors_naming_them(service) -> None:
+    svc, ctx, _ = service
+    c = _client(svc, ctx)
+    cases = [
+        ("nonsense", {}, r"op: expected one of"),
+        ("plan", {"instance": 5, "chunks": []}, r"instance"),
+        ("plan", {"instance": 0, "chunks": []}, r"chunks: expected a non-empty list"),
+        ("plan", {"instance": 0, "chunks": [b"\x00"]}, r"plans"),
+        ("commit", {"instance": 0, "epoch": True}, r"epoch: True is not in flight"),
+        ("abort", {"instance": 1, "epoch": 0}, r"epoch: 0 is not in flight for worker 1"),
+        ("locate", {"tokens": np.arange(4, dtype=np.int32), "lo": 0, "hi": 4}, r"lo/hi"),
+        ("finish", {"instance": 0, "pool_id": "w1:x#1"}, r"pool_id: expected a str starting"),
+        ("hello", {"instance": 0, "pid": -3}, r"pid: expected a positive int"),
+    ]
+    for op, args, message in cases:
+        with pytest.raises(TokenLakeError, match=message):
+            c.call(op, **args)
+    # another worker's request id is refused, nothing planned
+    chunk = plan_wire.encode(Chunk("w1:r#1", np.arange(6, dtype=np.int64), 0, 6))
+    with pytest.raises(InvalidArgumentError, match="does not belong to worker 0"):
+        c.call("plan", instance=0, chunks=[chunk])
+    assert not svc.pool.requests and svc.pool.active_epochs == ()
+    # a request over the size limit is dropped by the socket; the service answers the next
+    big = ControlClient(ctx, svc.endpoint, FrameAuth(svc.cluster.secret), 0.5)
+    with pytest.raises(PeerFailedError):
+        big.call("match", tokens=np.zeros(1 << 16, dtype=np.int32))
+    assert c.call("match", tokens=np.arange(3, dtype=np.int32)) == 0
+    assert svc.stats["rejected_requests"] >= len(cases) + 1
+
+
+def test_a_worker_plans_commits_and_its_death_drops_its_instance(service) -> None:
+    svc, ctx, lost = service
+    c = _client(svc, ctx)
+    c.call("hello", instance=0, pid=os.getpid())
+    chunk = plan_wire.encode(Chunk("w0:r#1", np.arange(10, dtype=np.int64), 0, 10))
+    limits = plan_wire.PlanLimits(2, 16, 4)
+    plans = plan_wire.decode(c.call("plan", instance=0, chunks=[chunk]), limits)
+    assert plans.query_plans[0].origin == 0
+    with pytest.raises(InvalidArgumentError, match="not in flight for worker 1"):
+        c.call("commit", instance=1, epoch=plans.epoch)
+    c.call("commit", instance=0, epoch=plans.epoch)
+    assert c.call("match", tokens=np.arange(10, dtype=np.int32)) == 8  # two sealed segments
+    assert c.call("stored", instance=0, pool_id="w0:r#1") == 10
+    c.call("finish", instance=0, pool_id="w0:r#1")
+    assert c.call("stored", instance=0, pool_id="w0:r#1") is None
+    assert c.call("match", tokens=np.arange(10, dtype=np.int32)) == 10  # and its kept tail
+    where = c.call("locate", tokens=np.arange(10, dtype=np.int32), lo=2, hi=10)
+    assert where["first_segment"] == 0 and len(where["where"]) == 2 * 3
+    # a worker whose process is gone: instance 1 registered with a pid that no longer runs
+    gone = subprocess.Popen(["true"])
+    gone.wait(10)
+    c.call("hello", instance=1, pid=gone.pid)
+    for _ in range(100):  # bounded: the service checks its workers every 100 ms
+        if lost:
+            break
+        c.call("stats")
+    assert lost == [1] and svc.pool.live_instances == (0,)
+    with pytest.raises(InvalidArgumentError, match="was dropped"):
+        c.call("plan", instance=1, chunks=[chunk])
+    assert wire.unpackb(wire.packb(c.call("stats")), 1 << 20)["lost"] == [1]
