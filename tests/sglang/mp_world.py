@@ -65,6 +65,7 @@ def worker_main(attach, conn, world_kwargs: dict) -> None:
         "stats": lambda m: runtime.stats(),
         "kv_storage": lambda m: kv_storage(),
         "max_err": lambda m: world.max_err,
+        "num_local_forwards": lambda m: world.tokenlake.num_local_forwards,
     }
     conn.send_bytes(wire.packb({"ok": True, "value": os.getpid()}))
     while conn.poll(IDLE_EXIT_S):

@@ -84,6 +84,11 @@ def test_prefixes_are_reused_across_workers_exactly(shared) -> None:
     w.call(1, "release", rid="b")
     w.call(1, "add", rid="b", tokens=b_done + [9])
     assert w.call(1, "step", work={"b": len(b_done) + 1}) <= TOL
+    # a prompt over the staging buffers' 256 rows is attended from worker 1's own cache
+    w.call(1, "add", rid="long", tokens=tokens(8, 300) + [4])
+    assert w.call(1, "step", work={"long": 300}) <= TOL
+    assert w.call(1, "step", work={"long": 1}) <= TOL
+    assert w.call(1, "num_local_forwards") == 2
     stats = w.call(0, "stats")
     assert stats["hit_rate"] > 0 and stats["cross_worker_hit_tokens"] > 0
     assert stats["local_hit_tokens"] + stats["cross_worker_hit_tokens"] == stats["num_hit_tokens"]
