@@ -10,6 +10,7 @@ origin's buffers, CSR offsets covering their arrays, slots and lengths inside th
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -42,13 +43,14 @@ class QueryEngine(EngineBase):
         super().__init__(host, group, membership)
         self.handlers[messages.BindQuery] = self.bind
         self.handlers[messages.RunQuery] = self.run
-        # one kernel call at a time: the doorbell thread and the message loop share the pool
-        self._attend_lock = threading.Lock()
         self.doorbells: doorbell.DoorbellServer | None = None
         raw = host.buffers[self.instance_id].doorbells
         if raw is not None and group is None:  # every origin is on this host
             area = doorbell.DoorbellArea(raw, host.num_instances)
             self.doorbells = doorbell.DoorbellServer(area, self.ring, self._count_error)
+        # one kernel call at a time where the doorbell thread and the message loop share the
+        # pool; without doorbells there is one thread (and an in-process cluster stays copyable)
+        self._attend_lock = threading.Lock() if self.doorbells else contextlib.nullcontext()
 
     def configure(self, m: messages.Configure) -> None:
         super().configure(m)

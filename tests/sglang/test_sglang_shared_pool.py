@@ -16,10 +16,10 @@ mp_world = pytest.importorskip("mp_world")
 from tokenlake.config import ModelShape, PoolConfig  # noqa: E402
 from tokenlake.engines.dataplane_config import DataPlaneConfig  # noqa: E402
 from tokenlake.engines.mp_cluster import MPCluster  # noqa: E402
-from tokenlake.engines.sglang.control_metrics import shared_pool_registry  # noqa: E402
 from tokenlake.engines.sglang.control_service import ControlService  # noqa: E402
 from tokenlake.pool import Pool  # noqa: E402
 from tokenlake.serve.metrics import render  # noqa: E402
+from tokenlake.serve.sglang_metrics import shared_pool_registry  # noqa: E402
 
 TOL = sgl_world.TOLERANCE
 tokens = sgl_world.tokens
