@@ -90,9 +90,10 @@ COMMANDS = {
     "echo '{\"num_instances\": 4, \"num_slots\": 4096, \"segment_len\": 64}' > tokenlake.json":
         Tiny(),
     "python -m sglang.launch_server --model-path Qwen/Qwen2.5-0.5B-Instruct "
-    "--attention-backend tokenlake --tokenlake-config tokenlake.json":
+    "--attention-backend tokenlake --tokenlake-config tokenlake.json --mem-fraction-static 0.6":
         NotHere("SGLang's server needs a GPU (../shared/notes/ecosystem.md); tests/sglang run "
-                "the backend on SGLang's own objects"),
+                "the backend on SGLang's own objects, tests/sglang/test_sglang_memory.py "
+                "computes that it fits one 80 GB GPU"),
     'pip install "ray==2.60.0"': NotHere("a workstation's Ray for `ray up`; make test installs "
                                          "the same version"),
     "ray up deploy/ray-cluster.yaml": NotHere(RAY_MACHINES),
