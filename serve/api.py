@@ -11,8 +11,6 @@ and detokenizing run on worker threads, so a large prompt never blocks ``/health
 
 from __future__ import annotations
 
-import os
-
 from fastapi import FastAPI
 
 from tokenlake.serve import metrics
@@ -34,7 +32,7 @@ def create_app(served: Served) -> FastAPI:
     )  # fmt: skip
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=served.config.max_body_bytes)
-    api_key = load_api_key(served.config.api_key_file, os.environ)
+    api_key = load_api_key(served.config.api_key_file)
     if api_key is not None:  # added last: it runs first, before any body is read
         app.add_middleware(APIKeyAuth, api_key=api_key)
     app.include_router(router)

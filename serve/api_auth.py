@@ -3,13 +3,13 @@
 ``/health``, ``/metrics``, ``/tokenize`` and the like, stay open, as in vLLM).
 
 The key is a secret, so it never travels on a command line (where ``ps`` shows it): it is
-read from ``--api-key-file`` or, failing that, the ``TOKENLAKE_API_KEY`` environment
-variable (vLLM's ``--api-key`` / ``VLLM_API_KEY``)."""
+read from the 0600-style file ``--api-key-file`` names (vLLM takes ``--api-key`` or
+``VLLM_API_KEY``; here neither a command line nor an environment variable's value carries a
+secret, as for the cluster secret)."""
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Mapping
 from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -17,22 +17,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.serve.api_errors import error_response
 
-API_KEY_ENV = "TOKENLAKE_API_KEY"
 MAX_API_KEY_BYTES = 4096
 PROTECTED_PREFIX = "/v1"
 
 
-def load_api_key(api_key_file: str | None, environ: Mapping[str, str]) -> str | None:
-    """The key from ``api_key_file`` (its text, surrounding whitespace dropped), else from
-    ``environ[TOKENLAKE_API_KEY]``; ``None`` when neither is set. Raises
-    ``InvalidArgumentError`` for both set, an unreadable, empty or oversized file."""
-    from_env = environ.get(API_KEY_ENV) or None
+def load_api_key(api_key_file: str | None) -> str | None:
+    """The key from ``api_key_file`` (its text, surrounding whitespace dropped); ``None``
+    when no file is given. Raises ``InvalidArgumentError`` for an unreadable, empty or
+    oversized file."""
     if api_key_file is None:
-        return _checked(from_env.strip(), API_KEY_ENV) if from_env is not None else None
-    if from_env is not None:
-        raise InvalidArgumentError(
-            f"api_key_file: both --api-key-file and {API_KEY_ENV} are set; give one"
-        )
+        return None
     path = Path(api_key_file)
     try:
         if path.stat().st_size > MAX_API_KEY_BYTES:

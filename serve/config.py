@@ -83,8 +83,8 @@ class ServeConfig:
     )  # fmt: skip
     api_key_file: str | None = _flag(
         None, "a file holding the API key that /v1/* requests must send as 'Authorization: "
-        "Bearer <key>' (or set TOKENLAKE_API_KEY); a key is never taken on the command line, "
-        "where other users' ps shows it (default: no key)", HTTP,
+        "Bearer <key>'; a key is never taken on the command line, where other users' ps shows "
+        "it, nor from an environment variable (default: no key)", HTTP,
     )  # fmt: skip
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.serve.api_auth import API_KEY_ENV, load_api_key
+from tokenlake.serve.api_auth import load_api_key
 from tokenlake.serve.build import build
 from tokenlake.serve.config import ServeConfig
 from tokenlake.serve.http_server import HTTPServer
@@ -76,42 +76,30 @@ def test_version_and_ping(client):
     assert client.post("/ping").status_code == 200
 
 
-def test_load_api_key_from_file_or_environment(tmp_path):
+def test_load_api_key_from_a_file_only(tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text(f"  {KEY}\n")
-    assert load_api_key(str(key_file), {}) == KEY
-    assert load_api_key(None, {API_KEY_ENV: KEY}) == KEY
-    assert load_api_key(None, {}) is None and load_api_key(None, {API_KEY_ENV: ""}) is None
-    for path, environ, words in [
-        (str(key_file), {API_KEY_ENV: KEY}, "both"),
-        (str(tmp_path / "missing"), {}, "cannot read"),
-        (str(tmp_path), {}, "cannot read"),
-    ]:
-        with pytest.raises(InvalidArgumentError, match=words):
-            load_api_key(path, environ)
+    assert load_api_key(str(key_file)) == KEY
+    assert load_api_key(None) is None
+    for path in (str(tmp_path / "missing"), str(tmp_path)):
+        with pytest.raises(InvalidArgumentError, match="cannot read"):
+            load_api_key(path)
     (tmp_path / "empty").write_text("\n")
     (tmp_path / "huge").write_text("k" * 5000)
     for name in ("empty", "huge"):
         with pytest.raises(InvalidArgumentError, match="api_key_file"):
-            load_api_key(str(tmp_path / name), {})
+            load_api_key(str(tmp_path / name))
 
 
 @pytest.fixture(scope="module")
-def keyed_server(tmp_path_factory, monkeypatch_module):
+def keyed_server(tmp_path_factory):
     key_file = tmp_path_factory.mktemp("key") / "api_key"
     key_file.write_text(KEY)
-    monkeypatch_module.delenv(API_KEY_ENV, raising=False)
     config = ServeConfig(num_instances=2, segment_len=8, num_slots=64, chunk_len=32,
                          max_model_len=256, profile=False, torch_threads=1, port=0,
                          api_key_file=str(key_file))  # fmt: skip
     with HTTPServer(build(config), "127.0.0.1", 0).start() as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
 
 
 def test_api_key_is_required_on_v1(keyed_server):
