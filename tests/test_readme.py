@@ -119,96 +119,50 @@ COMMANDS = {
     ".venv/bin/tokenlake bench scheduler": Tiny("--quick"),
     ".venv/bin/tokenlake bench model": Tiny("--quick"),
     ".venv/bin/tokenlake bench real-cluster": Tiny("--quick"),
-    "B=router,mooncake-1p3d,mooncake-3p1d": NotHere("a shell variable for the lines below"),
-    "T=tokenlake,tokenlake-1p3d,tokenlake-3p1d": NotHere("a shell variable for the lines below"),
-    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems $B "
-    "--goodput --lo 0.3 --hi 0.8 --rel-tol 0.15 --max-evals 8 --out "
-    "results/goodput/conv1000_base": Tiny(GOODPUT_TINY),
+    "B=router,router-tbt,router-tbt-cascade,mooncake-1p3d,mooncake-3p1d": NotHere("a shell variable for the lines below"),
+    "T=tokenlake,tokenlake-no-groups": NotHere("a shell variable for the lines below"),
     ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems $T "
-    "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
-    "3000 --jobs 2 --lo 1.5 --hi 3 --out results/goodput/conversation_tl": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems "
-    "tokenlake,tokenlake-3p1d --prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol "
-    "0.15 --max-evals 5 --wall-budget 3000 --jobs 2 --lo 1.7 --hi 2.6": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems $B "
-    "--goodput --lo 0.5 --hi 2 --rel-tol 0.15 --max-evals 8 --wall-budget 3600 --out "
-    "results/goodput/synthetic": Tiny(GOODPUT_TINY),
+    "--prefill-tokens 2048 --goodput --seeds 3 --rel-tol 0.15 --max-evals 6 --jobs 2 --lo "
+    "1 --hi 3 --out results/goodput/conversation_tl": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems $B "
+    "--goodput --seeds 3 --rel-tol 0.15 --max-evals 6 --jobs 2 --lo 0.3 --hi 3 --out "
+    "results/goodput/conversation_base": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems $T "
-    "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
-    "3000 --jobs 2 --lo 2.8 --hi 4.4 --out results/goodput/synthetic_tl": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems "
-    "tokenlake,tokenlake-3p1d --prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol "
-    "0.15 --max-evals 5 --wall-budget 3000 --jobs 2 --lo 2.8 --hi 4.4": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems $B --goodput "
-    "--lo 0.5 --hi 2 --rel-tol 0.15 --max-evals 8 --wall-budget 3600 --out "
-    "results/goodput/sharegpt": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload sharegpt --requests 6000 --systems "
-    "$T,mooncake-1p3d --prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals "
-    "5 --wall-budget 3000 --jobs 2 --lo 10 --hi 80 --out results/goodput/sharegpt_tl": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload sharegpt --requests 6000 --systems "
-    "tokenlake,mooncake-1p3d --prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol "
-    "0.15 --max-evals 5 --wall-budget 3000 --jobs 2 --lo 10 --hi 120": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems $B --goodput "
-    "--lo 0.5 --hi 2 --rel-tol 0.15 --max-evals 8 --wall-budget 3600 --out "
-    "results/goodput/loogle": Tiny(GOODPUT_TINY),
+    "--prefill-tokens 2048 --goodput --seeds 3 --rel-tol 0.15 --max-evals 6 --jobs 2 --lo "
+    "1 --hi 4.4 --out results/goodput/synthetic_tl": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems $B "
+    "--goodput --seeds 3 --rel-tol 0.15 --max-evals 6 --jobs 2 --lo 0.2 --hi 4 --out "
+    "results/goodput/synthetic_base": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems $T "
+    "--prefill-tokens 2048 --goodput --seeds 3 --rel-tol 0.15 --max-evals 6 --jobs 2 --lo "
+    "5 --hi 100 --out results/goodput/sharegpt_tl": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems "
+    "$B,mooncake-1p3d-cascade --goodput --seeds 3 --rel-tol 0.15 --max-evals 6 --jobs 2 "
+    "--lo 1 --hi 40 --out results/goodput/sharegpt_base": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems $T "
-    "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
-    "3000 --jobs 2 --lo 2.5 --hi 6 --out results/goodput/loogle_tl": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems "
-    "tokenlake,tokenlake-3p1d --prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol "
-    "0.15 --max-evals 5 --wall-budget 3000 --jobs 2 --lo 3 --hi 5": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems $B "
-    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.02 --hi 0.2 --rel-tol 0.15 "
-    "--max-evals 6 --wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
-    "3000 --jobs 2 --lo 0.12 --hi 0.3 --horizon 20000": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol 0.15 --max-evals 5 "
-    "--wall-budget 3000 --jobs 2 --lo 0.12 --hi 0.25 --horizon 20000": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
-    "3000 --jobs 2 --lo 0.14 --hi 0.3 --horizon 20000 --eviction session": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seeds 1 --rate 0.287 --cache-fractions 1.5,2,4 --wall-budget 3000 "
-    "--horizon 20000": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seeds 1 --rate 0.287 --cache-fractions 1.5,2 --wall-budget 3000 "
-    "--horizon 20000 --eviction session": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems router "
-    "--prefill-tokens 2048 --seeds 1 --rate 0.287 --cache-fractions 4 --wall-budget 3000 "
-    "--horizon 20000": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems router "
-    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.05 --hi 0.3 --rel-tol 0.15 "
-    "--max-evals 6 --wall-budget 3600 --horizon 20000 --think-scale 0": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems router "
-    "--prefill-tokens 2048 --seed 1 --seeds 2 --goodput --lo 0.05 --hi 0.3 --rel-tol 0.15 "
-    "--max-evals 6 --wall-budget 3600 --horizon 20000 --think-scale 0": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems "
-    "mooncake-1p3d,mooncake-3p1d --prefill-tokens 2048 --seeds 1 --goodput --lo 0.01 --hi "
-    "0.1 --rel-tol 0.15 --max-evals 6 --wall-budget 3600 --horizon 20000 --think-scale 0": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
-    "3000 --lo 0.287 --hi 0.6 --horizon 20000 --eviction session --think-scale 0": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol 0.15 --max-evals 5 "
-    "--wall-budget 3000 --jobs 2 --lo 0.287 --hi 0.6 --horizon 20000 --eviction session "
-    "--think-scale 0": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
-    "3000 --lo 0.2 --hi 0.6 --horizon 20000 --think-scale 0": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol 0.15 --max-evals 5 "
-    "--wall-budget 3000 --jobs 2 --lo 0.2 --hi 0.6 --horizon 20000 --think-scale 0": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload agentic --requests 1000 --systems $B "
-    "--prefill-tokens 2048 --seeds 1 --goodput --lo 0.05 --hi 0.4 --rel-tol 0.15 "
-    "--max-evals 6 --wall-budget 3600 --horizon 20000": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload agentic --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seeds 1 --goodput --rel-tol 0.15 --max-evals 5 --wall-budget "
-    "3000 --jobs 2 --lo 1.2 --hi 2.5 --horizon 20000": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload agentic --requests 1000 --systems tokenlake "
-    "--prefill-tokens 2048 --seed 1 --seeds 2 --goodput --rel-tol 0.15 --max-evals 5 "
-    "--wall-budget 3000 --jobs 2 --lo 1.2 --hi 2.5 --horizon 20000": Tiny(GOODPUT_TINY),
+    "--prefill-tokens 2048 --goodput --seeds 3 --rel-tol 0.15 --max-evals 6 --jobs 2 --lo "
+    "1 --hi 6 --out results/goodput/loogle_tl": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems $B --goodput "
+    "--seeds 3 --rel-tol 0.15 --max-evals 6 --jobs 2 --lo 0.3 --hi 4 --out "
+    "results/goodput/loogle_base": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --think-scale 0 "
+    "--horizon 20000 --systems tokenlake --prefill-tokens 2048 --goodput --seeds 3 "
+    "--rel-tol 0.15 --max-evals 6 --jobs 2 --lo 0.1 --hi 0.6 --out "
+    "results/goodput/scbench_tl": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --think-scale 0 "
+    "--horizon 20000 --systems $B --goodput --seeds 3 --rel-tol 0.15 --max-evals 6 --jobs "
+    "2 --lo 0.02 --hi 0.4 --out results/goodput/scbench_base": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload agentic --requests 1000 --num-sessions 256 "
+    "--systems tokenlake --prefill-tokens 2048 --goodput --seeds 3 --rel-tol 0.15 "
+    "--max-evals 6 --jobs 2 --lo 0.5 --hi 30 --out results/goodput/agentic_tl": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload agentic --requests 1000 --num-sessions 256 "
+    "--systems $B --goodput --seeds 3 --rel-tol 0.15 --max-evals 6 --jobs 2 --lo 0.02 "
+    "--hi 5 --out results/goodput/agentic_base": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems "
+    "tokenlake,router,mooncake-3p1d-no-store --prefill-tokens 2048 --dist-attn-pricing "
+    "overlap --control-plane-scale 0 --rpc-latency-us 0 --goodput --seeds 1 --rel-tol "
+    "0.15 --max-evals 6 --jobs 2 --lo 0.1 --hi 3 --out "
+    "results/goodput/conversation_lenient": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake bench sim-crosscheck": Tiny(),
 }  # fmt: skip
 
@@ -271,8 +225,8 @@ def _tiny_trace(path: Path) -> None:
 
 
 def _argv(command: str, extra: str = "") -> list[str]:
-    env_b = "router,mooncake-1p3d,mooncake-3p1d"  # the README's $B
-    env_t = "tokenlake,tokenlake-1p3d,tokenlake-3p1d"  # the README's $T
+    env_b = "router,router-tbt,router-tbt-cascade,mooncake-1p3d,mooncake-3p1d"  # docs' $B
+    env_t = "tokenlake,tokenlake-no-groups"  # docs' $T
     command = command.replace("$B", env_b).replace("$T", env_t)
     argv = shlex.split(command) + shlex.split(extra)
     if argv[0].startswith(".venv/bin/"):
