@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from tokenlake.engines import executor
+from tokenlake.engines import puts
 
 ONE_THREAD = 1 << 50  # put_parallel_min_bytes that keeps every put on the calling thread
 
@@ -64,7 +64,7 @@ def bench_put(pool, cluster, chunk, reps, rounds, gen) -> dict:
     dsts = tp.dst_ids.tolist()
     min_parallel_bytes = cluster.config.put_parallel_min_bytes
     if min_parallel_bytes is None:
-        min_parallel_bytes = executor.PUT_PARALLEL_MIN_BYTES
+        min_parallel_bytes = puts.PUT_PARALLEL_MIN_BYTES
     kv_buf = engine.init_transfer(tp)
     kv_buf.copy_(torch.randn(kv_buf.shape, generator=gen).to(kv_buf.dtype))
     nbytes = kv_buf.numel() * kv_buf.element_size()
@@ -119,13 +119,13 @@ def bench_put(pool, cluster, chunk, reps, rounds, gen) -> dict:
     # the previous protocol: put and the one-thread memcpy interleaved call by call
     (put_paired_ms, _), (memcpy_paired_ms, _) = paired_medians([put_all, memcpy_whole], reps)
     # the copy alone, split over the kernels' threads vs on the calling thread, interleaved
-    targets = [(views[h].pool, executor.put_runs(tp, k).as_array()) for k, h in enumerate(dsts)]
-    host = executor.host_rows(kv_buf)
+    targets = [(views[h].pool, puts.put_runs(tp, k).as_array()) for k, h in enumerate(dsts)]
+    host = puts.host_rows(kv_buf)
 
     def copy_all(min_bytes: int):
         for layer in range(num_layers):
             for kv_pool, runs in targets:
-                executor.write_runs(kv_pool, runs, host[layer], layer, min_bytes)
+                puts.write_runs(kv_pool, runs, host[layer], layer, min_bytes)
 
     (copy_ms, _), (copy1_ms, _) = paired_medians(
         [lambda: copy_all(0), lambda: copy_all(ONE_THREAD)], reps

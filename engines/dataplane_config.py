@@ -47,7 +47,7 @@ class DataPlaneConfig:
         host: address every socket binds to; loopback unless configured otherwise.
         put_parallel_min_bytes: a CPU put of at least this many bytes per call and
             destination is copied by the kernels' threads together, a smaller one by the
-            calling thread (``None``: ``executor.PUT_PARALLEL_MIN_BYTES``, never: measured
+            calling thread (``None``: ``puts.PUT_PARALLEL_MIN_BYTES``, never: measured
             faster only while a core is idle; ``1 << 20`` for a host with cores to spare).
     """
 

@@ -18,7 +18,7 @@ from collections import Counter, defaultdict
 import numpy as np
 import torch
 
-from tokenlake.engines import executor, messages, process_group
+from tokenlake.engines import messages, process_group, puts
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
 from tokenlake.engines.flashinfer_attention import make_planner
 from tokenlake.engines.shared_buffers import InstanceViews, Layout
@@ -197,7 +197,7 @@ class Driver:
             strict=True,
         ):
             if self.same_host(origin, src) and self.same_host(origin, dst):
-                executor.copy_segment(self.views[src].pool, s_slot, self.views[dst].pool, d_slot, n)
+                puts.copy_segment(self.views[src].pool, s_slot, self.views[dst].pool, d_slot, n)
             elif self.same_host(src, dst):
                 local[dst].append((src, s_slot, d_slot, n))
             else:

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenlake.engines import executor, messages, plan_checks, process_group
+from tokenlake.engines import executor, messages, plan_checks, process_group, puts
 from tokenlake.engines.driver import Driver
 from tokenlake.engines.epoch_bindings import EpochBindings
-from tokenlake.engines.executor import BoundPart, LocalPut, MergeLayout
+from tokenlake.engines.executor import BoundPart, MergeLayout
+from tokenlake.engines.puts import LocalPut
 from tokenlake.plans import QueryPlan, TransferPlan
 from tokenlake.validate import check_int
 
@@ -57,7 +58,7 @@ class EngineClient:
         self._driver = driver
         self._bindings = EpochBindings(instance_id)
         min_bytes = driver.config.put_parallel_min_bytes
-        self._put_min_bytes = executor.PUT_PARALLEL_MIN_BYTES if min_bytes is None else min_bytes
+        self._put_min_bytes = puts.PUT_PARALLEL_MIN_BYTES if min_bytes is None else min_bytes
 
     @property
     def _views(self):
@@ -196,7 +197,7 @@ class EngineClient:
         binding = d.new_binding()
         tickets, local, remote = [], [], []
         for k, h in enumerate(transfer_plan.dst_ids.tolist()):
-            runs = executor.put_runs(transfer_plan, k)
+            runs = puts.put_runs(transfer_plan, k)
             if d.same_host(self.instance_id, h):
                 local.append(LocalPut.bind(d.views[h].pool, runs.as_array()))
                 continue
@@ -220,7 +221,7 @@ class EngineClient:
         if tickets:
             d.channel.wait(tickets, "init_transfer")
         buf = self._views.kv[:, offset : offset + n]
-        host = executor.host_rows(buf) if buf.device.type == "cpu" and local else None
+        host = puts.host_rows(buf) if buf.device.type == "cpu" and local else None
         layer_bytes = buf[0].numel() * buf.element_size()
         self._bindings.add(
             "kv", _BoundTransfer(transfer_plan, binding, buf, local, remote, host, layer_bytes)
@@ -246,7 +247,7 @@ class EngineClient:
                 ("transfer", h),
                 lambda seq, t=tag: messages.Put(seq, self.instance_id, bound.binding, layer, t),
             )
-            rows = executor.gather_runs(bound.buf[layer], runs)
+            rows = puts.gather_runs(bound.buf[layer], runs)
             rank = d.rank("transfer", h)
             d.record_put(layer, ticket, process_group.send(d.group, rows, rank, tag), rank, rows)
         d.count_call("put", start, bound.layer_bytes)

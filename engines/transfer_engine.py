@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenlake.engines import executor, messages, process_group
+from tokenlake.engines import messages, process_group, puts
 from tokenlake.engines.engine_base import TAG_SPACE, EngineBase, EngineHost
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.planning.wire import check_array, check_runs, check_values
@@ -36,7 +36,7 @@ class TransferEngine(EngineBase):
         self.handlers[messages.CopyRemote] = self.copy_remote
 
     def bind(self, m: messages.BindPut) -> None:
-        runs = executor.PutRuns(m.src_row, m.length, m.dst_slot, m.dst_offset)
+        runs = puts.PutRuns(m.src_row, m.length, m.dst_slot, m.dst_offset)
         num_rows = int(np.asarray(check_array("length", m.length), dtype=np.int64).sum())
         if num_rows > self.layout.max_kv_rows:
             raise InvalidArgumentError(
@@ -60,7 +60,7 @@ class TransferEngine(EngineBase):
         client = self.client_rank(m.origin)
         work = process_group.recv(self.group, rows, client, m.tag)
         self._wait([(work, client)], "put rows")
-        executor.write_runs(self.own.pool, b.runs, rows, layer)
+        puts.write_runs(self.own.pool, b.runs, rows, layer)
         if self.sync is not None:
             self.sync.finish()
         self.stats["put_calls"] += 1
@@ -81,7 +81,7 @@ class TransferEngine(EngineBase):
         for view, src_slot, dst_slot, length in zip(
             views, m.src_slot.tolist(), m.dst_slot.tolist(), m.length.tolist(), strict=True
         ):
-            executor.copy_segment(view.pool, src_slot, self.own.pool, dst_slot, length)
+            puts.copy_segment(view.pool, src_slot, self.own.pool, dst_slot, length)
         if self.sync is not None:
             self.sync.finish()
         self.stats["copy_calls"] += 1
@@ -106,7 +106,7 @@ class TransferEngine(EngineBase):
         works, received, sent = [], [], []
         for k, rows in enumerate(sides):  # receives are posted before sends
             for peer, slot, length, tag in rows:
-                view = executor.segment_view(pool, slot, length)
+                view = puts.segment_view(pool, slot, length)
                 buf = self.staging.empty(tuple(view.shape), view.dtype)
                 if k == 0:
                     works.append((process_group.recv(self.group, buf, peer, tag), peer))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tokenlake as tl
-from tokenlake.engines import executor, messages
+from tokenlake.engines import messages, puts
 from tokenlake.engines.kv_pool import KVPool
 from tokenlake.engines.shared_buffers import InstanceBuffers, Layout
 
@@ -98,16 +98,16 @@ def test_write_runs_equals_a_row_by_row_put_and_packed_gather():
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn((SHAPE.num_layers, tp.num_rows, 2, 2, 8), generator=gen)
     for d in range(len(tp.dst_ids)):
-        runs = executor.put_runs(tp, d)
+        runs = puts.put_runs(tp, d)
         src, slot, offset = tp.rows_to(d)
         assert runs.num_rows == len(src)
         by_rows, by_runs, packed = (KVPool(SHAPE, 8, 8) for _ in range(3))
         for layer in range(SHAPE.num_layers):
             for r, s_, o in zip(src.tolist(), slot.tolist(), offset.tolist(), strict=True):
                 by_rows.data[layer, s_, :, o] = kv[layer, r]
-            executor.write_runs(by_runs, runs.as_array(), kv[layer], layer)
-            rows = executor.gather_runs(kv[layer], runs.as_lists())
-            executor.write_runs(packed, runs.packed().as_array(), rows, layer)
+            puts.write_runs(by_runs, runs.as_array(), kv[layer], layer)
+            rows = puts.gather_runs(kv[layer], runs.as_lists())
+            puts.write_runs(packed, runs.packed().as_array(), rows, layer)
         assert torch.equal(by_rows.data, by_runs.data)
         assert torch.equal(by_rows.data, packed.data)
     pool.abort(plans)
@@ -120,7 +120,7 @@ def test_write_runs_rejects_every_out_of_range_run_before_writing(dtype):
     pool = KVPool(shape, 4, 8)
     kv = torch.randn((6, 2, 2, 8)).to(shape.torch_dtype)
     good = [0, 2, 1, 3]  # rows 0..1 -> slot 1, tokens 3..4
-    executor.write_runs(pool, np.array([good], dtype=np.int32), kv, 1)
+    puts.write_runs(pool, np.array([good], dtype=np.int32), kv, 1)
     assert torch.equal(pool.data[1, 1, :, 3:5], kv[0:2].transpose(0, 1))
     before = pool.data.clone()
     for bad, name in [
@@ -134,14 +134,14 @@ def test_write_runs_rejects_every_out_of_range_run_before_writing(dtype):
     ]:
         runs = np.array([good, bad], dtype=np.int32)  # the good run first: still not written
         with pytest.raises(ValueError, match=f"runs: {name} out of range in run 1"):
-            executor.write_runs(pool, runs, kv, 0)
+            puts.write_runs(pool, runs, kv, 0)
         assert torch.equal(pool.data, before)
 
 
 def test_copy_segment_copies_the_first_tokens_of_every_layer():
     src, dst = KVPool(SHAPE, 4, 8), KVPool(SHAPE, 4, 8)
     src.data.normal_()
-    executor.copy_segment(src, 1, dst, 3, 5)
+    puts.copy_segment(src, 1, dst, 3, 5)
     assert torch.equal(dst.data[:, 3, :, :5], src.data[:, 1, :, :5])
     assert dst.data[:, 3, :, 5:].eq(0).all() and dst.data[:, :3].eq(0).all()
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tokenlake as tl
-from tokenlake.engines import executor
+from tokenlake.engines import puts
 from tokenlake.engines.kernels import cpu
 from tokenlake.engines.kv_pool import KVPool
 
@@ -73,11 +73,11 @@ def test_parallel_put_matches_an_indexing_copy(num_threads, dtype):
             kv = kv.to(shape.torch_dtype)
             runs = random_runs(rng, num_slots, page_len, num_rows)
             layer = case % 2
-            for threshold in (ALWAYS, 1, 64, executor.PUT_PARALLEL_MIN_BYTES, NEVER):
+            for threshold in (ALWAYS, 1, 64, puts.PUT_PARALLEL_MIN_BYTES, NEVER):
                 pool = KVPool(shape, num_slots, page_len)
                 pool.data.copy_(torch.randn(pool.data.shape).to(pool.data.dtype))
                 expected = reference(pool, runs, kv, layer)
-                executor.write_runs(pool, runs, kv, layer, min_parallel_bytes=threshold)
+                puts.write_runs(pool, runs, kv, layer, min_parallel_bytes=threshold)
                 assert torch.equal(pool.data, expected), (case, threshold, runs.tolist())
     finally:
         cpu.set_num_threads(before)
@@ -98,8 +98,8 @@ def test_parallel_put_of_a_large_chunk_matches_one_thread():
     )
     kv = torch.randn((num_rows, 2, 4, 64))
     one, split = KVPool(shape, 40, page_len), KVPool(shape, 40, page_len)
-    executor.write_runs(one, runs, kv, 0, min_parallel_bytes=NEVER)
-    executor.write_runs(split, runs, kv, 0, min_parallel_bytes=1 << 20)
+    puts.write_runs(one, runs, kv, 0, min_parallel_bytes=NEVER)
+    puts.write_runs(split, runs, kv, 0, min_parallel_bytes=1 << 20)
     assert torch.equal(one.data, split.data)
     assert torch.equal(one.data, reference(KVPool(shape, 40, page_len), runs, kv, 0))
 
@@ -115,7 +115,7 @@ def test_overlapping_runs_are_written_in_order_as_by_one_thread():
         expected.data[0, slot, :, off : off + n] = kv[s : s + n].transpose(0, 1)
     for threshold in (ALWAYS, NEVER):
         pool = KVPool(shape, 3, 16)
-        executor.write_runs(pool, runs, kv, 0, min_parallel_bytes=threshold)
+        puts.write_runs(pool, runs, kv, 0, min_parallel_bytes=threshold)
         assert torch.equal(pool.data, expected.data)
 
 
@@ -138,7 +138,7 @@ def test_hostile_runs_are_rejected_before_any_write(threshold):
     ]:
         runs = np.array([good, good, bad], dtype=np.int32)
         with pytest.raises(ValueError, match=f"runs: {name} out of range in run 2"):
-            executor.write_runs(pool, runs, kv, 1, min_parallel_bytes=threshold)
+            puts.write_runs(pool, runs, kv, 1, min_parallel_bytes=threshold)
         assert torch.equal(pool.data, before)
 
 
