@@ -47,7 +47,7 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 SHAPE = tl.ModelShape(2, 4, 2, 16, "float32")
-DETECT_BOUND_S = 1.0
+DETECT_BOUND_S = 5.0  # a bound, not a benchmark: a loaded 2-core machine took 1.5 s
 REJOIN_BOUND_S = 180.0
 
 
