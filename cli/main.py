@@ -98,8 +98,21 @@ BENCHES: dict[str, Command] = {
         "serve N vs 1 instance, SGLang's bench_serving client",
         needs="sglang",
     ),
+    "wallclock": Command(
+        "tokenlake.benchmarks.wallclock.run",
+        "wall-clock goodput: tokenlake serve (N instances) vs the real SGLang router over N",
+        needs="bench,model,serve",
+    ),
     "sim-crosscheck": Command(
         "tokenlake.benchmarks.sim_crosscheck", "simulator step times vs published A100 figures"
+    ),
+    "calibrate-cpu": Command(
+        "tokenlake.benchmarks.sim_calibrate", "measure a CPU hardware profile for the simulator",
+        needs="model",
+    ),
+    "sim-vs-real": Command(
+        "tokenlake.benchmarks.sim_vs_real", "the simulator on the wall-clock runs' workloads",
+        needs="model",
     ),
     "sglang-e2e": Command(
         "tokenlake.benchmarks.sglang_e2e", "SGLang end to end, tokenlake vs flashinfer (GPU only)"

@@ -1,0 +1,178 @@
+"""``tokenlake bench wallclock``: TokenLake against the real SGLang router, in wall-clock time.
+
+    tokenlake bench wallclock --quick
+    tokenlake bench wallclock --seeds 0 1 2 --requests 40 --json-out results.jsonl
+
+One ``tokenlake serve --num-instances N`` server (one pool over N instances) against N
+``tokenlake serve --num-instances 1`` servers behind ``python -m sglang_router.launch_router
+--policy cache_aware``, every process on 127.0.0.1, the same requests sent by the same
+streaming client (httpx). For each model, workload and seed both systems' P90 goodput (the
+highest rate at which >= 90% of requests meet the SLO) is found by bisection, each point a
+real run, the two systems' runs alternating. The SLO is the simulator's rule: 10x the
+batch-size-1 TTFT and TPOT of the workload's median prompt on an idle 1-instance server.
+Progress goes to stderr; a table and the JSON lines of :mod:`tokenlake.benchmarks.wallclock`
+to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tokenlake.benchmarks.wallclock.workloads import WORKLOADS
+
+MODELS = ("tiny-random", "bench-model")
+SYSTEMS = ("tokenlake", "router")
+BENCH = "wallclock-router"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="tokenlake bench wallclock", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--num-instances", type=int, default=4)
+    p.add_argument("--requests", type=int, default=40, help="requests per rate point")
+    p.add_argument("--lo", type=float, default=0.0,
+                   help="first rate (req/s); 0: one idle instance's serial rate, 1 / solo E2E")  # fmt: skip
+    p.add_argument("--rel-tol", type=float, default=0.3, help="bisection stops at hi/lo <= 1+tol")
+    p.add_argument("--max-evals", type=int, default=6, help="most runs per search")
+    p.add_argument("--drain-s", type=float, default=30.0,
+                   help="a run's cap: its last arrival plus this; later tokens miss")  # fmt: skip
+    p.add_argument("--num-slots", type=int, default=96, help="segment slots per instance")
+    p.add_argument("--segment-len", type=int, default=32)
+    p.add_argument("--chunk-len", type=int, default=256)
+    p.add_argument("--data-plane", choices=("local", "mp"), default="local")
+    p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                   help="one more sglang_router.launch_router argument (repeatable)")  # fmt: skip
+    p.add_argument("--json-out", type=Path, default=None, help="also append the JSON lines here")
+    p.add_argument("--start-timeout-s", type=float, default=300.0)
+    p.add_argument("--quick", action="store_true",
+                   help="tiny-random, long-document, seed 0, 16 requests, the first rate only")  # fmt: skip
+    args = p.parse_args(argv)
+    for name in ("num_instances", "requests", "max_evals", "num_slots", "segment_len",
+                 "chunk_len"):  # fmt: skip
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
+    for name in ("rel_tol", "drain_s", "start_timeout_s"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')}: expected > 0, got {getattr(args, name)}")
+    if args.lo < 0 or any(s < 0 for s in args.seeds):
+        p.error(f"--lo and --seeds: expected >= 0, got {args.lo} and {args.seeds}")
+    if args.quick:
+        args.models, args.workloads, args.seeds = ["tiny-random"], ["long-document"], [0]
+        args.requests = 16
+    return args
+
+
+def log(msg: str) -> None:
+    print(f"[wallclock {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from tokenlake.benchmarks.wallclock.processes import ProcessError, require_router
+    from tokenlake.benchmarks.wallclock.report import format_table
+
+    try:
+        require_router()
+    except ProcessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from tokenlake.benchmarks.demo_client import quiet_http_client_logs
+
+    quiet_http_client_logs()
+    lines: list[dict] = []
+    salts = itertools.count(1)
+    with tempfile.TemporaryDirectory(prefix="tokenlake-wallclock-") as tmp:
+        for model in args.models:
+            lines += run_model(args, model, Path(tmp), salts, emit)
+    print(format_table(lines))
+    return 0
+
+
+def emit(line: dict, json_out: Path | None) -> None:
+    text = json.dumps(line)
+    print(text, flush=True)
+    if json_out is not None:
+        with open(json_out, "a", encoding="utf-8") as f:
+            f.write(text + "\n")
+
+
+def run_model(args, model: str, tmp: Path, salts, emit_line) -> list[dict]:
+    from tokenlake.benchmarks.serving_compare import prepare_model
+    from tokenlake.benchmarks.wallclock.client import ALPHABET
+    from tokenlake.benchmarks.wallclock.point import System, measure_solo
+    from tokenlake.benchmarks.wallclock.processes import Fleet, ServerSettings
+    from tokenlake.benchmarks.wallclock.workloads import build_workload
+
+    n = args.num_instances
+    cores = os.cpu_count() or 1
+    settings = ServerSettings(prepare_model(model, tmp / model, 0), model, args.segment_len,
+                              args.num_slots, args.chunk_len, args.data_plane)  # fmt: skip
+    out: list[dict] = []
+    with Fleet(args.start_timeout_s) as fleet:
+        log(f"{model}: starting 1 server x {n} instances, {n} servers x 1 instance, the router")
+        # each system's torch threads add up to the machine's cores
+        pool_url = fleet.serve(settings, n, cores)
+        workers = [fleet.serve(settings, 1, max(1, cores // n)) for _ in range(n)]
+        router_url = fleet.router(workers, tuple(args.router_arg))
+        systems = {"tokenlake": System(pool_url, [pool_url]), "router": System(router_url, workers)}
+        for workload in args.workloads:
+            per_seed = {s: build_workload(workload, seed=s, num_requests=args.requests,
+                                          vocab_size=len(ALPHABET)) for s in args.seeds}  # fmt: skip
+            slo, solo_e2e = measure_solo(workers[0], model, per_seed[args.seeds[0]], salts)
+            log(f"{model} {workload}: SLO TTFT <= {slo.ttft_s * 1e3:.1f} ms, every token gap "
+                f"<= {slo.tpot_s * 1e3:.1f} ms (10x batch-size-1 at idle)")  # fmt: skip
+            lo = args.lo or round(1.0 / solo_e2e, 2)
+            for seed, reqs in per_seed.items():
+                key = {"bench": BENCH, "model": model, "workload": workload, "seed": seed,
+                       "num_instances": n}  # fmt: skip
+                out += search_seed(args, systems, key, reqs, slo, lo, salts, emit_line)
+    return out
+
+
+def search_seed(args, systems, key, reqs, slo, lo, salts, emit_line) -> list[dict]:
+    """Both systems' goodput searches on one seed's requests; their JSON lines."""
+    from tokenlake.benchmarks.wallclock.point import run_point
+    from tokenlake.benchmarks.wallclock.sweep import first_rate_only, search_all
+
+    out: list[dict] = []
+    where = f"{key['model']} {key['workload']} seed {key['seed']}"
+
+    def attainment_at(name: str, rate: float) -> float:
+        line = run_point(systems[name], key["model"], reqs, rate, next(salts), slo, args.drain_s)
+        line = {**key, "kind": "point", "system": name, **line}
+        log(f"  {where} {name:<9} {rate:7.2f} req/s: attainment {line['attainment']:.0%}, "
+            f"hit rate {line['hit_rate']:.1%}, load CV {line['load_cv']:.1%}")  # fmt: skip
+        emit_line(line, args.json_out)
+        out.append(line)
+        return line["attainment"]
+
+    if args.quick:
+        results = first_rate_only(SYSTEMS, attainment_at, lo)
+    else:
+        results = search_all(SYSTEMS, attainment_at, lo=lo, hi=2 * lo, rel_tol=args.rel_tol,
+                             max_evals=args.max_evals, wait_s=3600.0)  # fmt: skip
+    for name in SYSTEMS:
+        r = results[name]
+        line = {**key, "kind": "goodput", "system": name, "p90_goodput": round(r.goodput, 4),
+                "slo_missed_in_sweep": any(a < 0.9 for _, a in r.points),
+                "points": [(round(x, 4), round(a, 4)) for x, a in r.points],
+                "slo": slo.as_dict(), "load_avg": round(os.getloadavg()[0], 2)}  # fmt: skip
+        emit_line(line, args.json_out)
+        out.append(line)
+    log(f"{where}: P90 goodput " + ", ".join(
+        f"{name} {results[name].goodput:.2f} req/s" for name in SYSTEMS))  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
