@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from tokenlake.cluster.balancer import AccessStats, BalancerConfig
 from tokenlake.cluster.load_model import LoadModel
 from tokenlake.cluster.placement import Placement
-from tokenlake.cluster.slots import SlotAllocator
+from tokenlake.cluster.slots import EngineSlots, SlotAllocator
 from tokenlake.config import PoolConfig
 from tokenlake.errors import InvalidArgumentError, IterationStateError, UnknownRequestError
-from tokenlake.iteration import admission, instance_loss
+from tokenlake.iteration import admission, engine_slots, instance_loss
 from tokenlake.iteration.checks import check_pool_invariants
+from tokenlake.iteration.engine_slots import by_request as engine_slots_by_request
 from tokenlake.iteration.inflight import InFlight
 from tokenlake.iteration.planner import IterationPlanner
 from tokenlake.iteration.record import Iteration
@@ -42,6 +43,10 @@ class Pool:
     committed or aborted on its own, in any order. ``finish`` releases a request's pins and
     keeps its partial tail for a later turn. ``load_model`` enables :meth:`get_cache_load`;
     ``eviction`` picks what goes when the pool is full (:mod:`tokenlake.tree.policy`).
+    ``engine_slots``: the instances' engines allocate the slots (SGLang's page allocator over
+    the same memory, one copy): ``gen_plans`` takes the slot of every new segment, nothing is
+    put, copied or replicated, and a slot the engine gives up (:meth:`release_slots`) leaves
+    the pool once nothing reads it (:mod:`tokenlake.iteration.engine_slots`).
 
     The components (``tree``, ``allocators``, ``placement``, ``access``, ``requests``,
     ``inflight``, ``failover``, ``iterations``) are exposed for inspection and tests; change
@@ -56,6 +61,7 @@ class Pool:
         load_model: LoadModel | None = None,
         seed: int = 0,
         eviction: EvictionConfig | None = None,
+        engine_slots: bool = False,
     ) -> None:
         for name, value, kind in (
             ("config", config, PoolConfig),
@@ -67,6 +73,7 @@ class Pool:
             if not isinstance(value, kind) and (value is not None or kind is PoolConfig):
                 raise fail(name, f"a {kind.__name__}", value)
         self.seed = check_int("seed", seed, low=0, high=2**62)
+        self.engine_slots = check_bool("engine_slots", engine_slots)
         self.config = config
         self.hasher = hasher if hasher is not None else SegmentHasher(config.namespace)
         self.balancer = balancer if balancer is not None else BalancerConfig()
@@ -75,7 +82,7 @@ class Pool:
         policy = EvictionPolicy(eviction or EvictionConfig(), n * config.num_slots)
         self.tree = PrefixTree(config.segment_len, self.hasher, max_replicas=n, policy=policy)
         self.placement = Placement(range(n), seed=self.hasher.seed)
-        self.allocators = [SlotAllocator(config.num_slots) for _ in range(n)]
+        self.allocators = [self._new_allocator() for _ in range(n)]
         self.access = AccessStats(n, self.tree, self.balancer)
         self.stats = PoolStats(n)
         self.requests: dict[int | str, RequestState] = {}
@@ -85,6 +92,7 @@ class Pool:
         self.iterations = IterationPlanner(
             config, self.tree, self.placement, self.allocators, self.access, self.balancer,
             self.stats, self.requests, self.inflight, self.failover, self.seed,
+            engine_slots=self.engine_slots,
         )  # fmt: skip
         self._view = PrefixTreeView(self.tree)
 
@@ -163,6 +171,7 @@ class Pool:
         dops: Sequence[int] | None = None,
         tree: PrefixTreeView | None = None,
         instances: Sequence[Sequence[int] | None] | None = None,
+        engine_slots: Mapping[int | str, Sequence[int]] | None = None,
     ) -> Plans:
         """Plan one iteration: where each batch runs and where its prefix and new KV live.
 
@@ -176,6 +185,9 @@ class Pool:
                 any free instance), e.g. fixed roles (xPyD) or the instances an asynchronous
                 scheduler has decided for; the dispatcher still picks among them. Query
                 holders and put destinations may be any live instance, busy or not.
+            engine_slots: with ``Pool(engine_slots=True)`` (and only then): per request id
+                whose chunk starts segments, the slot of each, in order, on its batch's one
+                instance (``instances[b] == [w]``), where the engine has written them.
         Returns:
             :class:`Plans` with a new epoch (with replication orders in the transfer plans'
             copies). Call :meth:`commit` after the data plane executed them, or :meth:`abort`.
@@ -195,9 +207,12 @@ class Pool:
             batches, self.requests, inflight.busy_requests, self.tree
         )
         admission.check_dops(dops, cs)
+        slots = None
+        if self.engine_slots or engine_slots is not None:
+            slots = engine_slots_by_request(self.engine_slots, batches, instances, engine_slots)
         it = Iteration(inflight.next_epoch(), cs)
         try:
-            self.iterations.plan(it, dops, instances, matches, busy)
+            self.iterations.plan(it, dops, instances, matches, busy, slots)
         except BaseException:
             self.iterations.release(it, executed=False)
             raise
@@ -213,6 +228,7 @@ class Pool:
         asynchronous data plane: wait for it first, e.g. ``MPCluster.synchronize()``).
         """
         self.iterations.settle(self.inflight.take(plans), list(self.live_instances))
+        self._evict_released()
 
     def abort(self, plans: Plans, executed: bool = True) -> None:
         """Undo an iteration: free its new slots, forget its new requests, reservations,
@@ -230,6 +246,7 @@ class Pool:
         """
         executed = check_bool("executed", executed)
         self.iterations.release(self.inflight.take(plans), executed)
+        self._evict_released()
 
     def finish(self, request_id: int | str) -> None:
         """Release a finished request: unpin its prefix, keep its partial tail as a leaf."""
@@ -242,6 +259,7 @@ class Pool:
             )
         del self.requests[state.request_id]
         release_finished(state, self.tree, self.allocators)
+        self._evict_released()
 
     # ---- membership ----------------------------------------------------------------------
     def drop_instance(self, instance_id: int) -> list[int | str]:
@@ -272,7 +290,7 @@ class Pool:
             instance_id, lost, self.requests, self.tree, self.allocators, self.failover
         )
         self.placement.remove(instance_id)
-        self.allocators[instance_id] = SlotAllocator(self.config.num_slots)  # nothing lives there
+        self.allocators[instance_id] = self._new_allocator()  # nothing lives there
         return failed
 
     def restore_instance(self, instance_id: int) -> None:
@@ -282,9 +300,51 @@ class Pool:
         if instance_id in self.placement.live:
             dropped = sorted(set(range(self.config.num_instances)) - set(self.placement.live))
             raise fail("instance_id", f"a dropped instance (one of {dropped})", instance_id)
-        self.allocators[instance_id] = SlotAllocator(self.config.num_slots)
+        self.allocators[instance_id] = self._new_allocator()
         self.placement.add(instance_id)
         self.failover.num_changes += 1
+
+    # ---- engine-allocated slots -----------------------------------------------------------
+    def release_slots(self, instance_id: int, slots: Sequence[int]) -> list[int]:
+        """The engine of ``instance_id`` gives ``slots`` up (``engine_slots`` pools). Returns
+        the slots it may reuse now: these, where nothing of the pool's is in them or once
+        evicted, and earlier ones the pool has let go of since (:meth:`reclaim`); the rest
+        come back through :meth:`reclaim` once nothing pins or reads them."""
+        alloc = self._engine_allocator(instance_id)
+        slots = [
+            check_int(f"slots[{i}]", s, low=0, high=alloc.num_slots) for i, s in enumerate(slots)
+        ]
+        if len(set(slots)) != len(slots):
+            raise fail("slots", "distinct slot ids", slots)
+        for i, s in enumerate(slots):
+            if s in alloc.released_slots():
+                raise fail(f"slots[{i}]", "a slot not released already", s)
+        free_now = [s for s in slots if alloc.release(s)]
+        engine_slots.evict_released(self.tree, self.allocators, instance_id)
+        return free_now + alloc.drain_reclaimed()
+
+    def reclaim(self, instance_id: int) -> list[int]:
+        """Slots the engine of ``instance_id`` released earlier that the pool has let go of
+        since (``engine_slots`` pools): the engine's to reuse."""
+        return self._engine_allocator(instance_id).drain_reclaimed()
+
+    def _engine_allocator(self, instance_id: int) -> EngineSlots:
+        if not self.engine_slots:
+            raise InvalidArgumentError(
+                "engine_slots: this pool allocates its own slots; construct it with "
+                "engine_slots=True to take an engine's"
+            )
+        instance_id = check_int("instance_id", instance_id, low=0, high=self.config.num_instances)
+        return self.allocators[instance_id]
+
+    def _new_allocator(self) -> SlotAllocator:
+        kind = EngineSlots if self.engine_slots else SlotAllocator
+        return kind(self.config.num_slots)
+
+    def _evict_released(self) -> None:
+        if self.engine_slots:
+            for instance_id in self.placement.live:
+                engine_slots.evict_released(self.tree, self.allocators, instance_id)
 
     def get_stats(self) -> dict:
         """One plain dict of counters; see :meth:`tokenlake.stats.PoolStats.as_dict`."""

@@ -14,6 +14,7 @@ from tokenlake.cluster.slots import SlotAllocator
 from tokenlake.config import PoolConfig
 from tokenlake.errors import PoolFullError
 from tokenlake.iteration import admission
+from tokenlake.iteration.engine_slots import assign as engine_assign
 from tokenlake.iteration.inflight import InFlight
 from tokenlake.iteration.instance_loss import FailoverLog
 from tokenlake.iteration.record import Iteration
@@ -40,6 +41,7 @@ class IterationPlanner:
         inflight: InFlight,
         failover: FailoverLog,
         seed: int,
+        engine_slots: bool = False,
     ) -> None:
         self.config, self.tree, self.placement = config, tree, placement
         self.allocators, self.access, self.balancer = allocators, access, balancer
@@ -50,6 +52,9 @@ class IterationPlanner:
             failover,
         )
         self.seed = seed
+        # the engines allocate every slot and write every segment in place: nothing to
+        # place, put, copy or replicate (see Pool's ``engine_slots``)
+        self.engine_slots = engine_slots
         n = config.num_instances
         priced = balancer.hop_bytes > 0
         beside = self._not_overloaded if priced else None
@@ -61,7 +66,7 @@ class IterationPlanner:
         )
         self.builder = PlanBuilder(
             tree.table, config.segment_len, n, q_row_bytes, m.kv_bytes_per_token,
-            config.segment_bytes, balancer.hop_bytes,
+            config.segment_bytes, balancer.hop_bytes, engine_written=engine_slots,
         )  # fmt: skip
 
     def _not_overloaded(self, instance_id: int) -> bool:
@@ -74,8 +79,9 @@ class IterationPlanner:
         mean = float(load[list(live)].mean())
         return mean <= 0 or load[instance_id] <= self.balancer.overload_factor * mean
 
-    def plan(self, it: Iteration, dops, instances, matches, busy) -> None:
-        """Admit ``it``'s new requests, reserve its writes and replica copies, build its plans."""
+    def plan(self, it: Iteration, dops, instances, matches, busy, engine_slots=None) -> None:
+        """Admit ``it``'s new requests, reserve its writes and replica copies, build its plans.
+        ``engine_slots``: ``{request_id: (instance, slots)}``, with engine-allocated slots."""
         tree, planner, cs = self.tree, self.segments, it.chunk_set
         for i, c in cs.new:
             pc = admission.admit(c, matches[c.request_id], tree)
@@ -84,7 +90,9 @@ class IterationPlanner:
             it.new_chunks.append(pc)
         it.chunks = cs.planned_chunks
         rest = it.chunks
-        needed = sum(planner.num_new_slots(pc) for pc in rest)
+        if self.engine_slots:
+            engine_assign(rest, engine_slots or {}, planner.num_new_slots)
+        needed = sum(planner.num_new_slots(pc) for pc in rest if pc.engine_slots is None)
         if needed > planner.free_capacity():
             raise PoolFullError(
                 f"batches: need {needed} new slots, only {planner.free_capacity()} free or "
@@ -92,7 +100,8 @@ class IterationPlanner:
             )
         for pc in rest:
             planner.plan_writes(pc, it.victims)
-        self._reserve_replications(it)
+        if not self.engine_slots:
+            self._reserve_replications(it)
         for pc in it.new_chunks:  # evictions above may have taken the copy source chosen earlier
             if pc.source is not None:
                 for w in pc.writes:

@@ -86,6 +86,9 @@ class PlannedChunk:
     source: Node | None = None  # partially used segment for copy-on-extend (pinned)
     source_len: int = 0
     writes: list[SegmentWrite] = field(default_factory=list)
+    # engine-allocated slots (Pool(engine_slots=True)): (instance, the slot of each new
+    # segment in order), where the engine already wrote them
+    engine_slots: tuple[int, list[int]] | None = None
 
 
 def free_private_segments(

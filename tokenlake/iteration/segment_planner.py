@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 from tokenlake.cluster.placement import Placement
 from tokenlake.cluster.slots import SlotAllocator
-from tokenlake.errors import PoolFullError
+from tokenlake.errors import InvalidArgumentError, PoolFullError
 from tokenlake.iteration.requests import PlannedChunk, SegmentWrite
 from tokenlake.tree.prefix_tree import Evicted, Location, PrefixTree
 
@@ -72,6 +72,8 @@ class SegmentPlanner:
             if offset and state.open is not None and pos == pc.start:
                 location, new_slot = state.open.location, False
                 parent_key = state.open.parent_key
+            elif pc.engine_slots is not None:
+                location, new_slot = self._engine_slot(pc, offset), True
             else:
                 key = tree.hasher.key(parent_key, content)
                 beside = self.beside
@@ -99,6 +101,20 @@ class SegmentPlanner:
             pc.writes.append(write)
             prev = location.instance_id
             pos = seg_end
+
+    def _engine_slot(self, pc: PlannedChunk, offset: int) -> Location:
+        """The next slot the engine wrote for ``pc``: its pages are the pool's slots, so a
+        segment starts at a page boundary (no copy-on-extend, nothing to put)."""
+        instance_id, slots = pc.engine_slots
+        if offset:
+            raise InvalidArgumentError(
+                f"chunks: request {pc.state.request_id!r} starts at token {pc.start}, inside a "
+                "segment; with engine-allocated slots a chunk starts at a segment boundary or "
+                "continues its own open tail"
+            )
+        done = sum(w.new_slot for w in pc.writes)
+        self.allocators[instance_id].take(slots[done])
+        return Location(instance_id, slots[done])
 
     def reserve_replica(self, destination: int, journal: list[Evicted]) -> Location | None:
         """A slot for a replication order on ``destination``: a free one, or the slot of its

@@ -50,8 +50,10 @@ class PlanBuilder:
         kv_token_bytes: float,
         segment_bytes: float,
         hop_bytes: float = 0.0,
+        engine_written: bool = False,
     ) -> None:
         self.pages = PageGatherer(table, segment_len, num_instances)
+        self.engine_written = engine_written  # the engines wrote every new token in place
         self.num_instances = num_instances
         self.q_row_bytes, self.kv_token_bytes = q_row_bytes, kv_token_bytes
         self.segment_bytes = segment_bytes
@@ -79,6 +81,8 @@ class PlanBuilder:
         # traffic matrices for dispatch: rows to each holder once per request, tokens to homes
         query_rows = pages.query_rows
         runs, copies = cs.runs(pieces)
+        if self.engine_written:
+            runs, copies = runs[:0], []
         put_tokens = np.zeros((num_subs, n_inst))
         if len(runs):
             np.add.at(put_tokens, (runs[:, 0], runs[:, 1]), runs[:, 3])
