@@ -41,11 +41,14 @@ class ClusterSpec:
     tp: int = 2
     mem_fraction_static: float = 0.88
     cache_tokens: int = 0  # > 0 overrides the KV capacity per instance (cache-size sweeps)
+    # a measured profile (``--hardware-profile FILE``): used instead of the names' entries
+    hardware_profile: HardwareProfile | None = None
+    model_profile: ModelProfile | None = None
 
     def __post_init__(self) -> None:
-        if self.hardware not in HARDWARE:
+        if self.hardware_profile is None and self.hardware not in HARDWARE:
             raise ValueError(f"ClusterSpec.hardware: expected one of {sorted(HARDWARE)}")
-        if self.model not in MODELS:
+        if self.model_profile is None and self.model not in MODELS:
             raise ValueError(f"ClusterSpec.model: expected one of {sorted(MODELS)}")
         if self.num_instances < 1 or self.tp < 1 or not 0 < self.mem_fraction_static <= 1:
             raise ValueError("ClusterSpec: num_instances, tp >= 1; 0 < mem_fraction_static <= 1")
@@ -58,11 +61,11 @@ class ClusterSpec:
 
     @property
     def hw(self) -> HardwareProfile:
-        return HARDWARE[self.hardware]
+        return self.hardware_profile or HARDWARE[self.hardware]
 
     @property
     def mp(self) -> ModelProfile:
-        return MODELS[self.model]
+        return self.model_profile or MODELS[self.model]
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -97,17 +100,21 @@ class TimerConfig:
     """Calibration of the scheduler's roofline :class:`CostModel` to measured engines:
     achievable shares of peak FLOP/s and HBM bandwidth, and a fixed per-iteration overhead
     (kernel launches, sampling, scheduling; TP all-reduces fold into it). Chosen once against
-    the published measurements cited in the README (``tokenlake.benchmarks.sim_crosscheck``)."""
+    the published measurements cited in the README (``tokenlake.benchmarks.sim_crosscheck``).
+    ``row_overhead_s``: a fixed cost per request (chunk) in each forward, the host-side work
+    per row (batching, position and page tables, sampling); 0 for the GPU profiles, where it
+    was not measured, fitted for a measured CPU profile (:mod:`.cpu_profile`)."""
 
     mfu: float = 0.65
     mbu: float = 0.8
     prefill_overhead_s: float = 10e-3
     decode_overhead_s: float = 2e-3
+    row_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (0 < self.mfu <= 1 and 0 < self.mbu <= 1):
             raise ValueError("TimerConfig: 0 < mfu, mbu <= 1")
-        if self.prefill_overhead_s < 0 or self.decode_overhead_s < 0:
+        if min(self.prefill_overhead_s, self.decode_overhead_s, self.row_overhead_s) < 0:
             raise ValueError("TimerConfig: overheads must be >= 0")
 
 
@@ -132,7 +139,7 @@ class CostModelTimer:
     ) -> float:
         """``read_lens[i]`` (default ``prefix_lens[i]``): prefix tokens request i reads from
         memory, fewer when a cascade kernel reads a prefix shared across the batch once."""
-        t = self.config.prefill_overhead_s + self.cost.forward_time([(0, n) for n in new_lens])
+        t = self.config.prefill_overhead_s + self.forward_time([(0, n) for n in new_lens])
         reads = prefix_lens if read_lens is None else read_lens
         for n, p, r in zip(new_lens, prefix_lens, reads, strict=True):
             if p:
@@ -144,14 +151,15 @@ class CostModelTimer:
         fewer when a batch's shared prefix is read once (cascade attention, page groups)."""
         # one row per request; prefix attention of all rows over their own contexts
         n, ctx = len(ctx_lens), int(sum(ctx_lens))
-        t = self.config.decode_overhead_s + self.cost.forward_time([(0, 1)] * n)
+        t = self.config.decode_overhead_s + self.forward_time([(0, 1)] * n)
         return t + self.cost.query_time(1, ctx, num_read_tokens) if ctx else t
 
     def query_time(self, num_rows: int, num_kv_tokens: int) -> float:
         return self.cost.query_time(num_rows, num_kv_tokens)
 
     def forward_time(self, pieces: Sequence[tuple[int, int]]) -> float:
-        return self.cost.forward_time(pieces)
+        """A forward over ``pieces`` (one per chunk), with the per-row host cost."""
+        return self.cost.forward_time(pieces) + self.config.row_overhead_s * len(pieces)
 
     def transfer_time(self, num_bytes: float, same_node: bool = False) -> float:
         # Mooncake moves KV over the RDMA NICs; TokenLake's q/o and puts may use NVLink.

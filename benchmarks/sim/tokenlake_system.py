@@ -28,7 +28,7 @@ from tokenlake.benchmarks.sim.job import Job
 from tokenlake.benchmarks.sim.layered import PricingConfig
 from tokenlake.benchmarks.sim.metrics import LoadTimeline
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec, CostModelTimer
-from tokenlake.benchmarks.sim.tokenlake_timing import Flight, TokenLakeTiming
+from tokenlake.benchmarks.sim.tokenlake_timing import Flight, SharedHost, TokenLakeTiming
 from tokenlake.benchmarks.workloads.request import prompt_tokens
 from tokenlake.cluster.load_model import LoadModel
 from tokenlake.scheduler import ElasticScheduler, SchedulerConfig
@@ -70,10 +70,14 @@ class TokenLakeSystem:
         config: TokenLakeConfig | None = None,
         on_rejected: Callable[[Job, float, str], None] | None = None,
         cpu_clock: Callable[[], float] = time.thread_time,
+        host: SharedHost | None = None,
+        load_offset: int = 0,
     ) -> None:
         """``cpu_clock``: the clock the control plane's calls are measured with (this
         thread's CPU time by default: a loaded machine does not inflate it, as it would
-        wall time)."""
+        wall time). ``host``: the instances run in one thread on this CPU host (see
+        :class:`TokenLakeTiming`). ``load_offset``: this system's first instance in
+        ``load`` (a router's workers share one timeline)."""
         config = config or TokenLakeConfig()
         self.loop, self.timer, self.spec, self.load = loop, timer, spec, load
         self.on_finished_cb, self.on_rejected_cb = on_finished, on_rejected
@@ -100,7 +104,8 @@ class TokenLakeSystem:
         dops = tuple(d for d in (1, 2, 4, 8, 16) if d <= cfg.max_prefill_dop)
         model = timer.cost.fit(dops=dops)
         self.sched = ElasticScheduler(cfg, model, self.pool, clock=lambda: loop.now)
-        self.timing = TokenLakeTiming(timer, spec, seg, config.page_groups, config.pricing)
+        self.timing = TokenLakeTiming(timer, spec, seg, config.page_groups, config.pricing, host)
+        self.load_offset = load_offset
         self.pricing, self.cpu_clock = config.pricing, cpu_clock
         self.control_free_at = 0.0  # when the control plane's last charged call ends
         self.control_cpu_s = 0.0  # measured CPU seconds of its calls (unscaled)
@@ -163,10 +168,11 @@ class TokenLakeSystem:
             has_prefill = any(p != "decode" for p in it.decision.phases)
             delay = self.control_free_at - now + self.pricing.rpc_s
             flight, moved = self.timing.start(it.plans, has_prefill, now, it, delay)
+            flight.owner = self
             for i in flight.reads.nonzero()[0]:
-                self.load.add(now, int(i), float(flight.reads[i]))
+                self.load.add(now, self.load_offset + int(i), float(flight.reads[i]))
             for f in [flight, *moved]:
-                self._schedule_end(f)
+                f.owner._schedule_end(f)
 
     def _charge(self, cpu_s: float) -> None:
         """The control plane spent ``cpu_s`` on a call at ``loop.now``: it runs one call at a
@@ -182,9 +188,10 @@ class TokenLakeSystem:
         self.loop.at(flight.end, lambda: self._end(flight, version))
 
     def _end(self, flight: Flight, version: int) -> None:
-        if version != flight.version:  # its end moved later; a newer event completes it
+        if version != flight.version:  # its end moved; a newer event completes it
             return
-        self.timing.finish(flight)
+        for f in self.timing.finish(flight):
+            f.owner._schedule_end(f)
         now, it = self.loop.now, flight.payload
         decode = it.decision.phases[0] == "decode" and len(it.decision.phases) == 1
         steps = max(c.num_new_tokens for c in it.decision.chunks) if decode else 1

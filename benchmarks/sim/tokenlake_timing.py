@@ -49,6 +49,7 @@ class Flight:
     id: int = field(default_factory=itertools.count().__next__)
     stall: dict[int, float] = field(default_factory=dict)
     delay: float = 0.0
+    owner: object = None  # the system that completes it (a shared host moves others' flights)
 
     @property
     def end(self) -> float:
@@ -87,6 +88,40 @@ class SharedGPU:
         return out
 
 
+class SharedHost(SharedGPU):
+    """A CPU host: ``cores`` cores shared by the tasks on it, each task one thread (at most
+    one core): every task is served at ``min(1, cores / len(tasks))``. The executors of
+    several simulated systems (a router's worker processes) may share one host."""
+
+    def __init__(self, cores: float) -> None:
+        super().__init__()
+        if not cores > 0:
+            raise ValueError(f"SharedHost.cores: expected > 0, got {cores!r}")
+        self.cores = float(cores)
+
+    def _rate(self, num_tasks: int) -> float:
+        return min(1.0, self.cores / num_tasks)
+
+    def advance(self, now: float) -> None:
+        elapsed, self.t = now - self.t, now
+        while elapsed > _EPS and self.tasks:
+            rate, low = self._rate(len(self.tasks)), min(self.tasks.values())
+            step = min(low, elapsed * rate)  # work done by each task
+            self.tasks = {f: r - step for f, r in self.tasks.items() if r - step > _EPS}
+            elapsed -= step / rate
+
+    def finishes(self) -> dict[Flight, float]:
+        out, t, done, prev = {}, self.t, 0, 0.0
+        order = sorted(self.tasks.items(), key=lambda fr: fr[1])
+        for flight, rem in order:
+            t += (rem - prev) / self._rate(len(order) - done)
+            out[flight], prev, done = t, rem, done + 1
+        return out
+
+
+HOST = -1  # a flight's work_end key for its work on a shared host
+
+
 class TokenLakeTiming:
     def __init__(
         self,
@@ -95,12 +130,17 @@ class TokenLakeTiming:
         segment_len: int,
         page_groups: bool = True,
         pricing: PricingConfig | None = None,
+        host: SharedHost | None = None,
     ) -> None:
         """``page_groups`` False: decode rows each read their own pages (no shared-page
         groups), to show what the groups alone are worth. ``pricing``: how distributed
-        attention is priced (default: layer by layer)."""
+        attention is priced (default: layer by layer). ``host``: the instances run in one
+        thread on this CPU host (``tokenlake serve``'s in-process data plane) instead of
+        each on its own device: an iteration's work on every instance, its links and its
+        waits for remote parts add up to one task there."""
         self.timer, self.spec, self.segment_len = timer, spec, segment_len
         self.page_groups = page_groups
+        self.host = host
         n = spec.num_instances
         pricing = pricing or PricingConfig()
         self.layers = None
@@ -266,10 +306,17 @@ class TokenLakeTiming:
         origin's ``stall`` after its work and ``delay`` before it. Returns its flight and
         the flights it delayed."""
         reads = np.zeros(len(self.gpus)) if reads is None else reads
-        flight = Flight(payload, now, now + net, reads, stall=stall or {}, delay=delay)
+        if self.host is not None:  # one thread does it all, one thing after another
+            total = float(np.sum(work)) + net + sum((stall or {}).values())
+            flight = Flight(payload, now, now, reads, delay=delay)
+            work, servers = {HOST: total}, {HOST: self.host}
+        else:
+            flight = Flight(payload, now, now + net, reads, stall=stall or {}, delay=delay)
+            servers = self.servers
         moved: dict[int, Flight] = {}
-        for i in np.flatnonzero(np.asarray(work) > 0):
-            gpu = self.servers[int(i)]
+        busy = list(work) if self.host is not None else np.flatnonzero(np.asarray(work) > 0)
+        for i in busy:
+            gpu = servers[int(i)]
             gpu.advance(now)
             gpu.add(flight, float(work[i]))
             for f, end in gpu.finishes().items():
@@ -279,12 +326,23 @@ class TokenLakeTiming:
                 f.work_end[int(i)] = end
         return flight, list(moved.values())
 
-    def finish(self, flight: Flight) -> None:
-        """The iteration completed at its end: its work is done everywhere."""
+    def finish(self, flight: Flight) -> list[Flight]:
+        """The iteration completed at its end: its work is done everywhere. Returns the
+        flights on a shared host that now end earlier (their completion events must be
+        rescheduled; on devices a leaving task's speed-up is not passed on)."""
+        moved = []
         for i in flight.work_end:
-            gpu = self.servers[i]
+            gpu = self.host if i == HOST else self.servers[i]
             gpu.advance(flight.end)
             gpu.tasks.pop(flight, None)
+            if i != HOST:
+                continue
+            for f, end in gpu.finishes().items():
+                if end < f.work_end.get(HOST, end) - _EPS:
+                    f.version += 1
+                    f.work_end[HOST] = end
+                    moved.append(f)
+        return moved
 
     def _add_traffic(self, near, far, src, dst, num_bytes) -> None:
         """Add ``num_bytes[i]`` sent by ``src[i]`` to ``dst[i]`` (nothing when they are equal)."""

@@ -1,0 +1,213 @@
+"""The wall-clock bench's CPU setups in the simulator, priced by a measured CPU profile.
+
+What runs for real (``tokenlake bench wallclock``): one ``tokenlake serve --num-instances N``
+(``pool``: one pool over N instances, its in-process data plane, one runtime thread that runs
+one iteration at a time, ``SchedulerConfig``'s defaults) against N ``tokenlake serve
+--num-instances 1`` behind the cache-aware router (``router``), all on one host of a few
+cores, driven by a streaming client that sends a session's next turn once the previous one
+has answered and its own arrival time has come.
+
+Here both run through the simulator's own parts: the real pool and elastic scheduler
+(:class:`.tokenlake_system.TokenLakeSystem`, priced by :mod:`.tokenlake_timing`) and the router
+model (:class:`.router.CacheAwareRouter`). The costs a GPU cluster does not have are the
+profile's (:mod:`.cpu_profile`): every server's iterations are one thread's work, the whole
+pool's included (:class:`.tokenlake_timing.SharedHost`), and all servers' threads share the
+host's cores; ``request_overhead_s`` is the serving path's fixed cost per request (HTTP,
+tokenizer, stream), paid before the request reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokenlake.benchmarks.sim.cpu_profile import CpuProfile
+from tokenlake.benchmarks.sim.events import EventLoop
+from tokenlake.benchmarks.sim.job import Job
+from tokenlake.benchmarks.sim.layered import PricingConfig
+from tokenlake.benchmarks.sim.metrics import LoadTimeline, RequestRecord
+from tokenlake.benchmarks.sim.router import CacheAwareRouter
+from tokenlake.benchmarks.sim.tokenlake_system import TokenLakeConfig, TokenLakeSystem
+from tokenlake.benchmarks.sim.tokenlake_timing import SharedHost
+from tokenlake.benchmarks.workloads.request import SimRequest
+
+SYSTEMS = ("tokenlake", "router")
+
+
+@dataclass(frozen=True)
+class ServedSettings:
+    """The real runs' server flags (``tokenlake bench wallclock``'s defaults) and the
+    serving path's cost per request."""
+
+    num_instances: int = 4
+    segment_len: int = 32
+    num_slots: int = 96
+    chunk_len: int = 256
+    request_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_instances", "segment_len", "num_slots", "chunk_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ServedSettings.{name}: expected an int >= 1, got {value!r}")
+        if not 0 <= self.request_overhead_s < math.inf:
+            raise ValueError(
+                f"ServedSettings.request_overhead_s: expected >= 0, got {self.request_overhead_s!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One request of a run: sent at ``send_s`` or once its session's previous turn ended."""
+
+    req: SimRequest
+    send_s: float
+    session: str | None
+
+
+def to_requests(
+    prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], block_size: int
+) -> list[SimRequest]:
+    """Token prompts as the simulator's requests: chained block ids, equal id = equal prefix
+    up to and including that block (a last partial block is keyed by its tokens too)."""
+    ids: dict[tuple, int] = {}
+    out = []
+    for rid, (prompt, n_out) in enumerate(zip(prompts, max_tokens, strict=True)):
+        parent, chain = -1, []
+        for i in range(0, len(prompt), block_size):
+            key = (parent, tuple(prompt[i : i + block_size]))
+            parent = ids.setdefault(key, len(ids))
+            chain.append(parent)
+        out.append(SimRequest(rid, 0.0, len(prompt), int(n_out), tuple(chain)))
+    return out
+
+
+class _Pool:
+    def __init__(self, loop, profile, settings, load, on_done, host) -> None:
+        n, seg = settings.num_instances, settings.segment_len
+        timer = profile.step_timer(n, settings.num_slots * seg)
+        self.system = TokenLakeSystem(
+            loop, timer, timer.spec, on_done, load, _config(settings, profile), None,
+            host=host,
+        )  # fmt: skip
+
+    def submit(self, job: Job) -> None:
+        self.system.submit(job)
+
+    def done(self, job: Job) -> None:
+        pass
+
+
+class _Router:
+    """N one-instance servers behind the cache-aware router, their threads on one host."""
+
+    def __init__(self, loop, profile, settings, load, on_done, host) -> None:
+        n, seg = settings.num_instances, settings.segment_len
+        timer = profile.step_timer(1, settings.num_slots * seg)
+        self.router = CacheAwareRouter(n)
+        self.loop, self.worker_of = loop, {}
+        self.workers = [
+            TokenLakeSystem(
+                loop,
+                timer,
+                timer.spec,
+                on_done,
+                load,
+                _config(settings, profile),
+                None,
+                host=host,
+                load_offset=i,
+            )  # fmt: skip
+            for i in range(n)
+        ]
+
+    def submit(self, job: Job) -> None:
+        keys, lengths = job.prompt_keys()
+        worker = self.router.select(keys, lengths, self.loop.now)
+        self.worker_of[job.rid] = worker
+        self.workers[worker].submit(job)
+
+    def done(self, job: Job) -> None:
+        self.router.finished(self.worker_of.pop(job.rid))
+
+
+def _config(settings: ServedSettings, profile: CpuProfile) -> TokenLakeConfig:
+    # tokenlake serve's SchedulerConfig: its defaults but the chunk; the control plane's
+    # measured CPU time charged as it is (it runs in the runtime thread); no RPC or kernel
+    # launch apart from what the profile's hop holds
+    return TokenLakeConfig(
+        segment_len=settings.segment_len,
+        chunk_len=settings.chunk_len,
+        sync_iterations=True,
+        pricing=PricingConfig(rpc_s=0.0, launch_s=0.0, control_plane_scale=1.0),
+    )
+
+
+def simulate_served(
+    system: str,
+    profile: CpuProfile,
+    settings: ServedSettings,
+    arrivals: Sequence[Arrival],
+    limit_s: float,
+    block_size: int,
+) -> tuple[list[RequestRecord], LoadTimeline]:
+    """Run ``arrivals`` through ``system`` (one of :data:`SYSTEMS`) until every request has
+    finished or ``limit_s`` (the real run's cap: later tokens do not count). Each record's
+    ``arrival_s`` is its send time, as the client measures TTFT from it."""
+    if system not in SYSTEMS:
+        raise ValueError(f"system: expected one of {SYSTEMS}, got {system!r}")
+    loop = EventLoop()
+    load = LoadTimeline(settings.num_instances)
+    host = SharedHost(profile.host_cores)
+    records: dict[int, RequestRecord] = {}
+    waiting: dict[str, list[Arrival]] = {}  # session -> its turns not sent yet, in order
+    busy: set[str] = set()  # sessions with a turn in flight
+
+    def on_done(job: Job, t: float) -> None:
+        served.done(job)
+        session = session_of.get(job.rid)
+        if session is not None:
+            busy.discard(session)
+            if waiting.get(session):
+                nxt = waiting[session].pop(0)
+                loop.at(max(t, nxt.send_s), lambda a=nxt: send(a))
+
+    make = _Pool if system == "tokenlake" else _Router
+    served = make(loop, profile, settings, load, on_done, host)
+    session_of = {a.req.rid: a.session for a in arrivals}
+
+    def send(a: Arrival) -> None:
+        if a.session is not None:
+            busy.add(a.session)
+        rec = RequestRecord(a.req.rid, loop.now, a.req.input_len, a.req.output_len, 1.0, (1.0, 0))
+        records[a.req.rid] = rec
+        job = Job(a.req, rec, block_size)
+        loop.at(loop.now + settings.request_overhead_s, lambda: served.submit(job))
+
+    def arrive(a: Arrival) -> None:
+        if a.session is not None and (a.session in busy or waiting.get(a.session)):
+            waiting.setdefault(a.session, []).append(a)
+        else:
+            send(a)
+
+    for a in sorted(arrivals, key=lambda a: (a.send_s, a.req.rid)):
+        loop.at(a.send_s, lambda a=a: arrive(a))
+    loop.run(until=limit_s)
+    out = []
+    for a in arrivals:
+        rec = records.get(a.req.rid)
+        if rec is None:  # never sent: its session's previous turn did not end in time
+            rec = RequestRecord(a.req.rid, math.nan, a.req.input_len, a.req.output_len, 1.0, (1, 0))
+        out.append(rec)
+    return out, load
+
+
+def meets(rec: RequestRecord, ttft_s: float, tpot_s: float) -> bool:
+    """The wall-clock bench's rule: finished, the first token within ``ttft_s`` of sending
+    and every later token within ``tpot_s`` of the one before."""
+    return rec.finished and rec.first_token_s - rec.arrival_s <= ttft_s and rec.max_tbt_s <= tpot_s
+
+
+def attainment(records: Sequence[RequestRecord], ttft_s: float, tpot_s: float) -> float:
+    return sum(meets(r, ttft_s, tpot_s) for r in records) / len(records) if records else 0.0

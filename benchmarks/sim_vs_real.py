@@ -1,0 +1,224 @@
+"""The simulator against the real cluster: the wall-clock runs' workloads, rates, instance
+count and SLO thresholds replayed in the simulator, priced by a CPU profile measured on this
+machine (``tokenlake bench calibrate-cpu``), side by side with the real figures.
+
+    tokenlake bench sim-vs-real --real /tmp/tl/wallclock/results.jsonl \\
+        --hardware-profile tiny.json --hardware-profile bench.json
+
+``--real`` holds ``tokenlake bench wallclock``'s JSON lines (:mod:`tokenlake.benchmarks.
+wallclock`'s schema). For every (model, workload, seed, system) measured there, the same
+request list (``build_workload`` with the same seed and count) runs through the simulated
+setup (:mod:`tokenlake.benchmarks.sim.served_cpu`) at each measured rate; attainment uses the
+real run's thresholds and rule, and the run is cut where the real one was (the last arrival
+plus ``--drain-s``). A goodput is the highest measured rate whose attainment is at least 0.9,
+for both sides (the real bisection's answer is one of its probes). A model without
+``--hardware-profile`` is calibrated first (seconds for tiny-random, about half a minute for
+bench-model). Prints one table and JSON lines: ``kind`` "point" (real and simulated
+attainment at a rate) and "goodput".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from tokenlake.benchmarks.sim.cpu_profile import CpuProfile
+from tokenlake.benchmarks.sim.served_cpu import (
+    SYSTEMS,
+    Arrival,
+    ServedSettings,
+    attainment,
+    simulate_served,
+    to_requests,
+)
+
+TARGET = 0.9
+ATTAINMENT_TOLERANCE = 0.10  # points
+GOODPUT_TOLERANCE = 0.25  # relative
+
+
+def read_real(path: Path) -> tuple[dict, dict]:
+    """(points, goodputs) of a wall-clock JSON lines file: ``points[(model, workload, seed,
+    system)]`` = [line, ...] by rate; ``goodputs[same key]`` = line. Raises ``ValueError``
+    naming the line that is not a JSON object with the needed fields."""
+    points, goodputs = defaultdict(list), {}
+    for n, raw in enumerate(path.read_text().splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+        if not isinstance(line, dict) or line.get("bench") != "wallclock-router":
+            continue
+        try:
+            key = (line["model"], line["workload"], int(line["seed"]), line["system"])
+            if line["kind"] == "point":
+                line["rate"], line["attainment"] = float(line["rate"]), float(line["attainment"])
+                line["slo"]["ttft_s"], line["slo"]["tpot_s"]  # noqa: B018 -- must be there
+                points[key].append(line)
+            elif line["kind"] == "goodput":
+                goodputs[key] = line
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}:{n}: bad or missing field {e}") from None
+    for lines in points.values():
+        lines.sort(key=lambda x: x["rate"])
+    return dict(points), goodputs
+
+
+def goodput(points: list[tuple[float, float]]) -> float:
+    """The highest rate whose attainment is at least :data:`TARGET` (0 if none)."""
+    return max((r for r, a in points if a >= TARGET), default=0.0)
+
+
+def compare(real_points: dict, real_goodputs: dict, profiles: dict, settings, drain_s) -> list:
+    """One "point" row per real point and one "goodput" row per (model, workload, seed,
+    system), each with the simulated figure beside the real one."""
+    from tokenlake.benchmarks.wallclock.client import ALPHABET
+    from tokenlake.benchmarks.wallclock.workloads import build_workload
+
+    rows, cache = [], {}
+    for (model, workload, seed, system), lines in sorted(real_points.items()):
+        if system not in SYSTEMS or model not in profiles:
+            continue
+        n = int(lines[0]["num_requests"])
+        if (model, workload, seed, n) not in cache:
+            timed = build_workload(workload, seed=seed, num_requests=n, vocab_size=len(ALPHABET))
+            reqs = to_requests(
+                [t.prompt_ids for t in timed], [t.max_tokens for t in timed], settings.segment_len
+            )
+            cache[(model, workload, seed, n)] = (timed, reqs)
+        timed, reqs = cache[(model, workload, seed, n)]
+        cfg = ServedSettings(
+            int(lines[0].get("num_instances", settings.num_instances)), settings.segment_len,
+            settings.num_slots, settings.chunk_len, settings.request_overhead_s,
+        )  # fmt: skip
+        sim_points, real_pts = [], []
+        for line in lines:
+            rate, slo = line["rate"], line["slo"]
+            arrivals = [
+                Arrival(r, t.arrival_s / rate, t.session_id)
+                for r, t in zip(reqs, timed, strict=True)
+            ]
+            limit = max(a.send_s for a in arrivals) + drain_s
+            records, load = simulate_served(
+                system, profiles[model], cfg, arrivals, limit, settings.segment_len
+            )
+            sim = attainment(records, slo["ttft_s"], slo["tpot_s"])
+            sim_points.append((rate, sim))
+            real_pts.append((rate, line["attainment"]))
+            rows.append({
+                "bench": "sim-vs-real", "kind": "point", "model": model, "workload": workload,
+                "seed": seed, "system": system, "num_instances": cfg.num_instances,
+                "rate": rate, "num_requests": n, "slo": slo,
+                "real_attainment": line["attainment"], "sim_attainment": round(sim, 4),
+                "error_points": round(100 * (sim - line["attainment"]), 1),
+                "sim_load_cv": round(load.cv(), 4),
+            })  # fmt: skip
+        real_g = real_goodputs.get((model, workload, seed, system), {}).get("p90_goodput")
+        real_g = goodput(real_pts) if real_g is None else float(real_g)
+        sim_g = goodput(sim_points)
+        rows.append({
+            "bench": "sim-vs-real", "kind": "goodput", "model": model, "workload": workload,
+            "seed": seed, "system": system, "real_p90_goodput": real_g,
+            "sim_p90_goodput": sim_g,
+            "error": round(sim_g / real_g - 1, 3) if real_g > 0 else None,
+        })  # fmt: skip
+    return rows
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The markdown table: per model x workload x system, attainment real / simulated at
+    each rate (every seed's points), median P90 goodput over seeds, and the errors."""
+    groups = defaultdict(lambda: {"points": [], "goodputs": []})
+    for r in rows:
+        g = groups[(r["model"], r["workload"], r["system"])]
+        g["points" if r["kind"] == "point" else "goodputs"].append(r)
+    out = [
+        "| model | workload | system | attainment real / sim at rate (req/s) | max error "
+        "| P90 goodput real / sim (median over seeds) | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (model, workload, system), g in sorted(groups.items()):
+        by_rate = defaultdict(list)
+        for p in g["points"]:
+            by_rate[p["rate"]].append((p["real_attainment"], p["sim_attainment"]))
+        cells = ", ".join(
+            f"{rate:g}: {_pct(statistics.median(a for a, _ in v))} / "
+            f"{_pct(statistics.median(s for _, s in v))}"
+            for rate, v in sorted(by_rate.items())
+        )
+        worst = max((abs(p["error_points"]) for p in g["points"]), default=0.0)
+        real = statistics.median(x["real_p90_goodput"] for x in g["goodputs"])
+        sim = statistics.median(x["sim_p90_goodput"] for x in g["goodputs"])
+        err = f"{sim / real - 1:+.0%}" if real > 0 else "—"
+        ok = worst <= 100 * ATTAINMENT_TOLERANCE and real > 0 and abs(sim / real - 1) <= 0.25
+        out.append(
+            f"| {model} | {workload} | {system} | {cells} | {worst:.0f} pts | {real:g} / {sim:g} "
+            f"| {err}{'' if ok else ' (misses)'} |"
+        )
+    return out
+
+
+def _pct(x: float) -> str:
+    return f"{x:.0%}"
+
+
+def load_profiles(files: list[Path], models: set[str], repeats: int) -> dict[str, CpuProfile]:
+    profiles = {}
+    for f in files:
+        try:
+            profile = CpuProfile.from_json(json.loads(f.read_text()))
+        except (OSError, json.JSONDecodeError, ValueError) as e:
+            raise ValueError(f"--hardware-profile {f}: {e}") from None
+        profiles[profile.name] = profile
+    for model in sorted(models - set(profiles)):
+        from tokenlake.benchmarks.sim_calibrate import calibrate
+
+        print(f"calibrating {model} (no --hardware-profile for it)", file=sys.stderr)
+        profiles[model] = calibrate(model, repeats, quick=False)
+    return profiles
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--real", type=Path, required=True, help="the wall-clock bench's JSON lines")
+    p.add_argument(
+        "--hardware-profile", type=Path, action="append", default=[], metavar="FILE",
+        help="a profile from tokenlake bench calibrate-cpu (one per model; repeatable)",
+    )  # fmt: skip
+    p.add_argument("--segment-len", type=int, default=32, help="the real servers' flag")
+    p.add_argument("--num-slots", type=int, default=96, help="the real servers' flag")
+    p.add_argument("--chunk-len", type=int, default=256, help="the real servers' flag")
+    p.add_argument("--drain-s", type=float, default=30.0, help="the real runs' cap after arrivals")
+    p.add_argument(
+        "--request-overhead-ms", type=float, default=None,
+        help="the serving path's cost per request (default: the profile's)",
+    )  # fmt: skip
+    p.add_argument("--repeats", type=int, default=3, help="calibration runs per case")
+    args = p.parse_args(argv)
+    real_points, real_goodputs = read_real(args.real)
+    if not real_points:
+        p.error(f"--real {args.real}: no wallclock-router point lines")
+    profiles = load_profiles(args.hardware_profile, {k[0] for k in real_points}, args.repeats)
+    overhead = args.request_overhead_ms
+    settings = ServedSettings(
+        segment_len=args.segment_len, num_slots=args.num_slots, chunk_len=args.chunk_len,
+        request_overhead_s=0.0 if overhead is None else overhead / 1e3,
+    )  # fmt: skip
+    rows = compare(real_points, real_goodputs, profiles, settings, args.drain_s)
+    print("\n".join(table(rows)))
+    for r in rows:
+        print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
