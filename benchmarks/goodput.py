@@ -23,12 +23,14 @@ import argparse
 import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from tokenlake.benchmarks import goodput_args
 from tokenlake.benchmarks.goodput_args import DEFAULT_REQUESTS, TRACE_PRESETS
 from tokenlake.benchmarks.goodput_report import GoodputReport
 from tokenlake.benchmarks.goodput_runs import Knob, RunKey, Runs, knob_prefill
 from tokenlake.benchmarks.sim.confidence import TARGET, system_goodput
+from tokenlake.benchmarks.sim.cpu_profile import load_cpu_profile
 from tokenlake.benchmarks.sim.router import RouterConfig
 from tokenlake.benchmarks.sim.runner import WALL_BUDGET, RunResult
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec
@@ -117,6 +119,8 @@ def more_knobs_of(args: argparse.Namespace, system: str):
 def run(args: argparse.Namespace) -> dict:
     """Run the harness with parsed options (:func:`parse_args`); returns the summary."""
     spec = ClusterSpec(args.hardware, args.model, args.instances, args.tp)
+    if args.hardware_profile is not None:
+        spec = load_cpu_profile(args.hardware_profile).spec(args.instances)
     report = GoodputReport(args, spec, lambda s: knobs_of(args, s))
     seeds = list(range(args.seed, args.seed + args.seeds))
     # what the runs replay: the trace's own timing (a replay) or a rate (the header's note)
@@ -222,13 +226,7 @@ def _run_phases(
         rate = args.rate or args.lo
         for s in args.systems:
             for f in args.cache_fractions:
-                sp = ClusterSpec(
-                    spec.hardware,
-                    spec.model,
-                    spec.num_instances,
-                    spec.tp,
-                    cache_tokens=max(1024, int(spec.capacity_tokens * f)),
-                )
+                sp = replace(spec, cache_tokens=max(1024, int(spec.capacity_tokens * f)))
                 report.cache_point(s, f, run_one(s, rate, seeds[0], report.knob_of(s), sp))
 
 

@@ -5,6 +5,7 @@ them)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from tokenlake.benchmarks.goodput_sim_options import add_sim_options
 from tokenlake.benchmarks.sim.runner import EXTRA_SYSTEMS, SYSTEMS, VARIANT_SYSTEMS
@@ -160,6 +161,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     c.add_argument("--instances", type=int, default=4)
     c.add_argument("--tp", type=int, default=2, help="GPUs per instance (the paper: 2)")
     c.add_argument("--hardware", default="A100-80G")
+    c.add_argument("--hardware-profile", type=Path, default=None, metavar="FILE",
+                   help="a measured profile (tokenlake bench calibrate-cpu): its hardware, "
+                   "model and calibration replace --hardware, --model and --tp")  # fmt: skip
     c.add_argument("--model", default="LWM-Text-1M")
     c.add_argument("--segment-len", type=int, default=512, help="TokenLake's segment length")
     c.add_argument(

@@ -26,7 +26,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from tokenlake.benchmarks.sim.cpu_profile import CpuProfile
+from tokenlake.benchmarks.sim.cpu_profile import CpuProfile, load_cpu_profile
 from tokenlake.benchmarks.sim.served_cpu import (
     SYSTEMS,
     Arrival,
@@ -171,10 +171,7 @@ def _pct(x: float) -> str:
 def load_profiles(files: list[Path], models: set[str], repeats: int) -> dict[str, CpuProfile]:
     profiles = {}
     for f in files:
-        try:
-            profile = CpuProfile.from_json(json.loads(f.read_text()))
-        except (OSError, json.JSONDecodeError, ValueError) as e:
-            raise ValueError(f"--hardware-profile {f}: {e}") from None
+        profile = load_cpu_profile(f)
         profiles[profile.name] = profile
     for model in sorted(models - set(profiles)):
         from tokenlake.benchmarks.sim_calibrate import calibrate

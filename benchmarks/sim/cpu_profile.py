@@ -64,7 +64,7 @@ class CpuProfile:
         return ClusterSpec(
             self.hardware.name, self.model.name, num_instances, tp=1,
             mem_fraction_static=1.0, cache_tokens=cache_tokens,
-            hardware_profile=self.hardware, model_profile=self.model,
+            hardware_profile=self.hardware, model_profile=self.model, timer_config=self.timer,
         )  # fmt: skip
 
     def step_timer(self, num_instances: int = 1, cache_tokens: int = 0) -> CostModelTimer:
@@ -131,6 +131,17 @@ class CpuProfile:
                 f"{profile.hop_s!r}, {profile.host_cores!r}"
             )
         return profile
+
+
+def load_cpu_profile(path) -> CpuProfile:
+    """The profile in the JSON file at ``path``; ``ValueError`` naming the file and field."""
+    import json
+    from pathlib import Path
+
+    try:
+        return CpuProfile.from_json(json.loads(Path(path).read_text()))
+    except (OSError, json.JSONDecodeError, ValueError) as e:
+        raise ValueError(f"hardware profile {str(path)!r}: {e}") from None
 
 
 def _profile(name, model, x, hop_s, host_cores, rows) -> CpuProfile:

@@ -44,6 +44,7 @@ class ClusterSpec:
     # a measured profile (``--hardware-profile FILE``): used instead of the names' entries
     hardware_profile: HardwareProfile | None = None
     model_profile: ModelProfile | None = None
+    timer_config: TimerConfig | None = None  # the measured profile's calibration
 
     def __post_init__(self) -> None:
         if self.hardware_profile is None and self.hardware not in HARDWARE:
@@ -127,7 +128,7 @@ class CostModelTimer:
         from tokenlake.scheduler import CostModel
 
         self.spec = spec
-        self.config = config or TimerConfig()
+        self.config = config or spec.timer_config or TimerConfig()
         self.hardware = instance_hardware(spec, self.config.mfu, self.config.mbu)
         self.cost = CostModel(self.hardware, spec.mp)
 
