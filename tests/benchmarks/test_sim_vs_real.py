@@ -1,0 +1,238 @@
+"""The measured CPU profile and the simulator's wall-clock setups, against independent
+references: step times counted by hand from the model's dimensions, a fit that must give back
+the profile that made its rows, a fixed measured profile reproducing its own rows, a shared
+host checked against brute-force time stepping, and the served runs' session and SLO rules."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tokenlake.benchmarks.sim.cpu_profile import (
+    DECODE,
+    PREFILL,
+    CpuProfile,
+    MeasuredRow,
+    _profile,
+    fit_cpu_profile,
+    load_cpu_profile,
+)
+from tokenlake.benchmarks.sim.metrics import RequestRecord
+from tokenlake.benchmarks.sim.served_cpu import (
+    Arrival,
+    ServedSettings,
+    attainment,
+    simulate_served,
+    to_requests,
+)
+from tokenlake.benchmarks.sim.tokenlake_timing import SharedHost
+from tokenlake.benchmarks.sim_vs_real import goodput, read_real
+from tokenlake.cluster.profiles import ModelProfile
+
+DATA = Path(__file__).parent / "data"
+TINY = ModelProfile("tiny", 2, 64, 4, 2, 16, 128, 100, "float32")
+CASES = [
+    MeasuredRow(PREFILL, b, n, p, 1.0)
+    for n, b, p in ((16, 1, 0), (256, 1, 0), (512, 1, 0), (64, 4, 0), (32, 1, 2048), (128, 2, 512))
+] + [MeasuredRow(DECODE, b, 1, c, 1.0) for b, c in ((1, 32), (1, 4096), (16, 256), (32, 1024))]
+
+
+def by_hand(m: ModelProfile, x, row: MeasuredRow) -> float:
+    """The roofline step time counted from the model's dimensions (fp32, TP 1)."""
+    inv_flops, inv_bw, prefill_oh, decode_oh, row_oh = x
+    h, kv, L = m.hidden_size, m.num_kv_heads * m.head_dim, m.num_layers
+    per_layer = 2 * h * m.num_q_heads * m.head_dim + 2 * h * kv + 3 * h * m.intermediate_size
+    matmul, head = L * per_layer, m.vocab_size * h  # no embedding gather in the matmuls
+    kv_bytes = 2 * L * kv * 4
+    attn = 4 * L * m.num_q_heads * m.head_dim  # FLOPs per (row, key)
+    weights = (L * per_layer + head) * 4
+    b, n, p = row.batch, row.new_len, row.prefix_len
+    pairs = b * n * (n + 1) / 2
+    flops = 2 * (matmul * b * n + head * b) + attn * pairs
+    t = max(flops * inv_flops, (weights + b * n * kv_bytes) * inv_bw) + row_oh * b
+    q_o = 2 * L * m.num_q_heads * m.head_dim * 4
+    if row.phase == DECODE:
+        ctx = b * p
+        return decode_oh + t + max(attn * ctx * inv_flops, (ctx * kv_bytes + q_o) * inv_bw)
+    query = max(attn * n * p * inv_flops, (p * kv_bytes + n * q_o) * inv_bw) if p else 0.0
+    return prefill_oh + t + b * query
+
+
+X = (1 / 5e10, 1 / 2e10, 1.2e-3, 0.9e-3, 3e-5)
+
+
+def test_step_times_match_a_count_by_hand():
+    profile = _profile("tiny", TINY, X, 5e-4, 2, CASES)
+    for row in CASES:
+        assert profile.predict(row) == pytest.approx(by_hand(TINY, X, row), rel=1e-9), row
+
+
+def test_fit_gives_back_the_profile_that_made_the_rows():
+    truth = _profile("tiny", TINY, X, 5e-4, 2, CASES)
+    rows = [r._replace(seconds=truth.predict(r)) for r in CASES]
+    fitted = fit_cpu_profile("tiny", TINY, rows, 5e-4, 2)
+    for r in rows:
+        assert fitted.predict(r) == pytest.approx(r.seconds, rel=1e-3), r
+    assert fitted.hop_s == 5e-4 and fitted.host_cores == 2
+    assert fitted.hardware.net_latency_s == pytest.approx(5e-4 / (2 * TINY.num_layers))
+    again = fit_cpu_profile("tiny", TINY, rows, 5e-4, 2)
+    assert again == fitted  # deterministic
+
+
+@pytest.mark.parametrize("model", ["tiny-random", "bench-model"])
+def test_measured_profiles_reproduce_their_own_rows(model):
+    """Profiles measured with ``tokenlake bench calibrate-cpu`` on the development machine:
+    refitting their rows gives the same profile, and it reproduces every row within 20%."""
+    profile = load_cpu_profile(DATA / f"cpu_profile_{model}.json")
+    assert len(profile.rows) >= 15 and {r.phase for r in profile.rows} == {PREFILL, DECODE}
+    refit = fit_cpu_profile(
+        profile.name, profile.model, profile.rows, profile.hop_s, profile.host_cores
+    )
+    for r in profile.rows:
+        assert refit.predict(r) == pytest.approx(profile.predict(r), rel=1e-6)
+        assert abs(profile.predict(r) / r.seconds - 1) <= 0.20, r
+
+
+def test_profile_json_round_trip_and_bad_files(tmp_path):
+    profile = _profile("tiny", TINY, X, 5e-4, 2, CASES)
+    assert CpuProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
+    with pytest.raises(ValueError, match="format"):
+        CpuProfile.from_json({"format": "something-else"})
+    raw = profile.to_json()
+    del raw["hop_s"]
+    with pytest.raises(ValueError, match="hop_s"):
+        CpuProfile.from_json(raw)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json"):
+        load_cpu_profile(bad)
+
+
+def test_spec_carries_the_measured_calibration():
+    profile = _profile("tiny", TINY, X, 5e-4, 2, CASES)
+    spec = profile.spec(4, cache_tokens=3072)
+    assert spec.mp is TINY and spec.hw is profile.hardware and spec.capacity_tokens == 3072
+    from tokenlake.benchmarks.sim.step_timer import make_timer
+
+    assert make_timer(spec).config == profile.timer  # not the GPU calibration
+
+
+def brute_force_host(cores: float, work: list[float], dt: float = 1e-5) -> list[float]:
+    """Finish times of tasks all started at 0, stepped in ``dt``."""
+    left, done, t = list(work), [math.nan] * len(work), 0.0
+    while any(math.isnan(d) for d in done):
+        active = [i for i, d in enumerate(done) if math.isnan(d)]
+        rate = min(1.0, cores / len(active))
+        t += dt
+        for i in active:
+            left[i] -= rate * dt
+            if left[i] <= 1e-12:
+                done[i] = t
+    return done
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3])
+def test_shared_host_against_time_stepping(cores):
+    work = [0.010, 0.004, 0.007, 0.001]
+    host = SharedHost(cores)
+    for i, w in enumerate(work):
+        host.add(i, w)
+    finishes = host.finishes()
+    expected = brute_force_host(cores, work)
+    for i in range(len(work)):
+        assert finishes[i] == pytest.approx(expected[i], abs=5e-5)
+    host.advance(0.002)  # part of the way, then the rest: the same ends
+    for i, end in host.finishes().items():
+        assert end == pytest.approx(expected[i], abs=5e-5)
+    with pytest.raises(ValueError, match="cores"):
+        SharedHost(0)
+
+
+def test_block_ids_are_equal_exactly_up_to_the_shared_prefix():
+    rng = np.random.default_rng(0)
+    doc = rng.integers(0, 90, 100).tolist()
+    prompts = [doc + [1, 2, 3], doc + [4, 5], doc[:40], rng.integers(0, 90, 50).tolist()]
+    reqs = to_requests(prompts, [4, 4, 4, 4], 32)
+    a, b, c, d = (r.block_ids for r in reqs)
+    assert a[:3] == b[:3] and a[3] != b[3]  # 96 tokens shared: 3 whole blocks
+    assert c[0] == a[0] and c[1] != a[1]  # 40 tokens: block 0, then a partial block
+    assert not set(d) & set(a)
+    assert [r.input_len for r in reqs] == [103, 102, 40, 50]
+
+
+def served(system, prompts, sends, sessions, limit_s=60.0):
+    profile = load_cpu_profile(DATA / "cpu_profile_tiny-random.json")
+    reqs = to_requests(prompts, [6] * len(prompts), 32)
+    arrivals = [Arrival(r, s, x) for r, s, x in zip(reqs, sends, sessions, strict=True)]
+    return simulate_served(system, profile, ServedSettings(), arrivals, limit_s, 32)
+
+
+@pytest.mark.parametrize("system", ["tokenlake", "router"])
+def test_a_session_turn_waits_for_the_previous_answer(system):
+    rng = np.random.default_rng(1)
+    first = rng.integers(0, 90, 300).tolist()
+    second = first + rng.integers(0, 90, 40).tolist()
+    other = rng.integers(0, 90, 200).tolist()
+    records, _ = served(system, [first, second, other], [0.0, 0.001, 0.001], ["s", "s", None])
+    a, b, c = records
+    assert all(r.finished for r in records)
+    assert b.arrival_s == pytest.approx(a.finish_s)  # sent once the first turn answered
+    assert c.arrival_s == pytest.approx(0.001)  # no session: sent at its time
+    assert b.num_tokens == 6 and b.first_token_s > b.arrival_s
+
+
+def test_a_run_is_cut_at_its_limit():
+    prompts = [np.random.default_rng(i).integers(0, 90, 200).tolist() for i in range(4)]
+    records, _ = served("tokenlake", prompts, [0.0] * 4, [None] * 4, limit_s=1e-4)
+    assert not any(r.finished for r in records)
+    assert attainment(records, 1e9, 1e9) == 0.0
+
+
+def test_attainment_rule_against_the_records():
+    def rec(ttft, gap, finished=True):
+        r = RequestRecord(0, 1.0, 10, 3, 1.0, (1.0, 0.0))
+        r.emit(1.0 + ttft)
+        r.emit(1.0 + ttft + gap)
+        if finished:
+            r.emit(1.0 + ttft + 2 * gap)
+        return r
+
+    records = [rec(0.1, 0.01), rec(0.3, 0.01), rec(0.1, 0.05), rec(0.1, 0.01, False)]
+    assert attainment(records, ttft_s=0.2, tpot_s=0.02) == 0.25
+    assert attainment(records, ttft_s=0.31, tpot_s=0.051) == 0.75
+
+
+def test_goodput_and_reading_real_lines(tmp_path):
+    assert goodput([(1.0, 1.0), (2.0, 0.95), (4.0, 0.5)]) == 2.0
+    assert goodput([(1.0, 0.5)]) == 0.0
+    point = {"bench": "wallclock-router", "kind": "point", "system": "router",
+             "model": "tiny-random", "workload": "conversation", "seed": 0, "rate": 2,
+             "num_requests": 10, "attainment": 0.9, "slo": {"ttft_s": 1.0, "tpot_s": 0.1}}  # fmt: skip
+    f = tmp_path / "real.jsonl"
+    f.write_text(json.dumps(point) + "\n" + json.dumps({**point, "rate": 1}) + "\n")
+    points, goodputs = read_real(f)
+    assert [p["rate"] for p in points[("tiny-random", "conversation", 0, "router")]] == [1.0, 2.0]
+    assert goodputs == {}
+    f.write_text(json.dumps({**point, "slo": {}}) + "\n")
+    with pytest.raises(ValueError, match="real.jsonl:1"):
+        read_real(f)
+
+
+def test_calibration_times_every_case_on_the_real_engine():
+    """On a clock that ticks once per reading, every timed run is one tick: each case is
+    timed alone, once per repeat, and the hop (remote minus local) is 0."""
+    pytest.importorskip("torch")
+    from tokenlake.benchmarks.real_cluster import load_model
+    from tokenlake.benchmarks.sim_calibrate import QUICK_DECODE, QUICK_PREFILL, measure
+
+    ticks = iter(range(10**6))
+    rows, hop = measure(
+        load_model("tiny-random", 0), repeats=2, quick=True, clock=lambda: next(ticks)
+    )
+    assert [(r.batch, r.new_len, r.prefix_len) for r in rows if r.phase == PREFILL] == [
+        (b, n, p) for n, b, p in QUICK_PREFILL
+    ]
+    assert [(r.batch, r.prefix_len) for r in rows if r.phase == DECODE] == list(QUICK_DECODE)
+    assert all(r.seconds == 1 for r in rows) and hop == 0.0
