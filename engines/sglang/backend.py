@@ -24,7 +24,7 @@ from tokenlake.engines.flashinfer_attention import make_causal_planner
 from tokenlake.engines.prefix_attention import PrefixAttention
 from tokenlake.errors import IterationStateError, PoolFullError
 
-from .batch_map import BatchMap, RequestTable, SeqInfo, map_batch
+from .batch_map import BatchMap, RequestTable, SeqInfo, engine_slots, map_batch
 from .config import SGLangPoolConfig, config_from_env
 from .local_batch import LocalBatch, attend, local_batch, plan_rows
 from .model_check import UnsupportedFeatureError, check_model
@@ -101,7 +101,11 @@ class TokenLakeAttnBackend(AttentionBackend):
         if plan_rows(seqs, [c.start for c in chunks]) <= self.runtime.max_rows:
             # a full pool (pinned data leaves too few slots) sends this forward local
             with contextlib.suppress(PoolFullError):
-                it = self.runtime.begin(chunks)
+                if self.runtime.engine_slots:
+                    slots = engine_slots(seqs, chunks, rtt.req_to_token, self.runtime.segment_len)
+                    it = self.runtime.begin(chunks, slots)
+                else:
+                    it = self.runtime.begin(chunks)
         if it is None:
             self._go_local(seqs)
             return

@@ -95,7 +95,28 @@ class RequestTable:
         tracked = _Tracked(f"{self.runtime.request_prefix}{name}#{self._serial}", seq.generation)
         self._rows[seq.row] = tracked
         start = min(self.runtime.match_len(token_ids[: seq.prefix_len]), seq.prefix_len)
+        if self.runtime.engine_slots:  # SGLang's pages are the slots: start on a page
+            start -= start % self.runtime.segment_len
         return Chunk(tracked.pool_id, token_ids, start, seq.seq_len)
+
+
+def engine_slots(
+    seqs: Sequence[SeqInfo], chunks: Sequence[Chunk], req_to_token: torch.Tensor, seg: int
+) -> list[np.ndarray]:
+    """One copy of the KV (:mod:`.one_copy`): per chunk, the slot of every segment it starts,
+    read from the request's SGLang page (page ``2s`` is slot ``s``), in order."""
+    out = []
+    for seq, c in zip(seqs, chunks, strict=True):
+        firsts = np.arange(-(-c.start // seg), -(-seq.seq_len // seg), dtype=np.int64) * seg
+        locs = req_to_token[seq.row, torch.from_numpy(firsts)].cpu().numpy().astype(np.int64)
+        slots, rest = np.divmod(locs, 2 * seg)
+        if rest.any():
+            raise AssertionError(
+                f"row {seq.row}: SGLang locations {locs[rest != 0][:4].tolist()} do not start "
+                f"an even page of {seg} tokens (is SGLang's allocator a SlotPageAllocator?)"
+            )
+        out.append(slots.astype(np.int32))
+    return out
 
 
 @dataclass(frozen=True)

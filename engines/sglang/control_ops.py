@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from tokenlake.errors import InvalidArgumentError
 
-OPS = ("hello", "match", "stored", "finish", "plan", "commit", "abort", "locate", "stats")
+OPS = (
+    "hello",
+    "match",
+    "stored",
+    "finish",
+    "plan",
+    "commit",
+    "abort",
+    "locate",
+    "stats",
+    "release",
+)
 
 
 def request_prefix(instance_id: int) -> str:

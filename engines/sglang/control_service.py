@@ -168,7 +168,8 @@ class ControlService:
         self._workers[instance] = LauncherId.of(pid)
         cfg = self.pool.config
         return {"num_instances": cfg.num_instances, "num_slots": cfg.num_slots,
-                "segment_len": cfg.segment_len, "lost": sorted(self.lost)}  # fmt: skip
+                "segment_len": cfg.segment_len, "lost": sorted(self.lost),
+                "engine_slots": self.pool.engine_slots}  # fmt: skip
 
     def _tokens(self, r: dict) -> np.ndarray:
         return plan_wire.check_array("tokens", r.get("tokens")).astype(np.int64)
@@ -189,10 +190,21 @@ class ControlService:
         pool_id = self._pool_id(r)
         return self.pool.num_stored_tokens(pool_id) if pool_id in self.pool.requests else None
 
-    def _op_finish(self, r: dict) -> None:
+    def _op_finish(self, r: dict) -> list[int]:
         pool_id = self._pool_id(r)
         if pool_id in self.pool.requests:
             self.pool.finish(pool_id)
+        return self._reclaimed(r)
+
+    def _reclaimed(self, r: dict) -> list[int]:
+        """Pages the worker gave up that the pool has let go of since (one copy of the KV:
+        its SGLang allocator's again); every reply that can free some carries them."""
+        return self.pool.reclaim(self._instance(r)) if self.pool.engine_slots else []
+
+    def _op_release(self, r: dict) -> list[int]:
+        """The worker's SGLang freed these pages (slots): which it may reuse now."""
+        slots = plan_wire.check_array("slots", r.get("slots"))
+        return self.pool.release_slots(self._instance(r), slots.tolist())
 
     def _op_plan(self, r: dict) -> bytes:
         instance = self._instance(r)
@@ -207,10 +219,25 @@ class ControlService:
                     f"chunks: request {c.request_id!r} does not belong to worker {instance}"
                 )
         new = {c.request_id for c in chunks if c.request_id not in self.pool.requests}
-        plans = self.pool.gen_plans([chunks], dops=[1], instances=[[instance]])
+        engine_slots = None
+        if self.pool.engine_slots:
+            engine_slots = self._engine_slots(r.get("engine_slots"), chunks)
+        plans = self.pool.gen_plans([chunks], dops=[1], instances=[[instance]],
+                                    engine_slots=engine_slots)  # fmt: skip
         self._plans[plans.epoch] = (plans, instance)
         self._count_prefix(plans, new)
         return plan_wire.encode(plans)
+
+    def _engine_slots(self, raw, chunks: list[Chunk]) -> dict[str, list[int]]:
+        """``{request_id: [slot, ...]}`` of a plan request, one list per chunk, in order."""
+        if not isinstance(raw, list) or len(raw) != len(chunks):
+            raise InvalidArgumentError(
+                f"engine_slots: expected a list of {len(chunks)} slot arrays, one per chunk"
+            )
+        return {
+            c.request_id: plan_wire.check_array(f"engine_slots[{i}]", a).tolist()
+            for i, (c, a) in enumerate(zip(chunks, raw, strict=True))
+        }
 
     def _count_prefix(self, plans: Plans, new: set) -> None:
         """Prefix tokens attended on the worker's own instance or on another's: every
@@ -236,15 +263,17 @@ class ControlService:
             raise InvalidArgumentError(f"epoch: {epoch!r} is not in flight for worker {instance}")
         return epoch, entry[0]
 
-    def _op_commit(self, r: dict) -> None:
+    def _op_commit(self, r: dict) -> list[int]:
         epoch, plans = self._epoch(r)
         del self._plans[epoch]
         self.pool.commit(plans)
+        return self._reclaimed(r)
 
-    def _op_abort(self, r: dict) -> None:
+    def _op_abort(self, r: dict) -> list[int]:
         epoch, plans = self._epoch(r)
         del self._plans[epoch]
         self.pool.abort(plans, executed=True)
+        return self._reclaimed(r)
 
     def _op_locate(self, r: dict) -> dict:
         """Where tokens ``lo:hi`` of a held prefix live: ``(instance, slot)`` per segment."""

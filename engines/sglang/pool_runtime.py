@@ -69,6 +69,8 @@ class PoolRuntime:
         self.config = config
         self.model = shape
         self.request_prefix = ""  # one process: no other worker's ids to keep apart
+        self.engine_slots = False  # a pool beside SGLang's cache (one copy: shared_runtime)
+        self.segment_len = config.segment_len
         self.pool = Pool(pool_config)
         rows = config.max_forward_rows
         self.max_rows = rows

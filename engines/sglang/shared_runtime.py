@@ -122,6 +122,10 @@ class SharedPoolRuntime:
         self._driver = driver
         self.clients = ComputeClients(driver, n)
         self.limits = plan_wire.PlanLimits(n, hello["num_slots"], hello["segment_len"])
+        self.segment_len = int(hello["segment_len"])
+        # one copy of the KV: SGLang's pages are this instance's slots (.one_copy)
+        self.engine_slots = bool(hello.get("engine_slots"))
+        self._reclaimed: list[int] = []
         self._inflight: BoundIteration | None = None
 
     # ---- requests ------------------------------------------------------------------------
@@ -132,7 +136,22 @@ class SharedPoolRuntime:
         return self.control.call("stored", instance=self.instance_id, pool_id=pool_id)
 
     def finish(self, pool_id: str) -> None:
-        self.control.call("finish", instance=self.instance_id, pool_id=pool_id)
+        self._stash(self.control.call("finish", instance=self.instance_id, pool_id=pool_id))
+
+    # ---- one copy: SGLang's pages are this instance's slots ------------------------------
+    def release_slots(self, slots) -> list[int]:
+        """SGLang freed these pages' slots: the ones it may reuse now (the pool still reads
+        the others; they come back through :meth:`reclaimed`)."""
+        return list(self.control.call("release", instance=self.instance_id, slots=_int32(slots)))
+
+    def reclaimed(self) -> list[int]:
+        """Slots released earlier that the pool has let go of since (from its replies)."""
+        out, self._reclaimed = self._reclaimed, []
+        return out
+
+    def _stash(self, reclaimed) -> None:
+        if reclaimed:
+            self._reclaimed.extend(int(s) for s in reclaimed)
 
     def read_kv(self, token_ids: np.ndarray, lo: int, hi: int) -> torch.Tensor:
         """K and V of tokens ``lo:hi`` of a held prefix, read from the holders' slots in the
@@ -171,11 +190,16 @@ class SharedPoolRuntime:
     def inflight(self) -> BoundIteration | None:
         return self._inflight
 
-    def begin(self, chunks: list[Chunk]) -> BoundIteration:
+    def begin(self, chunks: list[Chunk], engine_slots=None) -> BoundIteration:
+        """Plan ``chunks`` on this worker's instance; ``engine_slots`` (one copy): per chunk,
+        the slot of every segment it starts, where SGLang writes it."""
         if self._inflight is not None:
             raise IterationStateError("an SGLang forward is still in flight; commit or abort it")
         encoded = [plan_wire.encode(c) for c in chunks]
-        raw = self.control.call("plan", instance=self.instance_id, chunks=encoded)
+        extra = {}
+        if engine_slots is not None:
+            extra["engine_slots"] = [_int32(s) for s in engine_slots]
+        raw = self.control.call("plan", instance=self.instance_id, chunks=encoded, **extra)
         plans = plan_wire.decode(raw, self.limits, Plans)
         try:
             (qp,), (tp,) = plans.query_plans, plans.transfer_plans
@@ -192,7 +216,8 @@ class SharedPoolRuntime:
         return self._inflight
 
     def put(self, it: BoundIteration, layer: int) -> None:
-        it.engine.put(it.kv_buf, layer)
+        if not self.engine_slots:  # one copy: SGLang wrote the new K/V into the slots
+            it.engine.put(it.kv_buf, layer)
 
     def query(self, it: BoundIteration, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return it.engine.query(it.q_buf, layer)
@@ -214,7 +239,7 @@ class SharedPoolRuntime:
 
     def _end(self, op: str, epoch: int) -> None:
         try:
-            self.control.call(op, instance=self.instance_id, epoch=epoch)
+            self._stash(self.control.call(op, instance=self.instance_id, epoch=epoch))
         finally:
             self.clients.retire(epoch)
 
