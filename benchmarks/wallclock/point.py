@@ -1,10 +1,11 @@
-"""One run of the wall-clock bench: a system (the URL requests go to, the servers whose
-/metrics count them), a request list at one rate, and its JSON fields; and the batch-size-1
-measurement the SLO is made of."""
+"""One run of the wall-clock bench: a system started afresh (empty caches, as the simulator
+starts), a request list sent at one rate, its JSON fields, the system stopped; and the
+batch-size-1 measurement the SLO is made of."""
 
 from __future__ import annotations
 
-import time
+import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -21,11 +22,11 @@ from tokenlake.benchmarks.wallclock.measure import (
     scrape,
     slo_from_solo,
 )
+from tokenlake.benchmarks.wallclock.processes import Fleet, ServerSettings
 from tokenlake.benchmarks.wallclock.workloads import TimedRequest
 
 SOLO_REPEATS = 3
-IDLE_WAIT_S = 120.0
-RUNNING = ("tokenlake:num_requests_running", "tokenlake:num_requests_waiting")
+SYSTEMS = ("tokenlake", "router")
 
 
 @dataclass(frozen=True)
@@ -34,32 +35,46 @@ class System:
     servers: list[str]  # the tokenlake servers behind it
 
 
-def wait_idle(servers: Sequence[str], timeout_s: float = IDLE_WAIT_S) -> None:
-    """Until no server runs or queues a request (a run cut at its cap leaves some behind)."""
-    import httpx
+@dataclass(frozen=True)
+class Launch:
+    """How to start the two systems: TokenLake's one server over ``num_instances``, the
+    router over as many 1-instance servers; each system's torch threads add up to ``cores``."""
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        busy = 0.0
-        for url in servers:
-            for line in httpx.get(f"{url}/metrics", timeout=10.0).text.splitlines():
-                if line.startswith(RUNNING):
-                    busy += float(line.rpartition(" ")[2])
-        if busy == 0:
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"servers {list(servers)} still busy after {timeout_s:g} s")
+    fleet: Fleet
+    settings: ServerSettings
+    num_instances: int
+    router_args: tuple[str, ...] = ()
+    cores: int = os.cpu_count() or 1
+
+    @contextlib.contextmanager
+    def started(self, name: str) -> Iterator[System]:
+        n, procs = self.num_instances, []
+        try:
+            if name == "tokenlake":
+                urls, procs = self.fleet.serve(self.settings, 1, n, self.cores)
+                yield System(urls[0], urls)
+            elif name == "router":
+                urls, procs = self.fleet.serve(self.settings, n, 1, max(1, self.cores // n))
+                url, proc = self.fleet.router(urls, self.router_args)
+                procs.append(proc)
+                yield System(url, urls)
+            else:
+                raise ValueError(f"name: expected one of {SYSTEMS}, got {name!r}")
+        finally:
+            self.fleet.stop(procs)
 
 
-def run_point(system: System, model: str, requests: Sequence[TimedRequest], rate: float,
+def run_point(launch: Launch, name: str, requests: Sequence[TimedRequest], rate: float,
               salt: int, slo: Slo, drain_s: float) -> dict:  # fmt: skip
-    """Send ``requests`` at ``rate``; the point's JSON fields (without the identifying keys)."""
-    wait_idle(system.servers)
-    before = scrape(system.servers)
+    """Start system ``name``, send ``requests`` at ``rate``, stop it; the point's JSON fields
+    (without the identifying keys)."""
     limit_s = max(r.arrival_s for r in requests) / rate + drain_s
-    records = drive(system.url, model, requests, rate, salt=salt, limit_s=limit_s)
-    wait_idle(system.servers)
-    deltas = [delta(b, a) for b, a in zip(before, scrape(system.servers), strict=True)]
+    with launch.started(name) as system:
+        warm_up(system.url, launch.settings.served_name, requests[0])
+        before = scrape(system.servers)
+        records = drive(system.url, launch.settings.served_name, requests, rate, salt=salt,
+                        limit_s=limit_s)  # fmt: skip
+        deltas = [delta(b, a) for b, a in zip(before, scrape(system.servers), strict=True)]
     errors = sorted({r.error for r in records if r.error})
     return {
         "rate": round(rate, 4),
@@ -71,30 +86,41 @@ def run_point(system: System, model: str, requests: Sequence[TimedRequest], rate
         "load_cv": round(load_cv(deltas), 4),
         "slo": slo.as_dict(),
         "finished": sum(r.finished for r in records),
-        "hit_rate_usage": round(
-            sum(r.cached_tokens for r in records) / max(1, sum(r.prompt_len + 1 for r in records)),
-            4,
-        ),
+        "ttft_mean_s": round(float(np.mean([r.ttft_s for r in records if r.token_s] or [0])), 6),
+        "max_gap_p90_s": round(p90(r.max_gap_s for r in records), 6),
         "errors": errors[:3],
     }
 
 
-def measure_solo(url: str, model: str, requests: Sequence[TimedRequest],
+def warm_up(url: str, model: str, request: TimedRequest) -> None:
+    """One short request first (the first forward of a process pays one-off costs): one
+    repeated character, shorter than a segment, so it leaves nothing a run can hit."""
+    short = TimedRequest("warm-up", 0.0, (0,) * min(16, len(request.prompt_ids)), 2, None)
+    drive(url, model, [short], 1.0, salt=0, limit_s=120.0)
+
+
+def measure_solo(launch: Launch, requests: Sequence[TimedRequest],
                  salts: Iterator[int]) -> tuple[Slo, float]:  # fmt: skip
-    """The SLO from the workload's median-length prompt sent alone to the idle 1-instance
-    server at ``url`` (a fresh text each time: an empty cache), after one warm-up; and the
-    solo end-to-end seconds."""
+    """The SLO from the workload's median-length prompt sent alone to an idle 1-instance
+    server (a fresh text each time: an empty cache), after one warm-up; and the solo
+    end-to-end seconds."""
     ordered = sorted(requests, key=lambda r: len(r.prompt_ids))
     median = ordered[len(ordered) // 2]
     probe = TimedRequest("solo", 0.0, median.prompt_ids, max(2, median.max_tokens), None)
-    wait_idle([url])
-    drive(url, model, [probe], 1.0, salt=next(salts), limit_s=120.0)  # warm-up
-    ttft, tpot, e2e = [], [], []
-    for _ in range(SOLO_REPEATS):
-        (rec,) = drive(url, model, [probe], 1.0, salt=next(salts), limit_s=120.0)
-        if not rec.finished:
-            raise RuntimeError(f"the solo request failed on {url}: {rec.error}")
-        ttft.append(rec.ttft_s)
-        tpot.append(rec.tpot_s)
-        e2e.append(rec.token_s[-1] - rec.sent_s)
+    model = launch.settings.served_name
+    urls, procs = launch.fleet.serve(
+        launch.settings, 1, 1, max(1, launch.cores // launch.num_instances)
+    )
+    try:
+        drive(urls[0], model, [probe], 1.0, salt=next(salts), limit_s=120.0)  # warm-up
+        ttft, tpot, e2e = [], [], []
+        for _ in range(SOLO_REPEATS):
+            (rec,) = drive(urls[0], model, [probe], 1.0, salt=next(salts), limit_s=120.0)
+            if not rec.finished:
+                raise RuntimeError(f"the solo request failed on {urls[0]}: {rec.error}")
+            ttft.append(rec.ttft_s)
+            tpot.append(rec.tpot_s)
+            e2e.append(rec.token_s[-1] - rec.sent_s)
+    finally:
+        launch.fleet.stop(procs)
     return slo_from_solo(ttft, tpot), float(np.median(e2e))

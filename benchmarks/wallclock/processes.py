@@ -1,6 +1,7 @@
 """The wall-clock bench's processes: ``tokenlake serve`` servers and the SGLang router, each on
-127.0.0.1 and a free port, waited for with a deadline, and stopped by their process ids when
-the block ends (also on errors and Ctrl-C)."""
+127.0.0.1 and a free port, waited for with a deadline, and stopped by their process ids: a
+system's processes after each of its runs, every process left when the fleet's block ends
+(also on errors and Ctrl-C, from whichever thread)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROUTER_PIP = 'pip install "sglang-router==0.3.2"  (or: pip install "tokenlake[bench]")'
@@ -49,12 +51,14 @@ class ServerSettings:
     seed: int = 0
 
 
-@dataclass
 class Fleet:
-    """Processes started here; :meth:`close` stops every one (terminate, then kill)."""
+    """Processes started here, each with its log in a temporary file."""
 
-    start_timeout_s: float = 300.0
-    procs: list[tuple[subprocess.Popen, object, str]] = field(default_factory=list)
+    def __init__(self, start_timeout_s: float = 300.0) -> None:
+        self.start_timeout_s = start_timeout_s
+        self._procs: dict[int, tuple[subprocess.Popen, object]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
 
     def __enter__(self) -> Fleet:
         return self
@@ -62,23 +66,26 @@ class Fleet:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _spawn(self, argv: list[str], what: str) -> subprocess.Popen:
-        log = tempfile.TemporaryFile()  # noqa: SIM115 -- closed in close()
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        self.procs.append((proc, log, what))
+    def _spawn(self, argv: list[str]) -> subprocess.Popen:
+        with self._lock:
+            if self._closed:
+                raise ProcessError("the fleet is closed: no new process")
+            log = tempfile.TemporaryFile()  # noqa: SIM115 -- closed in stop()
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            self._procs[proc.pid] = (proc, log)
         return proc
 
     def _tail(self, proc: subprocess.Popen) -> str:
-        for p, log, _ in self.procs:
-            if p is proc:
-                log.seek(0)
-                return log.read()[-3000:].decode(errors="replace")
-        return ""
+        with self._lock:
+            entry = self._procs.get(proc.pid)
+            if entry is None:
+                return ""
+            entry[1].seek(0)
+            return entry[1].read()[-3000:].decode(errors="replace")
 
-    def _wait_healthy(self, proc: subprocess.Popen, url: str, what: str) -> None:
+    def _wait_healthy(self, proc: subprocess.Popen, url: str, what: str, deadline: float) -> None:
         import httpx
 
-        deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise ProcessError(f"{what} exited ({proc.returncode}):\n{self._tail(proc)}")
@@ -90,23 +97,36 @@ class Fleet:
             f"{what} not healthy after {self.start_timeout_s:g} s:\n{self._tail(proc)}"
         )
 
-    def serve(self, settings: ServerSettings, num_instances: int, torch_threads: int) -> str:
-        """Start ``tokenlake serve --num-instances num_instances``; its base URL once healthy."""
-        port = free_port()
-        s = settings
-        argv = [sys.executable, "-m", "tokenlake.serve", "--model", str(s.model_dir),
-                "--served-model-name", s.served_name, "--num-instances", str(num_instances),
-                "--segment-len", str(s.segment_len), "--num-slots", str(s.num_slots),
-                "--chunk-len", str(s.chunk_len), "--data-plane", s.data_plane,
-                "--torch-threads", str(torch_threads), "--seed", str(s.seed),
-                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]  # fmt: skip
-        what = f"tokenlake serve --num-instances {num_instances} (port {port})"
-        proc = self._spawn(argv, what)
-        url = f"http://127.0.0.1:{port}"
-        self._wait_healthy(proc, url, what)
-        return url
+    def _started(self, spawned: list[tuple[subprocess.Popen, str, str]]) -> list[str]:
+        """Wait for every (process, url, what); on a failure stop them all and raise."""
+        deadline = time.monotonic() + self.start_timeout_s
+        try:
+            for proc, url, what in spawned:
+                self._wait_healthy(proc, url, what, deadline)
+        except BaseException:
+            self.stop([p for p, _, _ in spawned])
+            raise
+        return [url for _, url, _ in spawned]
 
-    def router(self, worker_urls: list[str], extra_args: tuple[str, ...] = ()) -> str:
+    def serve(self, settings: ServerSettings, num_servers: int, num_instances: int,
+              torch_threads: int) -> tuple[list[str], list[subprocess.Popen]]:  # fmt: skip
+        """Start ``num_servers`` ``tokenlake serve --num-instances num_instances`` at once;
+        their base URLs once all are healthy, and their processes."""
+        s, spawned = settings, []
+        for _ in range(num_servers):
+            port = free_port()
+            argv = [sys.executable, "-m", "tokenlake.serve", "--model", str(s.model_dir),
+                    "--served-model-name", s.served_name, "--num-instances", str(num_instances),
+                    "--segment-len", str(s.segment_len), "--num-slots", str(s.num_slots),
+                    "--chunk-len", str(s.chunk_len), "--data-plane", s.data_plane,
+                    "--torch-threads", str(torch_threads), "--seed", str(s.seed),
+                    "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]  # fmt: skip
+            what = f"tokenlake serve --num-instances {num_instances} (port {port})"
+            spawned.append((self._spawn(argv), f"http://127.0.0.1:{port}", what))
+        return self._started(spawned), [p for p, _, _ in spawned]
+
+    def router(self, worker_urls: list[str],
+               extra_args: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:  # fmt: skip
         """Start the SGLang router (cache-aware policy) in front of ``worker_urls``."""
         require_router()
         port, metrics_port = free_port(), free_port()
@@ -115,16 +135,17 @@ class Fleet:
                 "--port", str(port), "--prometheus-host", "127.0.0.1",
                 "--prometheus-port", str(metrics_port), "--log-level", "warn",
                 *extra_args]  # fmt: skip
-        what = f"sglang router (port {port})"
-        proc = self._spawn(argv, what)
-        url = f"http://127.0.0.1:{port}"
-        self._wait_healthy(proc, url, what)
-        return url
+        proc = self._spawn(argv)
+        (url,) = self._started([(proc, f"http://127.0.0.1:{port}", f"sglang router (port {port})")])
+        return url, proc
 
-    def close(self) -> None:
-        """Stop every process started here, newest first, each by its own id."""
-        while self.procs:
-            proc, log, _ = self.procs.pop()
+    def stop(self, procs: list[subprocess.Popen]) -> None:
+        """Stop these processes (started here), newest first, each by its own id."""
+        for proc in reversed(procs):
+            with self._lock:
+                entry = self._procs.pop(proc.pid, None)
+            if entry is None:
+                continue
             if proc.poll() is None:
                 proc.terminate()
                 try:
@@ -132,4 +153,16 @@ class Fleet:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(timeout=STOP_TIMEOUT_S)
-            log.close()
+            entry[1].close()
+
+    def close(self) -> None:
+        """Stop every process still running; no new one starts after this."""
+        with self._lock:
+            self._closed = True
+            procs = [p for p, _ in self._procs.values()]
+        self.stop(procs)
+
+    @property
+    def pids(self) -> list[int]:
+        with self._lock:
+            return list(self._procs)

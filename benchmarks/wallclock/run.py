@@ -78,7 +78,7 @@ def log(msg: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from tokenlake.benchmarks.wallclock.processes import ProcessError, require_router
+    from tokenlake.benchmarks.wallclock.processes import Fleet, ProcessError, require_router
     from tokenlake.benchmarks.wallclock.report import format_table
 
     try:
@@ -91,9 +91,11 @@ def main(argv=None) -> int:
     quiet_http_client_logs()
     lines: list[dict] = []
     salts = itertools.count(1)
-    with tempfile.TemporaryDirectory(prefix="tokenlake-wallclock-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tokenlake-wallclock-") as tmp, Fleet() as fleet:
+        fleet.start_timeout_s = args.start_timeout_s
         for model in args.models:
-            lines += run_model(args, model, Path(tmp), salts, emit)
+            log(f"{model}: each run starts its system afresh")
+            lines += run_model(args, fleet, model, Path(tmp), salts, emit)
     print(format_table(lines))
     return 0
 
@@ -106,40 +108,33 @@ def emit(line: dict, json_out: Path | None) -> None:
             f.write(text + "\n")
 
 
-def run_model(args, model: str, tmp: Path, salts, emit_line) -> list[dict]:
+def run_model(args, fleet, model: str, tmp: Path, salts, emit_line) -> list[dict]:
     from tokenlake.benchmarks.serving_compare import prepare_model
     from tokenlake.benchmarks.wallclock.client import ALPHABET
-    from tokenlake.benchmarks.wallclock.point import System, measure_solo
-    from tokenlake.benchmarks.wallclock.processes import Fleet, ServerSettings
+    from tokenlake.benchmarks.wallclock.point import Launch, measure_solo
+    from tokenlake.benchmarks.wallclock.processes import ServerSettings
     from tokenlake.benchmarks.wallclock.workloads import build_workload
 
     n = args.num_instances
-    cores = os.cpu_count() or 1
     settings = ServerSettings(prepare_model(model, tmp / model, 0), model, args.segment_len,
                               args.num_slots, args.chunk_len, args.data_plane)  # fmt: skip
+    launch = Launch(fleet, settings, n, tuple(args.router_arg))
     out: list[dict] = []
-    with Fleet(args.start_timeout_s) as fleet:
-        log(f"{model}: starting 1 server x {n} instances, {n} servers x 1 instance, the router")
-        # each system's torch threads add up to the machine's cores
-        pool_url = fleet.serve(settings, n, cores)
-        workers = [fleet.serve(settings, 1, max(1, cores // n)) for _ in range(n)]
-        router_url = fleet.router(workers, tuple(args.router_arg))
-        systems = {"tokenlake": System(pool_url, [pool_url]), "router": System(router_url, workers)}
-        for workload in args.workloads:
-            per_seed = {s: build_workload(workload, seed=s, num_requests=args.requests,
-                                          vocab_size=len(ALPHABET)) for s in args.seeds}  # fmt: skip
-            slo, solo_e2e = measure_solo(workers[0], model, per_seed[args.seeds[0]], salts)
-            log(f"{model} {workload}: SLO TTFT <= {slo.ttft_s * 1e3:.1f} ms, every token gap "
-                f"<= {slo.tpot_s * 1e3:.1f} ms (10x batch-size-1 at idle)")  # fmt: skip
-            lo = args.lo or round(1.0 / solo_e2e, 2)
-            for seed, reqs in per_seed.items():
-                key = {"bench": BENCH, "model": model, "workload": workload, "seed": seed,
-                       "num_instances": n}  # fmt: skip
-                out += search_seed(args, systems, key, reqs, slo, lo, salts, emit_line)
+    for workload in args.workloads:
+        per_seed = {s: build_workload(workload, seed=s, num_requests=args.requests,
+                                      vocab_size=len(ALPHABET)) for s in args.seeds}  # fmt: skip
+        slo, solo_e2e = measure_solo(launch, per_seed[args.seeds[0]], salts)
+        log(f"{model} {workload}: SLO TTFT <= {slo.ttft_s * 1e3:.1f} ms, every token gap "
+            f"<= {slo.tpot_s * 1e3:.1f} ms (10x batch-size-1 at idle)")  # fmt: skip
+        lo = args.lo or round(1.0 / solo_e2e, 2)
+        for seed, reqs in per_seed.items():
+            key = {"bench": BENCH, "model": model, "workload": workload, "seed": seed,
+                   "num_instances": n}  # fmt: skip
+            out += search_seed(args, launch, key, reqs, slo, lo, salts, emit_line)
     return out
 
 
-def search_seed(args, systems, key, reqs, slo, lo, salts, emit_line) -> list[dict]:
+def search_seed(args, launch, key, reqs, slo, lo, salts, emit_line) -> list[dict]:
     """Both systems' goodput searches on one seed's requests; their JSON lines."""
     from tokenlake.benchmarks.wallclock.point import run_point
     from tokenlake.benchmarks.wallclock.sweep import first_rate_only, search_all
@@ -148,7 +143,7 @@ def search_seed(args, systems, key, reqs, slo, lo, salts, emit_line) -> list[dic
     where = f"{key['model']} {key['workload']} seed {key['seed']}"
 
     def attainment_at(name: str, rate: float) -> float:
-        line = run_point(systems[name], key["model"], reqs, rate, next(salts), slo, args.drain_s)
+        line = run_point(launch, name, reqs, rate, next(salts), slo, args.drain_s)
         line = {**key, "kind": "point", "system": name, **line}
         log(f"  {where} {name:<9} {rate:7.2f} req/s: attainment {line['attainment']:.0%}, "
             f"hit rate {line['hit_rate']:.1%}, load CV {line['load_cv']:.1%}")  # fmt: skip

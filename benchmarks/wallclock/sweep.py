@@ -22,17 +22,27 @@ class TurnTaker:
         self.turn = 0
         self.wait_s = wait_s
         self.cv = threading.Condition()
+        self.cancelled = False
 
     def run(self, name: str, fn: Callable[[], float]) -> float:
         with self.cv:
-            if not self.cv.wait_for(lambda: self.active[self.turn] == name, self.wait_s):
+            mine = lambda: self.cancelled or self.active[self.turn] == name  # noqa: E731
+            if not self.cv.wait_for(mine, self.wait_s):
                 raise TimeoutError(f"{name}: no turn within {self.wait_s:g} s")
+            if self.cancelled:
+                raise RuntimeError(f"{name}: the searches were cancelled")
         try:
             return fn()
         finally:
             with self.cv:
                 self.turn = (self.active.index(name) + 1) % len(self.active)
                 self.cv.notify_all()
+
+    def cancel(self) -> None:
+        """Every later turn raises (another search failed, or Ctrl-C)."""
+        with self.cv:
+            self.cancelled = True
+            self.cv.notify_all()
 
     def leave(self, name: str) -> None:
         with self.cv:
@@ -64,12 +74,21 @@ def search_all(
                 lambda rate: turns.run(name, lambda: attainment_at(name, rate)),
                 lo, hi, target=TARGET, rel_tol=rel_tol, max_evals=max_evals,
             )  # fmt: skip
+        except BaseException:
+            turns.cancel()
+            raise
         finally:
             turns.leave(name)
 
-    with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(len(names))
+    try:
         futures = {name: pool.submit(search, name) for name in names}
         return {name: f.result() for name, f in futures.items()}
+    except BaseException:  # Ctrl-C too: no run starts after this; the caller stops processes
+        turns.cancel()
+        raise
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def first_rate_only(names: Sequence[str], attainment_at: Callable[[str, float], float],
