@@ -32,7 +32,19 @@ def worker_main(attach, conn, world_kwargs: dict) -> None:
 
     torch.set_num_threads(1)
     runtime = SharedPoolRuntime(attach)
+    pool_data = runtime._driver.views[runtime.instance_id].pool.data  # [L, S, 2, C, H_kv, D]
+    one_copy = runtime.engine_slots
+    if one_copy:  # SGLang's KV cache is this instance's slots, and its allocator pages them
+        from tokenlake.engines.sglang.one_copy import SlotKVPool, SlotPageAllocator
+
+        kv_pool = SlotKVPool(pool_data, device="cpu", enable_memory_saver=False)
+        world_kwargs = {**world_kwargs, "kv_pool": kv_pool}
     world = sgl_world.World(SGLangPoolConfig(), runtime=runtime, **world_kwargs)
+    if one_copy:
+        world.allocator = SlotPageAllocator(
+            pool_data.shape[1], pool_data.shape[3], kv_pool, runtime.release_slots,
+            runtime.reclaimed,
+        )  # fmt: skip
     modes = {"extend": ForwardMode.EXTEND, "decode": ForwardMode.DECODE,
              "mixed": ForwardMode.MIXED, None: None}  # fmt: skip
 
@@ -42,7 +54,7 @@ def worker_main(attach, conn, world_kwargs: dict) -> None:
         SGLang cache, then reused (not recomputed)."""
         ids = np.asarray(tokens, dtype=np.int32)
         n = min(runtime.match_len(ids), len(tokens) - 1)
-        slots = [world.free_kv.pop() for _ in range(n)]
+        slots = world.alloc_locs(0, n, None)
         if n:
             world.tokenlake.load_prefix(ids, 0, n, torch.tensor(slots))
         world.add(rid, tokens, prefix_slots=slots)
@@ -50,9 +62,14 @@ def worker_main(attach, conn, world_kwargs: dict) -> None:
 
     def kv_storage() -> dict:
         kv = world.runner.token_to_kv_pool
-        pool = runtime._driver.views[runtime.instance_id].pool.data
-        return {"sglang_bytes": int(sum(b.nbytes for b in kv.k_buffer + kv.v_buffer)),
-                "instance_bytes": int(pool.nbytes)}  # fmt: skip
+        out = {"sglang_bytes": int(sum(b.nbytes for b in kv.k_buffer + kv.v_buffer)),
+               "instance_bytes": int(pool_data.nbytes)}  # fmt: skip
+        if one_copy:
+            out["same_storage"] = kv.shares_storage_with(pool_data)
+            out["k_ptrs"] = [int(b.data_ptr() - pool_data.data_ptr()) for b in kv.k_buffer]
+            out["v_ptrs"] = [int(b.data_ptr() - pool_data.data_ptr()) for b in kv.v_buffer]
+            out["available_tokens"] = int(world.allocator.available_size())
+        return out
 
     handlers = {
         "add": lambda m: (

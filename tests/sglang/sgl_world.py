@@ -38,9 +38,11 @@ def make_runner(
     max_context_len: int = 512,
     scaling: float | None = None,
     dtype: torch.dtype = torch.float32,
+    kv_pool=None,
     **layer_kwargs,
 ) -> SimpleNamespace:
-    """A stand-in ``ModelRunner`` holding real SGLang pools and attention layers."""
+    """A stand-in ``ModelRunner`` holding real SGLang pools and attention layers
+    (``kv_pool``: an SGLang KV pool built by the caller, e.g. over a pool instance's slots)."""
     scaling = head_dim**-0.5 if scaling is None else scaling
     layers = torch.nn.ModuleList(
         RadixAttention(num_q_heads, head_dim, scaling, num_kv_heads, i, **layer_kwargs)
@@ -51,9 +53,9 @@ def make_runner(
         model=layers,
         model_config=SimpleNamespace(is_encoder_decoder=False, model_path="tiny-test-model"),
         req_to_token_pool=ReqToTokenPool(max_reqs, max_context_len, "cpu", False),
-        token_to_kv_pool=MHATokenToKVPool(
-            kv_size, 1, dtype, num_kv_heads, head_dim, num_layers, "cpu", False
-        ),
+        token_to_kv_pool=kv_pool
+        if kv_pool is not None
+        else MHATokenToKVPool(kv_size, 1, dtype, num_kv_heads, head_dim, num_layers, "cpu", False),
         use_mla_backend=False,
         spec_algorithm=SpeculativeAlgorithm.NONE,
         is_hybrid_swa=False,
@@ -142,9 +144,35 @@ class World:
         return req
 
     def release(self, rid: str) -> None:
-        """SGLang finished, aborted or retracted the request: its row goes back."""
+        """SGLang finished, aborted or retracted the request: its row goes back (and, with a
+        paged allocator, the pages no other live request uses)."""
         req = self.reqs.pop(rid)
         self.rtt.free_rows([req.row])
+        if self.allocator is not None and self.allocator.page_size > 1:
+            ps = self.allocator.page_size
+            live = {s // ps for r in self.reqs.values() for s in r.slots}
+            gone = sorted({s // ps for s in req.slots} - live)
+            if gone:
+                self.allocator.free(torch.tensor(gone, dtype=torch.int64) * ps)
+
+    def alloc_locs(self, start: int, n: int, last_loc: int | None) -> list[int]:
+        """KV locations of ``n`` tokens at positions ``start...``: one by one, or with a paged
+        allocator as SGLang's ``alloc_extend`` (the current page goes on, then new pages)."""
+        if self.allocator is None:
+            return [self.free_kv.pop() for _ in range(n)]
+        ps = self.allocator.page_size
+        if ps == 1:
+            return self.allocator.alloc(n).tolist()
+        out = []
+        for pos in range(start, start + n):
+            if pos % ps == 0:
+                page = self.allocator.alloc(ps)
+                assert page is not None, "out of KV pages"
+                last_loc = int(page[0])
+            else:
+                last_loc += 1
+            out.append(last_loc)
+        return out
 
     def step(self, work: dict[str, int], mode: ForwardMode | None = None) -> float:
         """One forward: request ``rid`` computes its next ``work[rid]`` tokens. Returns the max
@@ -159,10 +187,7 @@ class World:
             start = req.num_cached
             while len(req.tokens) < start + n:  # decoding: the "sampled" next token
                 req.tokens.append((len(req.tokens) * 131 + 17) % 5000)
-            if self.allocator is not None:
-                new_slots = self.allocator.alloc(n).tolist()
-            else:
-                new_slots = [self.free_kv.pop() for _ in range(n)]
+            new_slots = self.alloc_locs(start, n, req.slots[-1] if req.slots else None)
             req.slots += new_slots
             self.rtt.req_to_token[req.row, start : start + n] = torch.tensor(
                 new_slots, dtype=torch.int32
