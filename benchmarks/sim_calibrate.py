@@ -21,6 +21,7 @@ and per row, and the hop, written as one JSON file that ``tokenlake goodput
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -151,6 +152,30 @@ def measure(
     return rows, hop
 
 
+def measure_thread_speedup(model, threads: int, repeats: int = 5, seed: int = 0) -> float:
+    """How much faster one step runs on ``threads`` torch and kernel threads than on one
+    (what ``tokenlake serve`` uses by default: every core), in *wall* time, the fastest of
+    ``repeats`` runs each: the geometric mean over a prefill and a decode case, at least 1."""
+    import torch
+
+    from tokenlake.engines.kernels import cpu
+
+    if threads <= 1:
+        return 1.0
+    bench = _Bench(model, 4096 // SEGMENT_LEN + 64, time.perf_counter, seed)
+    ratios = []
+    for new_len, batch, prefix in ((256, 1, 0), (1, 16, 256)):
+        times = []
+        for n in (1, threads):
+            torch.set_num_threads(n)
+            cpu.set_num_threads(n)
+            times.append(bench.time_batch(new_len, batch, prefix, repeats))
+        ratios.append(times[0] / times[1])
+    torch.set_num_threads(1)
+    cpu.set_num_threads(1)
+    return max(1.0, float(np.exp(np.mean(np.log(ratios)))))
+
+
 def calibrate(model_name: str, repeats: int, quick: bool, seed: int = 0) -> CpuProfile:
     """Measure ``model_name`` (one of the real cluster's models) and fit its profile."""
     import torch
@@ -162,9 +187,12 @@ def calibrate(model_name: str, repeats: int, quick: bool, seed: int = 0) -> CpuP
     cpu.set_num_threads(1)
     model = load_model(model_name, seed)
     rows, hop = measure(model, repeats=repeats, quick=quick, seed=seed)
-    return fit_cpu_profile(
-        model_name, model_profile_of(model_name, model.config), rows, hop, os.cpu_count() or 1
+    cores = os.cpu_count() or 1
+    speedup = measure_thread_speedup(model, cores, seed=seed)
+    profile = fit_cpu_profile(
+        model_name, model_profile_of(model_name, model.config), rows, hop, cores
     )
+    return dataclasses.replace(profile, thread_speedup=round(speedup, 3))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r.seconds * 1e3:>7.2f}ms {fitted * 1e3:>7.2f}ms"
         )
     print(f"hop (one remote holder per step, all layers): {profile.hop_s * 1e3:.3f} ms")
+    print(f"{profile.host_cores} threads vs 1, wall time: {profile.thread_speedup:.2f}x")
     print(json.dumps({"bench": "calibrate-cpu", "model": args.model, **profile.summary()}))
     return 0
 

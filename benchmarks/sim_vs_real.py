@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
+
 from tokenlake.benchmarks.sim.cpu_profile import CpuProfile, load_cpu_profile
+from tokenlake.benchmarks.sim.metrics import hit_rate
 from tokenlake.benchmarks.sim.served_cpu import (
     SYSTEMS,
     Arrival,
@@ -109,6 +113,11 @@ def compare(real_points: dict, real_goodputs: dict, profiles: dict, settings, dr
                 system, profiles[model], cfg, arrivals, limit, settings.segment_len
             )
             sim = attainment(records, slo["ttft_s"], slo["tpot_s"])
+            ttfts = [r.first_token_s - r.arrival_s if r.num_tokens else math.inf for r in records]
+            tpots = [
+                (r.last_token_s - r.first_token_s) / (r.num_tokens - 1) if r.num_tokens > 1 else 0.0
+                for r in records
+            ]
             sim_points.append((rate, sim))
             real_pts.append((rate, line["attainment"]))
             rows.append({
@@ -117,7 +126,10 @@ def compare(real_points: dict, real_goodputs: dict, profiles: dict, settings, dr
                 "rate": rate, "num_requests": n, "slo": slo,
                 "real_attainment": line["attainment"], "sim_attainment": round(sim, 4),
                 "error_points": round(100 * (sim - line["attainment"]), 1),
-                "sim_load_cv": round(load.cv(), 4),
+                "real_ttft_p90_s": line.get("ttft_p90_s"), "sim_ttft_p90_s": _p90(ttfts),
+                "real_tpot_p90_s": line.get("tpot_p90_s"), "sim_tpot_p90_s": _p90(tpots),
+                "real_hit_rate": line.get("hit_rate"), "sim_hit_rate": round(hit_rate(records), 4),
+                "real_load_cv": line.get("load_cv"), "sim_load_cv": round(load.cv(), 4),
             })  # fmt: skip
         real_g = real_goodputs.get((model, workload, seed, system), {}).get("p90_goodput")
         real_g = goodput(real_pts) if real_g is None else float(real_g)
@@ -162,6 +174,13 @@ def table(rows: list[dict]) -> list[str]:
             f"| {err}{'' if ok else ' (misses)'} |"
         )
     return out
+
+
+def _p90(values: list[float]) -> float | None:
+    """The wall-clock bench's P90 (linear interpolation; None where a request never got
+    there, as its inf)."""
+    arr = np.asarray(values, dtype=float)
+    return round(float(np.percentile(arr, 90)), 6) if np.isfinite(arr).all() else None
 
 
 def _pct(x: float) -> str:

@@ -8,7 +8,9 @@ model engine (``tokenlake bench calibrate-cpu``, :mod:`tokenlake.benchmarks.sim_
 fixed cost per step and per row, and the hop (the fixed cost of one remote holder per step,
 priced by the layered pricing as its link latency: ``hop / (2 x layers)`` each way) so that
 the simulator's own step times reproduce the measured rows. ``host_cores`` is how many cores
-the measured machine has: the simulator shares them among the busy processes of a CPU run.
+the measured machine has and ``thread_speedup`` how much faster a step runs on all of them
+than on one (a server's torch and kernel threads): the simulator shares the cores among the
+busy processes of a CPU run, each at most that much faster than one core.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class CpuProfile:
     hop_s: float
     host_cores: int
     rows: tuple[MeasuredRow, ...] = ()
+    thread_speedup: float = 1.0  # a step on every core's threads vs on one (wall time)
 
     def spec(self, num_instances: int = 1, cache_tokens: int = 0) -> ClusterSpec:
         """A cluster of ``num_instances`` instances of this profile (one core each)."""
@@ -77,6 +80,26 @@ class CpuProfile:
             return timer.decode_time([row.prefix_len] * row.batch)
         return timer.prefill_time([row.new_len] * row.batch, [row.prefix_len] * row.batch)
 
+    def latency_model(self, max_dop: int):
+        """The scheduler's latency model as ``tokenlake serve`` profiles it on this profile's
+        engine: prefill batches at DoP 1..``max_dop`` (each the slowest sub-batch, timed
+        alone), decode batches, and the hop."""
+        from tokenlake.scheduler.cost_model import split_rows
+        from tokenlake.scheduler.latency_model import ProfileRow, fit_latency_model
+
+        timer = self.step_timer()
+        rows = []
+        for dop in range(1, max_dop + 1):
+            for lengths in ((16,), (64,), (256,), (32, 32, 32), (128, 64), (200, 100, 50, 25)):
+                t = max(
+                    self.timer.prefill_overhead_s + timer.forward_time(sub)
+                    for sub in split_rows(lengths, dop)
+                )
+                rows.append(ProfileRow(PREFILL, dop, lengths, t))
+        for batch in (1, 2, 4, 8, 16, 32):
+            rows.append(ProfileRow(DECODE, 1, (1,) * batch, timer.decode_time([0] * batch)))
+        return fit_latency_model(rows, self.hop_s)
+
     def errors(self) -> list[float]:
         """Relative error of the fitted step time on each measured row."""
         timer = self.step_timer()
@@ -92,6 +115,7 @@ class CpuProfile:
             "row_overhead_s": self.timer.row_overhead_s,
             "hop_s": self.hop_s,
             "host_cores": self.host_cores,
+            "thread_speedup": self.thread_speedup,
             "max_abs_error": round(max(map(abs, errs)), 4) if errs else None,
         }
 
@@ -104,6 +128,7 @@ class CpuProfile:
             "timer": dataclasses.asdict(self.timer),
             "hop_s": self.hop_s,
             "host_cores": self.host_cores,
+            "thread_speedup": self.thread_speedup,
             "rows": [r._asdict() for r in self.rows],
         }
 
@@ -122,13 +147,14 @@ class CpuProfile:
                 float(raw["hop_s"]),
                 int(raw["host_cores"]),
                 tuple(MeasuredRow(**r) for r in raw.get("rows", ())),
+                float(raw.get("thread_speedup", 1.0)),
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"hardware profile: bad or missing field: {e}") from None
-        if not (profile.hop_s >= 0 and profile.host_cores >= 1):
+        if not (profile.hop_s >= 0 and profile.host_cores >= 1 and profile.thread_speedup >= 1):
             raise ValueError(
-                f"hardware profile: expected hop_s >= 0 and host_cores >= 1, got "
-                f"{profile.hop_s!r}, {profile.host_cores!r}"
+                f"hardware profile: expected hop_s >= 0, host_cores >= 1 and thread_speedup "
+                f">= 1, got {profile.hop_s!r}, {profile.host_cores!r}, {profile.thread_speedup!r}"
             )
         return profile
 

@@ -28,8 +28,8 @@ from tokenlake.benchmarks.sim.job import Job
 from tokenlake.benchmarks.sim.layered import PricingConfig
 from tokenlake.benchmarks.sim.metrics import LoadTimeline, RequestRecord
 from tokenlake.benchmarks.sim.router import CacheAwareRouter
+from tokenlake.benchmarks.sim.shared_servers import SharedHost
 from tokenlake.benchmarks.sim.tokenlake_system import TokenLakeConfig, TokenLakeSystem
-from tokenlake.benchmarks.sim.tokenlake_timing import SharedHost
 from tokenlake.benchmarks.workloads.request import SimRequest
 
 SYSTEMS = ("tokenlake", "router")
@@ -88,7 +88,7 @@ class _Pool:
         n, seg = settings.num_instances, settings.segment_len
         timer = profile.step_timer(n, settings.num_slots * seg)
         self.system = TokenLakeSystem(
-            loop, timer, timer.spec, on_done, load, _config(settings, profile), None,
+            loop, timer, timer.spec, on_done, load, _config(settings, profile, n), None,
             host=host,
         )  # fmt: skip
 
@@ -114,7 +114,7 @@ class _Router:
                 timer.spec,
                 on_done,
                 load,
-                _config(settings, profile),
+                _config(settings, profile, 1),
                 None,
                 host=host,
                 load_offset=i,
@@ -132,15 +132,16 @@ class _Router:
         self.router.finished(self.worker_of.pop(job.rid))
 
 
-def _config(settings: ServedSettings, profile: CpuProfile) -> TokenLakeConfig:
-    # tokenlake serve's SchedulerConfig: its defaults but the chunk; the control plane's
-    # measured CPU time charged as it is (it runs in the runtime thread); no RPC or kernel
-    # launch apart from what the profile's hop holds
+def _config(settings: ServedSettings, profile: CpuProfile, num_instances: int) -> TokenLakeConfig:
+    # tokenlake serve's SchedulerConfig: its defaults but the chunk, and the latency model
+    # it profiles at start-up; the control plane's measured CPU time charged as it is (it
+    # runs in the runtime thread); no RPC or kernel launch apart from what the hop holds
     return TokenLakeConfig(
         segment_len=settings.segment_len,
         chunk_len=settings.chunk_len,
         sync_iterations=True,
         pricing=PricingConfig(rpc_s=0.0, launch_s=0.0, control_plane_scale=1.0),
+        latency=profile.latency_model(min(num_instances, 4)),
     )
 
 
@@ -159,7 +160,7 @@ def simulate_served(
         raise ValueError(f"system: expected one of {SYSTEMS}, got {system!r}")
     loop = EventLoop()
     load = LoadTimeline(settings.num_instances)
-    host = SharedHost(profile.host_cores)
+    host = SharedHost(profile.host_cores, min(profile.thread_speedup, profile.host_cores))
     records: dict[int, RequestRecord] = {}
     waiting: dict[str, list[Arrival]] = {}  # session -> its turns not sent yet, in order
     busy: set[str] = set()  # sessions with a turn in flight

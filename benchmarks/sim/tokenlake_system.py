@@ -42,7 +42,8 @@ class TokenLakeConfig:
     iteration at a time, the pre-asynchronous model); eviction (the pool's policy, None: its
     default); page_groups (the decode timing's shared-page groups; off: every row reads
     its own pages, as the baselines without cascade); pricing (distributed attention, the
-    control plane's CPU time and RPC, see :class:`PricingConfig`)."""
+    control plane's CPU time and RPC, see :class:`PricingConfig`); latency (the scheduler's
+    latency model, as a server profiles its own; None: fitted to the roofline's forwards)."""
 
     mode: str = "elastic"
     num_prefill: int = 0
@@ -57,6 +58,7 @@ class TokenLakeConfig:
     eviction: str | None = None
     page_groups: bool = True  # decode reads of rows sharing a page grouped (the data plane's)
     pricing: PricingConfig = PricingConfig()
+    latency: object = None  # the scheduler's LatencyModel; None: fitted to the roofline
 
 
 class TokenLakeSystem:
@@ -102,7 +104,7 @@ class TokenLakeSystem:
             decode_steps=config.decode_steps,
         )
         dops = tuple(d for d in (1, 2, 4, 8, 16) if d <= cfg.max_prefill_dop)
-        model = timer.cost.fit(dops=dops)
+        model = config.latency or timer.cost.fit(dops=dops)
         self.sched = ElasticScheduler(cfg, model, self.pool, clock=lambda: loop.now)
         self.timing = TokenLakeTiming(timer, spec, seg, config.page_groups, config.pricing, host)
         self.load_offset = load_offset

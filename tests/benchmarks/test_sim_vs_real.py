@@ -27,7 +27,7 @@ from tokenlake.benchmarks.sim.served_cpu import (
     simulate_served,
     to_requests,
 )
-from tokenlake.benchmarks.sim.tokenlake_timing import SharedHost
+from tokenlake.benchmarks.sim.shared_servers import SharedHost
 from tokenlake.benchmarks.sim_vs_real import goodput, read_real
 from tokenlake.cluster.profiles import ModelProfile
 
@@ -119,12 +119,12 @@ def test_spec_carries_the_measured_calibration():
     assert make_timer(spec).config == profile.timer  # not the GPU calibration
 
 
-def brute_force_host(cores: float, work: list[float], dt: float = 1e-5) -> list[float]:
+def brute_force_host(cores, speedup, work: list[float], dt: float = 1e-5) -> list[float]:
     """Finish times of tasks all started at 0, stepped in ``dt``."""
     left, done, t = list(work), [math.nan] * len(work), 0.0
     while any(math.isnan(d) for d in done):
         active = [i for i, d in enumerate(done) if math.isnan(d)]
-        rate = min(1.0, cores / len(active))
+        rate = min(speedup, cores / len(active))
         t += dt
         for i in active:
             left[i] -= rate * dt
@@ -133,14 +133,14 @@ def brute_force_host(cores: float, work: list[float], dt: float = 1e-5) -> list[
     return done
 
 
-@pytest.mark.parametrize("cores", [1, 2, 3])
-def test_shared_host_against_time_stepping(cores):
+@pytest.mark.parametrize("cores, speedup", [(1, 1), (2, 1), (2, 1.5), (3, 2)])
+def test_shared_host_against_time_stepping(cores, speedup):
     work = [0.010, 0.004, 0.007, 0.001]
-    host = SharedHost(cores)
+    host = SharedHost(cores, speedup)
     for i, w in enumerate(work):
         host.add(i, w)
     finishes = host.finishes()
-    expected = brute_force_host(cores, work)
+    expected = brute_force_host(cores, speedup, work)
     for i in range(len(work)):
         assert finishes[i] == pytest.approx(expected[i], abs=5e-5)
     host.advance(0.002)  # part of the way, then the rest: the same ends
@@ -148,6 +148,8 @@ def test_shared_host_against_time_stepping(cores):
         assert end == pytest.approx(expected[i], abs=5e-5)
     with pytest.raises(ValueError, match="cores"):
         SharedHost(0)
+    with pytest.raises(ValueError, match="speedup"):
+        SharedHost(2, 3)
 
 
 def test_block_ids_are_equal_exactly_up_to_the_shared_prefix():
