@@ -37,10 +37,12 @@ from tokenlake.benchmarks.sim.served_cpu import (
     ServedSettings,
     attainment,
     simulate_served,
+    solo_latency,
     to_requests,
 )
 
 TARGET = 0.9
+SLO_SCALE = 10.0  # the wall-clock bench's: 10x the batch-size-1 latencies
 ATTAINMENT_TOLERANCE = 0.10  # points
 GOODPUT_TOLERANCE = 0.25  # relative
 
@@ -79,9 +81,22 @@ def goodput(points: list[tuple[float, float]]) -> float:
     return max((r for r, a in points if a >= TARGET), default=0.0)
 
 
-def compare(real_points: dict, real_goodputs: dict, profiles: dict, settings, drain_s) -> list:
+def _sim_slo(profile, settings, timed, block_size) -> dict:
+    """The wall-clock bench's rule on the simulated server: :data:`SLO_SCALE` times the
+    batch-size-1 TTFT and TPOT of the workload's median-length prompt (at least 2 tokens)."""
+    probe = sorted(timed, key=lambda t: len(t.prompt_ids))[len(timed) // 2]
+    (req,) = to_requests([probe.prompt_ids], [max(2, probe.max_tokens)], block_size)
+    ttft, tpot = solo_latency(profile, settings, req, block_size)
+    return {"ttft_s": round(SLO_SCALE * ttft, 6), "tpot_s": round(SLO_SCALE * tpot, 6)}
+
+
+def compare(
+    real_points: dict, real_goodputs: dict, profiles: dict, settings, drain_s, own_slo=True
+) -> list:
     """One "point" row per real point and one "goodput" row per (model, workload, seed,
-    system), each with the simulated figure beside the real one."""
+    system), each with the simulated figure beside the real one. ``own_slo``: the SLO rule
+    applied to the simulated server's own batch-size-1 latencies (else the real thresholds;
+    both attainments are in the rows)."""
     from tokenlake.benchmarks.wallclock.client import ALPHABET
     from tokenlake.benchmarks.wallclock.workloads import build_workload
 
@@ -101,9 +116,11 @@ def compare(real_points: dict, real_goodputs: dict, profiles: dict, settings, dr
             int(lines[0].get("num_instances", settings.num_instances)), settings.segment_len,
             settings.num_slots, settings.chunk_len, settings.request_overhead_s,
         )  # fmt: skip
+        sim_slo = _sim_slo(profiles[model], cfg, timed, settings.segment_len)
         sim_points, real_pts = [], []
         for line in lines:
-            rate, slo = line["rate"], line["slo"]
+            rate, real_slo = line["rate"], line["slo"]
+            slo = sim_slo if own_slo else real_slo
             arrivals = [
                 Arrival(r, t.arrival_s / rate, t.session_id)
                 for r, t in zip(reqs, timed, strict=True)
@@ -113,6 +130,7 @@ def compare(real_points: dict, real_goodputs: dict, profiles: dict, settings, dr
                 system, profiles[model], cfg, arrivals, limit, settings.segment_len
             )
             sim = attainment(records, slo["ttft_s"], slo["tpot_s"])
+            at_real = attainment(records, real_slo["ttft_s"], real_slo["tpot_s"])
             ttfts = [r.first_token_s - r.arrival_s if r.num_tokens else math.inf for r in records]
             tpots = [
                 (r.last_token_s - r.first_token_s) / (r.num_tokens - 1) if r.num_tokens > 1 else 0.0
@@ -123,9 +141,13 @@ def compare(real_points: dict, real_goodputs: dict, profiles: dict, settings, dr
             rows.append({
                 "bench": "sim-vs-real", "kind": "point", "model": model, "workload": workload,
                 "seed": seed, "system": system, "num_instances": cfg.num_instances,
-                "rate": rate, "num_requests": n, "slo": slo,
+                "rate": rate, "num_requests": n, "slo": real_slo, "sim_slo": sim_slo,
+                "slo_used": "sim's own" if own_slo else "real",
                 "real_attainment": line["attainment"], "sim_attainment": round(sim, 4),
                 "error_points": round(100 * (sim - line["attainment"]), 1),
+                "sim_attainment_at_real_slo": round(at_real, 4),
+                "solo_ttft_real_over_sim": round(real_slo["ttft_s"] / sim_slo["ttft_s"], 3),
+                "solo_tpot_real_over_sim": round(real_slo["tpot_s"] / sim_slo["tpot_s"], 3),
                 "real_ttft_p90_s": line.get("ttft_p90_s"), "sim_ttft_p90_s": _p90(ttfts),
                 "real_tpot_p90_s": line.get("tpot_p90_s"), "sim_tpot_p90_s": _p90(tpots),
                 "real_hit_rate": line.get("hit_rate"), "sim_hit_rate": round(hit_rate(records), 4),
@@ -219,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the serving path's cost per request (default: the profile's)",
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=3, help="calibration runs per case")
+    p.add_argument(
+        "--slo", choices=("rule", "thresholds"), default="rule",
+        help="rule: 10x the simulated server's own batch-size-1 latencies (as the real bench "
+        "derives its thresholds); thresholds: the real runs' numbers",
+    )  # fmt: skip
     args = p.parse_args(argv)
     real_points, real_goodputs = read_real(args.real)
     if not real_points:
@@ -229,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         segment_len=args.segment_len, num_slots=args.num_slots, chunk_len=args.chunk_len,
         request_overhead_s=0.0 if overhead is None else overhead / 1e3,
     )  # fmt: skip
-    rows = compare(real_points, real_goodputs, profiles, settings, args.drain_s)
+    rows = compare(real_points, real_goodputs, profiles, settings, args.drain_s, args.slo == "rule")
     print("\n".join(table(rows)))
     for r in rows:
         print(json.dumps(r))

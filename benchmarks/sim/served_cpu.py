@@ -212,3 +212,17 @@ def meets(rec: RequestRecord, ttft_s: float, tpot_s: float) -> bool:
 
 def attainment(records: Sequence[RequestRecord], ttft_s: float, tpot_s: float) -> float:
     return sum(meets(r, ttft_s, tpot_s) for r in records) / len(records) if records else 0.0
+
+
+def solo_latency(
+    profile: CpuProfile, settings: ServedSettings, req: SimRequest, block_size: int
+) -> tuple[float, float]:
+    """(TTFT, TPOT) of ``req`` alone on an idle one-instance server: what the wall-clock
+    bench's SLO is a multiple of."""
+    one = ServedSettings(1, settings.segment_len, settings.num_slots, settings.chunk_len,
+                         settings.request_overhead_s)  # fmt: skip
+    (rec,), _ = simulate_served("router", profile, one, [Arrival(req, 0.0, None)], 1e9, block_size)
+    if not rec.finished or rec.num_tokens < 2:
+        raise ValueError(f"solo request {req.rid}: expected 2+ tokens, got {rec.num_tokens}")
+    tpot = (rec.last_token_s - rec.first_token_s) / (rec.num_tokens - 1)
+    return rec.first_token_s - rec.arrival_s, tpot

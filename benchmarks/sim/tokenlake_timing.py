@@ -85,18 +85,22 @@ class TokenLakeTiming:
         entries, puts, num_steps = [], [], 1
         cfg = timer.config
         overhead = cfg.prefill_overhead_s if has_prefill else cfg.decode_overhead_s
+        dense = np.zeros(n)  # each origin's forwards (fixed cost, dense layers)
+        all_pieces, step_rows = [], np.zeros(0, dtype=np.int64)  # every sub-batch's rows
         for qp, tp in zip(plans.query_plans, plans.transfer_plans, strict=True):
             o = qp.origin
             rows = qp.q_indptr[1:] - qp.q_indptr[:-1]
             if has_prefill:
                 first = qp.positions - qp.prefix_lens
                 pieces = list(zip(first.tolist(), (first + rows).tolist(), strict=True))
-                work[o] += overhead + timer.forward_time(pieces)
+                dense[o] += overhead + timer.forward_time(pieces)
+                all_pieces += pieces
             else:  # decode steps, one after another (several per request: multi-step)
                 batch = np.bincount(rows, minlength=int(rows.max()) + 1)[::-1].cumsum()[::-1]
                 num_steps = max(num_steps, len(batch) - 1)
                 for num in batch[1:].tolist():  # requests still decoding at each step
-                    work[o] += self._decode_step_time(num, overhead)
+                    dense[o] += self._decode_step_time(num, overhead)
+                step_rows = _add_padded(step_rows, batch[1:])
             if len(qp.entry_req):
                 holders = np.repeat(qp.holder_ids, qp.holder_indptr[1:] - qp.holder_indptr[:-1])
                 tokens = (qp.kv_indptr[1:] - qp.kv_indptr[:-1] - 1) * seg + qp.last_len
@@ -108,6 +112,7 @@ class TokenLakeTiming:
                 cum = np.concatenate([[0], np.cumsum(tp.run_len)])
                 sent = cum[tp.dst_indptr[1:]] - cum[tp.dst_indptr[:-1]]
                 puts.append((np.asarray(tp.dst_ids), sent, np.full(len(sent), o)))
+        work += dense
         near, far = np.zeros(n), np.zeros(n)  # bytes each origin sends over NVLink / IB
         reads = np.zeros(n)
         att, q_rows, put_bytes = np.zeros((n, n)), np.zeros((n, n)), np.zeros((n, n))
@@ -128,6 +133,15 @@ class TokenLakeTiming:
             np.add.at(put_bytes, (origins, dsts), num_bytes)
             remote = dsts != origins
             work += np.bincount(dsts[remote], weights=num_bytes[remote], minlength=n) / self.mem_bw
+        if self.host is not None:
+            # one process runs every sub-batch's rows in one ragged forward (the in-process
+            # data plane): one fixed cost and one pass over the weights per step, not one
+            # per instance; the queries and puts stay as they are
+            work = work - dense
+            if has_prefill:
+                work[0] += overhead + timer.forward_time(all_pieces)
+            else:
+                work[0] += sum(self._decode_step_time(int(k), overhead) for k in step_rows)
         if self.layers is None:
             net = near / self.bw_near + far / self.bw_far
             return self.place(work, float(net.max(initial=0.0)), now, payload, reads, delay=delay)
@@ -265,3 +279,11 @@ class TokenLakeTiming:
         n, same = len(near), self.node[src] == self.node[dst]
         for out, mask in ((near, remote & same), (far, remote & ~same)):
             out += np.bincount(src[mask], weights=num_bytes[mask], minlength=n)
+
+
+def _add_padded(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Element-wise sum of two vectors, the shorter padded with zeros."""
+    out = np.zeros(max(len(a), len(b)), dtype=np.int64)
+    out[: len(a)] += a
+    out[: len(b)] += b
+    return out

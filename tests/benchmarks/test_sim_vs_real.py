@@ -238,3 +238,18 @@ def test_calibration_times_every_case_on_the_real_engine():
     ]
     assert [(r.batch, r.prefix_len) for r in rows if r.phase == DECODE] == list(QUICK_DECODE)
     assert all(r.seconds == 1 for r in rows) and hop == 0.0
+
+
+def test_a_served_pool_runs_one_forward_per_step_whatever_its_lanes():
+    """The in-process data plane runs every sub-batch's rows in one forward: with a 1 s
+    fixed cost per decode step and everything else nearly free, every gap between tokens
+    is one fixed cost, however many instances the decodes are spread over."""
+    x = (1e-15, 1e-15, 0.0, 1.0, 0.0)
+    profile = _profile("tiny", TINY, x, 0.0, 2, CASES)
+    prompts = [np.random.default_rng(i).integers(0, 90, 32).tolist() for i in range(4)]
+    reqs = to_requests(prompts, [4] * 4, 32)
+    arrivals = [Arrival(r, 0.0, None) for r in reqs]
+    records, _ = simulate_served("tokenlake", profile, ServedSettings(), arrivals, 100.0, 32)
+    assert all(r.finished for r in records)
+    for r in records:
+        assert 1.0 - 1e-6 <= r.max_tbt_s <= 1.0 + 0.05  # the control plane's CPU time on top
