@@ -88,6 +88,13 @@ def run_point(launch: Launch, name: str, requests: Sequence[TimedRequest], rate:
         "finished": sum(r.finished for r in records),
         "ttft_mean_s": round(float(np.mean([r.ttft_s for r in records if r.token_s] or [0])), 6),
         "max_gap_p90_s": round(p90(r.max_gap_s for r in records), 6),
+        # which half of the SLO a miss failed: the first token alone, every token gap alone
+        "attainment_ttft_only": round(
+            sum(r.finished and r.ttft_s <= slo.ttft_s for r in records) / len(records), 4
+        ),
+        "attainment_gap_only": round(
+            sum(r.finished and r.max_gap_s <= slo.tpot_s for r in records) / len(records), 4
+        ),
         "errors": errors[:3],
     }
 

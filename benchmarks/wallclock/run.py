@@ -20,6 +20,7 @@ import argparse
 import itertools
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -41,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-instances", type=int, default=4)
     p.add_argument("--requests", type=int, default=40, help="requests per rate point")
     p.add_argument("--lo", type=float, default=0.0,
-                   help="first rate (req/s); 0: one idle instance's serial rate, 1 / solo E2E")  # fmt: skip
+                   help="first rate (req/s); 0: half one idle instance's serial rate, 0.5 / solo E2E")  # fmt: skip
     p.add_argument("--rel-tol", type=float, default=0.3, help="bisection stops at hi/lo <= 1+tol")
     p.add_argument("--max-evals", type=int, default=6, help="most runs per search")
     p.add_argument("--drain-s", type=float, default=30.0,
@@ -76,8 +77,14 @@ def log(msg: str) -> None:
     print(f"[wallclock {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def _stop(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds like Ctrl-C: every process is stopped on the way
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in background
     from tokenlake.benchmarks.wallclock.processes import Fleet, ProcessError, require_router
     from tokenlake.benchmarks.wallclock.report import format_table
 
@@ -126,7 +133,7 @@ def run_model(args, fleet, model: str, tmp: Path, salts, emit_line) -> list[dict
         slo, solo_e2e = measure_solo(launch, per_seed[args.seeds[0]], salts)
         log(f"{model} {workload}: SLO TTFT <= {slo.ttft_s * 1e3:.1f} ms, every token gap "
             f"<= {slo.tpot_s * 1e3:.1f} ms (10x batch-size-1 at idle)")  # fmt: skip
-        lo = args.lo or round(1.0 / solo_e2e, 2)
+        lo = args.lo or round(0.5 / solo_e2e, 2)
         for seed, reqs in per_seed.items():
             key = {"bench": BENCH, "model": model, "workload": workload, "seed": seed,
                    "num_instances": n}  # fmt: skip
