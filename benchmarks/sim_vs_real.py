@@ -20,6 +20,7 @@ attainment at a rate) and "goodput".
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -81,22 +82,48 @@ def goodput(points: list[tuple[float, float]]) -> float:
     return max((r for r, a in points if a >= TARGET), default=0.0)
 
 
-def _sim_slo(profile, settings, timed, block_size) -> dict:
-    """The wall-clock bench's rule on the simulated server: :data:`SLO_SCALE` times the
-    batch-size-1 TTFT and TPOT of the workload's median-length prompt (at least 2 tokens)."""
+def _probe(timed, block_size):
+    """The wall-clock bench's batch-size-1 request: the median-length prompt, 2+ tokens."""
     probe = sorted(timed, key=lambda t: len(t.prompt_ids))[len(timed) // 2]
     (req,) = to_requests([probe.prompt_ids], [max(2, probe.max_tokens)], block_size)
-    ttft, tpot = solo_latency(profile, settings, req, block_size)
+    return req
+
+
+def _sim_slo(profile, settings, timed, block_size) -> dict:
+    """The wall-clock bench's rule on the simulated server: :data:`SLO_SCALE` times the
+    batch-size-1 TTFT and TPOT of its probe request."""
+    ttft, tpot = solo_latency(profile, settings, _probe(timed, block_size), block_size)
     return {"ttft_s": round(SLO_SCALE * ttft, 6), "tpot_s": round(SLO_SCALE * tpot, 6)}
 
 
+def idle_costs(profile, settings, timed, real_slo, block_size) -> ServedSettings:
+    """``settings`` with the two costs the real run's idle figures show beyond the profile
+    (its thresholds over :data:`SLO_SCALE`: the batch-size-1 TTFT and TPOT it measured):
+    other programs' busy threads on the host (``background_threads``, from how much slower
+    the real decode step was than the profile's) and the serving path's fixed cost per
+    request (``request_overhead_s``, what the real TTFT has beyond the simulated one)."""
+    req = _probe(timed, block_size)
+    bare = dataclasses.replace(settings, background_threads=0.0, request_overhead_s=0.0)
+    _, tpot = solo_latency(profile, bare, req, block_size)
+    cores = profile.host_cores
+    speed = min(profile.thread_speedup, cores)
+    rate = tpot / (real_slo["tpot_s"] / SLO_SCALE)  # one thread's share of a core it got
+    background = 0.0 if rate >= speed else cores / rate - 1
+    loaded = dataclasses.replace(bare, background_threads=round(background, 3))
+    ttft, _ = solo_latency(profile, loaded, req, block_size)
+    overhead = max(0.0, real_slo["ttft_s"] / SLO_SCALE - ttft)
+    return dataclasses.replace(loaded, request_overhead_s=round(overhead, 6))
+
+
 def compare(
-    real_points: dict, real_goodputs: dict, profiles: dict, settings, drain_s, own_slo=True
-) -> list:
+    real_points: dict, real_goodputs: dict, profiles: dict, settings, drain_s, own_slo=True,
+    from_idle=True,
+) -> list:  # fmt: skip
     """One "point" row per real point and one "goodput" row per (model, workload, seed,
     system), each with the simulated figure beside the real one. ``own_slo``: the SLO rule
     applied to the simulated server's own batch-size-1 latencies (else the real thresholds;
-    both attainments are in the rows)."""
+    both attainments are in the rows). ``from_idle``: the background load and the cost per
+    request taken from the real run's idle figures (:func:`idle_costs`; else as given)."""
     from tokenlake.benchmarks.wallclock.client import ALPHABET
     from tokenlake.benchmarks.wallclock.workloads import build_workload
 
@@ -116,6 +143,8 @@ def compare(
             int(lines[0].get("num_instances", settings.num_instances)), settings.segment_len,
             settings.num_slots, settings.chunk_len, settings.request_overhead_s,
         )  # fmt: skip
+        if from_idle:
+            cfg = idle_costs(profiles[model], cfg, timed, lines[0]["slo"], settings.segment_len)
         sim_slo = _sim_slo(profiles[model], cfg, timed, settings.segment_len)
         sim_points, real_pts = [], []
         for line in lines:
@@ -143,6 +172,8 @@ def compare(
                 "seed": seed, "system": system, "num_instances": cfg.num_instances,
                 "rate": rate, "num_requests": n, "slo": real_slo, "sim_slo": sim_slo,
                 "slo_used": "sim's own" if own_slo else "real",
+                "background_threads": cfg.background_threads,
+                "request_overhead_s": cfg.request_overhead_s,
                 "real_attainment": line["attainment"], "sim_attainment": round(sim, 4),
                 "error_points": round(100 * (sim - line["attainment"]), 1),
                 "sim_attainment_at_real_slo": round(at_real, 4),
@@ -150,6 +181,9 @@ def compare(
                 "solo_tpot_real_over_sim": round(real_slo["tpot_s"] / sim_slo["tpot_s"], 3),
                 "real_ttft_p90_s": line.get("ttft_p90_s"), "sim_ttft_p90_s": _p90(ttfts),
                 "real_tpot_p90_s": line.get("tpot_p90_s"), "sim_tpot_p90_s": _p90(tpots),
+                "real_max_gap_p90_s": line.get("max_gap_p90_s"),
+                "sim_max_gap_p90_s": _p90([r.max_tbt_s if r.finished else math.inf
+                                           for r in records]),
                 "real_hit_rate": line.get("hit_rate"), "sim_hit_rate": round(hit_rate(records), 4),
                 "real_load_cv": line.get("load_cv"), "sim_load_cv": round(load.cv(), 4),
             })  # fmt: skip
@@ -238,9 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drain-s", type=float, default=30.0, help="the real runs' cap after arrivals")
     p.add_argument(
         "--request-overhead-ms", type=float, default=None,
-        help="the serving path's cost per request (default: the profile's)",
+        help="the serving path's cost per request with --idle-costs none (default 0)",
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=3, help="calibration runs per case")
+    p.add_argument(
+        "--idle-costs", choices=("solo", "none"), default="solo",
+        help="solo: the host's background load and the cost per request from the real run's "
+        "batch-size-1 figures; none: no background, --request-overhead-ms per request",
+    )  # fmt: skip
     p.add_argument(
         "--slo", choices=("rule", "thresholds"), default="rule",
         help="rule: 10x the simulated server's own batch-size-1 latencies (as the real bench "
@@ -256,7 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         segment_len=args.segment_len, num_slots=args.num_slots, chunk_len=args.chunk_len,
         request_overhead_s=0.0 if overhead is None else overhead / 1e3,
     )  # fmt: skip
-    rows = compare(real_points, real_goodputs, profiles, settings, args.drain_s, args.slo == "rule")
+    rows = compare(
+        real_points, real_goodputs, profiles, settings, args.drain_s, args.slo == "rule",
+        args.idle_costs == "solo",
+    )  # fmt: skip
     print("\n".join(table(rows)))
     for r in rows:
         print(json.dumps(r))

@@ -13,11 +13,13 @@ model (:class:`.router.CacheAwareRouter`). The costs a GPU cluster does not have
 profile's (:mod:`.cpu_profile`): every server's iterations are one thread's work, the whole
 pool's included (:class:`.tokenlake_timing.SharedHost`), and all servers' threads share the
 host's cores; ``request_overhead_s`` is the serving path's fixed cost per request (HTTP,
-tokenizer, stream), paid before the request reaches the scheduler.
+tokenizer, stream), paid before the request reaches the scheduler; ``background_threads``
+are other programs' busy threads on the same cores (a shared machine).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,16 +47,18 @@ class ServedSettings:
     num_slots: int = 96
     chunk_len: int = 256
     request_overhead_s: float = 0.0
+    background_threads: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("num_instances", "segment_len", "num_slots", "chunk_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServedSettings.{name}: expected an int >= 1, got {value!r}")
-        if not 0 <= self.request_overhead_s < math.inf:
-            raise ValueError(
-                f"ServedSettings.request_overhead_s: expected >= 0, got {self.request_overhead_s!r}"
-            )
+        for name in ("request_overhead_s", "background_threads"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(
+                    f"ServedSettings.{name}: expected >= 0, got {getattr(self, name)!r}"
+                )
 
 
 @dataclass(frozen=True)
@@ -160,7 +164,8 @@ def simulate_served(
         raise ValueError(f"system: expected one of {SYSTEMS}, got {system!r}")
     loop = EventLoop()
     load = LoadTimeline(settings.num_instances)
-    host = SharedHost(profile.host_cores, min(profile.thread_speedup, profile.host_cores))
+    speedup = min(profile.thread_speedup, profile.host_cores)
+    host = SharedHost(profile.host_cores, speedup, settings.background_threads)
     records: dict[int, RequestRecord] = {}
     waiting: dict[str, list[Arrival]] = {}  # session -> its turns not sent yet, in order
     busy: set[str] = set()  # sessions with a turn in flight
@@ -219,8 +224,7 @@ def solo_latency(
 ) -> tuple[float, float]:
     """(TTFT, TPOT) of ``req`` alone on an idle one-instance server: what the wall-clock
     bench's SLO is a multiple of."""
-    one = ServedSettings(1, settings.segment_len, settings.num_slots, settings.chunk_len,
-                         settings.request_overhead_s)  # fmt: skip
+    one = dataclasses.replace(settings, num_instances=1)
     (rec,), _ = simulate_served("router", profile, one, [Arrival(req, 0.0, None)], 1e9, block_size)
     if not rec.finished or rec.num_tokens < 2:
         raise ValueError(f"solo request {req.rid}: expected 2+ tokens, got {rec.num_tokens}")

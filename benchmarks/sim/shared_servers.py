@@ -69,20 +69,23 @@ class SharedGPU:
 
 class SharedHost(SharedGPU):
     """A CPU host: ``cores`` cores shared by the tasks on it, work in seconds of one core;
-    a task alone runs ``speedup`` times faster (its threads on several cores): every task is
-    served at ``min(speedup, cores / len(tasks))``. The executors of several simulated
-    systems (a router's worker processes) may share one host."""
+    a task alone runs ``speedup`` times faster (its threads on several cores), and
+    ``background`` busy threads of other programs share the cores all the time: every task
+    is served at ``min(speedup, cores / (len(tasks) + background))``. The executors of
+    several simulated systems (a router's worker processes) may share one host."""
 
-    def __init__(self, cores: float, speedup: float = 1.0) -> None:
+    def __init__(self, cores: float, speedup: float = 1.0, background: float = 0.0) -> None:
         super().__init__()
         if not cores > 0:
             raise ValueError(f"SharedHost.cores: expected > 0, got {cores!r}")
         if not 1 <= speedup <= cores:
             raise ValueError(f"SharedHost.speedup: expected 1..{cores}, got {speedup!r}")
-        self.cores, self.speedup = float(cores), float(speedup)
+        if not 0 <= background < float("inf"):
+            raise ValueError(f"SharedHost.background: expected >= 0, got {background!r}")
+        self.cores, self.speedup, self.background = float(cores), float(speedup), background
 
     def _rate(self, num_tasks: int) -> float:
-        return min(self.speedup, self.cores / num_tasks)
+        return min(self.speedup, self.cores / (num_tasks + self.background))
 
     def advance(self, now: float) -> None:
         elapsed, self.t = now - self.t, now

@@ -253,3 +253,59 @@ def test_a_served_pool_runs_one_forward_per_step_whatever_its_lanes():
     assert all(r.finished for r in records)
     for r in records:
         assert 1.0 - 1e-6 <= r.max_tbt_s <= 1.0 + 0.05  # the control plane's CPU time on top
+
+
+def test_sim_vs_real_command_end_to_end(tmp_path, capsys):
+    """``tokenlake bench sim-vs-real`` on wall-clock lines (made up here, with the real
+    schema) and a stored profile: a table row per model x workload x system, a point line
+    per real point with the real figure carried over, a goodput line per sweep."""
+    from tokenlake.benchmarks.sim_vs_real import main
+
+    base = {"bench": "wallclock-router", "model": "tiny-random", "workload": "long-document",
+            "seed": 0, "num_instances": 4, "num_requests": 12,
+            "slo": {"ttft_s": 0.5, "tpot_s": 0.05}}  # fmt: skip
+    lines = [
+        {**base, "kind": "point", "system": s, "rate": r, "attainment": a}
+        for s in ("tokenlake", "router")
+        for r, a in ((2.0, 1.0), (8.0, 0.5))
+    ] + [{**base, "kind": "goodput", "system": s, "p90_goodput": 2.0} for s in ("tokenlake",)]
+    real = tmp_path / "real.jsonl"
+    real.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    profile = DATA / "cpu_profile_tiny-random.json"
+    assert main(["--real", str(real), "--hardware-profile", str(profile)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [json.loads(x) for x in out if x.startswith("{")]
+    table = [x for x in out if x.startswith("| tiny-random")]
+    assert [x.split(" | ")[2] for x in table] == ["router", "tokenlake"]
+    points = [r for r in rows if r["kind"] == "point"]
+    assert len(points) == 4 and all(0 <= r["sim_attainment"] <= 1 for r in points)
+    assert {(r["system"], r["rate"], r["real_attainment"]) for r in points} == {
+        (x["system"], x["rate"], x["attainment"]) for x in lines if x["kind"] == "point"
+    }
+    assert all(r["sim_slo"]["ttft_s"] > 0 and r["sim_slo"]["tpot_s"] > 0 for r in points)
+    goodputs = {r["system"]: r for r in rows if r["kind"] == "goodput"}
+    assert goodputs["tokenlake"]["real_p90_goodput"] == 2.0  # the real sweep's own
+    assert goodputs["router"]["real_p90_goodput"] == 2.0  # from its points
+
+
+def test_idle_costs_make_the_simulated_solo_the_real_one():
+    """The background load and cost per request read from a real run's batch-size-1
+    figures give those figures back when the simulated server runs the same probe (within
+    5%: the control plane's measured CPU time is charged beside the host's share)."""
+    from tokenlake.benchmarks.sim.served_cpu import solo_latency
+    from tokenlake.benchmarks.sim_vs_real import _probe, idle_costs
+    from tokenlake.benchmarks.wallclock.workloads import build_workload
+
+    profile = load_cpu_profile(DATA / "cpu_profile_tiny-random.json")
+    timed = build_workload("long-document", seed=0, num_requests=12, vocab_size=90)
+    req = _probe(timed, 32)
+    ttft, tpot = solo_latency(profile, ServedSettings(), req, 32)
+    real = {"ttft_s": 10 * (1.5 * ttft + 0.05), "tpot_s": 10 * 1.5 * tpot}
+    settings = idle_costs(profile, ServedSettings(), timed, real, 32)
+    assert settings.background_threads == pytest.approx(2 * 1.5 - 1, rel=0.05)
+    got = solo_latency(profile, settings, req, 32)
+    assert got[0] == pytest.approx(real["ttft_s"] / 10, rel=0.05)
+    assert got[1] == pytest.approx(real["tpot_s"] / 10, rel=0.05)
+    fast = {"ttft_s": 10 * ttft / 2, "tpot_s": 10 * tpot / 2}  # faster than the profile
+    bare = idle_costs(profile, ServedSettings(), timed, fast, 32)
+    assert bare.background_threads == 0 and bare.request_overhead_s == 0
