@@ -107,9 +107,14 @@ def idle_costs(profile, settings, timed, real_slo, block_size) -> ServedSettings
     _, tpot = solo_latency(profile, bare, req, block_size)
     cores = profile.host_cores
     speed = min(profile.thread_speedup, cores)
-    rate = tpot / (real_slo["tpot_s"] / SLO_SCALE)  # one thread's share of a core it got
-    background = 0.0 if rate >= speed else cores / rate - 1
-    loaded = dataclasses.replace(bare, background_threads=round(background, 3))
+    target = real_slo["tpot_s"] / SLO_SCALE
+    rate = tpot / target  # the share of a core the real decode got, first guess
+    for _ in range(3):  # the control plane's time is not slowed: a few corrections
+        background = 0.0 if rate >= speed else cores / rate - 1
+        loaded = dataclasses.replace(bare, background_threads=round(background, 3))
+        if background == 0:
+            break
+        rate *= solo_latency(profile, loaded, req, block_size)[1] / target
     ttft, _ = solo_latency(profile, loaded, req, block_size)
     overhead = max(0.0, real_slo["ttft_s"] / SLO_SCALE - ttft)
     return dataclasses.replace(loaded, request_overhead_s=round(overhead, 6))
