@@ -15,11 +15,12 @@ import torch
 
 from tokenlake.config import check_logit_cap
 from tokenlake.engines.kernels.causal_plan import CausalPlan
+from tokenlake.engines.kernels.inputs import KV_DTYPES, check_dtype_on
 from tokenlake.engines.kernels.reference import merge_pair
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.validate import check_tensor
 
-_DTYPES = (torch.float32, torch.bfloat16)
+_DTYPES = KV_DTYPES  # float16 on CUDA only (check_dtype_on)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,10 @@ class PrefixAttention:
         t_q, h_q, d = q_shape
         t_kv = t_q if num_kv_rows is None else num_kv_rows
         if dtype not in _DTYPES:
-            raise InvalidArgumentError(f"q: expected dtype float32 or bfloat16, got {dtype}")
+            raise InvalidArgumentError(
+                f"q: expected dtype float32, bfloat16 or float16 (CUDA), got {dtype}"
+            )
+        check_dtype_on("q", dtype, device)
         if min(h_q, d, num_kv_heads) < 1 or h_q % num_kv_heads:
             raise InvalidArgumentError(
                 f"k: expected H_kv >= 1 dividing H_q={h_q} (D={d} >= 1), got {num_kv_heads}"

@@ -37,8 +37,10 @@ __all__ = [
     "core_array",
 ]
 
-KV_DTYPES = (torch.float32, torch.bfloat16)
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEVICE_TYPES = ("cpu", "cuda")
+# float16 runs on CUDA only (FlashInfer and torch there); the CPU kernels take these
+CPU_DTYPES = (torch.float32, torch.bfloat16)
 # Kernels scale scores in float32, so a scale must be a normal float32.
 SCALE_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
 
@@ -185,6 +187,15 @@ def _check_device_type(name: str, tensor: torch.Tensor) -> None:
     if tensor.device.type not in DEVICE_TYPES:
         raise InvalidArgumentError(
             f"{name}: expected a tensor on {' or '.join(DEVICE_TYPES)}, got one on {tensor.device}"
+        )
+    check_dtype_on(name, tensor.dtype, tensor.device)
+
+
+def check_dtype_on(name: str, dtype: torch.dtype, device: torch.device) -> None:
+    """float16 only on CUDA: the CPU kernels take float32 and bfloat16."""
+    if device.type == "cpu" and dtype not in CPU_DTYPES:
+        raise InvalidArgumentError(
+            f"{name}: expected float32 or bfloat16 on the CPU (float16 runs on CUDA), got {dtype}"
         )
 
 

@@ -102,3 +102,24 @@ def max_mem_fraction_static(
     need = tokenlake_bytes(config, shape, num_instances)
     need += activation_reserve_bytes(gpu_bytes, chunked_prefill_size)
     return math.floor((1 - need / gpu_bytes) * 100) / 100
+
+
+def one_copy_memory(
+    gpu_bytes: int, weights_bytes: int, shape: ModelShape, mem_fraction_static: float,
+    config: SGLangPoolConfig, chunked_prefill_size: int,
+) -> WorkerMemory:  # fmt: skip
+    """One worker of a shared pool with one copy of the KV (:mod:`.one_copy`): SGLang's KV
+    cache *is* the worker's instance's slots (``tokens // C + 1`` of them: slot 0 is SGLang's
+    padding page), so TokenLake adds only its staging buffers (one instance's q, kv and
+    output rows)."""
+    tokens = sglang_kv_tokens(
+        gpu_bytes, weights_bytes, mem_fraction_static, shape.kv_bytes_per_token
+    )
+    seg, rows = config.segment_len, config.max_forward_rows
+    num_slots = tokens // seg + 1
+    kv = num_slots * seg * shape.kv_bytes_per_token
+    layout = Layout(shape, config.num_instances, num_slots, seg, rows, rows)
+    extra = sum(v for k, v in layout.nbytes().items() if k != "pool")
+    activations = activation_reserve_bytes(gpu_bytes, chunked_prefill_size)
+    free = gpu_bytes - weights_bytes - kv - extra - activations
+    return WorkerMemory(kv, (num_slots - 1) * seg, extra, activations, free)

@@ -76,3 +76,23 @@ def test_bfloat16_session_is_exact_to_its_rounding() -> None:
     tol = 2 * 2**-8
     serving_session(w, tol)
     assert w.max_err <= tol
+
+
+def test_float16_passes_the_kernels_checks_on_cuda_only() -> None:
+    """A float16 forward meets the merge's and the kernels' dtype checks first: they take it
+    on CUDA (FlashInfer's paths do; not run on a GPU here) and refuse it by name on the CPU."""
+    import numpy as np
+
+    from tokenlake.engines.kernels.inputs import check_dtype_on
+    from tokenlake.engines.prefix_attention import PrefixAttention
+    from tokenlake.errors import InvalidArgumentError
+
+    check_dtype_on("q", torch.float16, torch.device("cuda"))
+    check_dtype_on("q", torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(InvalidArgumentError, match=r"q: .*float16 runs on CUDA"):
+        check_dtype_on("q", torch.float16, torch.device("cpu"))
+    offsets = np.array([0, 3], dtype=np.int64)
+    with pytest.raises(InvalidArgumentError, match=r"float16 runs on CUDA"):
+        PrefixAttention.bind(offsets, (3, 4, 16), 2, torch.float16, device="cpu")
+    with pytest.raises(InvalidArgumentError, match=r"expected dtype float32, bfloat16 or float16"):
+        PrefixAttention.bind(offsets, (3, 4, 16), 2, torch.float64, device="cpu")

@@ -99,3 +99,29 @@ def test_the_docs_example_fits_one_80_gb_gpu() -> None:
     assert 3.7e6 < both.sglang_kv_tokens < 3.9e6  # beside TokenLake: about 3.8M
     assert config.num_instances * config.num_slots * config.segment_len == 1 << 20
     assert 14.5e9 < both.tokenlake_bytes < 15.0e9  # 12.9 GB of slots, 1.9 GB of staging
+
+
+def test_one_copy_worker_memory_is_sglangs_own() -> None:
+    """One copy (a worker of a shared pool, ``engine_slots``): the KV bytes are SGLang's own
+    cache for the same token capacity (within 1.05x), plus only the staging buffers; the
+    fraction docs/sglang.md gives for it leaves SGLang's activation headroom free."""
+    config, _ = _doc_example()
+    text = DOC.read_text()
+    (fraction,) = re.findall(r"one copy[^\n]*--mem-fraction-static (0\.\d+)", text)
+    weights = QWEN_PARAMS * 2
+    one = sizing.one_copy_memory(GPU_BYTES, weights, QWEN, float(fraction), config,
+                                 CHUNKED_PREFILL)  # fmt: skip
+    alone_same_tokens = one.sglang_kv_tokens * QWEN.kv_bytes_per_token
+    assert one.sglang_kv_bytes <= 1.05 * alone_same_tokens
+    assert one.free_bytes >= 0
+    # real SGLang buffers over the slots hold exactly these bytes (small shape, same rule)
+    from tokenlake.engines.sglang.one_copy import SlotKVPool
+
+    data = torch.zeros((24, 9, 2, 8, 2, 64), dtype=torch.bfloat16)
+    kv = SlotKVPool(data, device="cpu", enable_memory_saver=False)
+    assert kv.shares_storage_with(data)
+    alone = MHATokenToKVPool(8 * 8, 8, torch.bfloat16, 2, 64, 24, "cpu", False)
+    assert data.nbytes == sum(alone.get_kv_size_bytes())  # 8 pages + padding, both
+    # the figures docs/sglang.md states
+    assert 5.2e6 < one.sglang_kv_tokens < 5.4e6
+    assert 0.3e9 < one.tokenlake_bytes < 0.6e9
