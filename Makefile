@@ -44,12 +44,17 @@ $(VENV)/.deps-ops: $(VENV)/.deps
 	$(PY) -m pip install -q "prometheus-client>=0.17" "tqdm>=4.60"
 	touch $@
 
+# the SGLang router for `tokenlake bench wallclock` and its test (the [bench] extra's version)
+$(VENV)/.deps-router: $(VENV)/.deps
+	$(PY) -m pip install -q "sglang-router==0.3.2"
+	touch $@
+
 # Ray for the multi-node launch and tests/ray (the [cluster] extra's version)
 $(VENV)/.deps-cluster: $(VENV)/.deps
 	$(PY) -m pip install -q "ray==2.60.0"
 	touch $@
 
-$(STAMP): $(VENV)/.deps $(VENV)/.deps-model $(VENV)/.deps-flashinfer $(VENV)/.deps-ops $(VENV)/.deps-cluster pyproject.toml CMakeLists.txt $(CSRC)
+$(STAMP): $(VENV)/.deps $(VENV)/.deps-model $(VENV)/.deps-flashinfer $(VENV)/.deps-ops $(VENV)/.deps-router $(VENV)/.deps-cluster pyproject.toml CMakeLists.txt $(CSRC)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
