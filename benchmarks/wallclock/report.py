@@ -28,7 +28,9 @@ def summarize(lines: Sequence[dict]) -> list[dict]:
                     and (ln["model"], ln["workload"], ln["system"]) == (model, workload, system)}  # fmt: skip
             values = [good[s]["p90_goodput"] for s in seeds if s in good]
             firsts = [p for s in seeds if (p := _first_point(lines, model, workload, s, system))]
+            tried = [r for s in seeds if s in good for r, _ in good[s].get("points", [])]
             row[system] = {
+                "lowest_tried": min(tried) if tried else 0.0,
                 "goodput": median(values) if values else 0.0,
                 "range": (min(values), max(values)) if values else (0.0, 0.0),
                 "resolved": all(good[s]["slo_missed_in_sweep"] for s in seeds if s in good),
@@ -56,7 +58,10 @@ def format_table(lines: Sequence[dict]) -> str:
         for system in ("tokenlake", "router"):
             s = r[system]
             at_least = "" if s["resolved"] else ">="
-            cells.append(f"{at_least}{s['goodput']:.2f} ({s['range'][0]:.2f}-{s['range'][1]:.2f})")
+            value = f"{at_least}{s['goodput']:.2f}"
+            if s["goodput"] == 0 and s["lowest_tried"]:  # missed at every rate tried
+                value = f"<{s['lowest_tried']:.2f}"
+            cells.append(f"{value} ({s['range'][0]:.2f}-{s['range'][1]:.2f})")
         ratio = "-" if r["ratio"] is None else (
             f"{r['ratio']:.2f}x ({r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f})")  # fmt: skip
         t, k = r["tokenlake"], r["router"]
@@ -64,5 +69,6 @@ def format_table(lines: Sequence[dict]) -> str:
                    f"{ratio:>15} {t['hit_rate']:>6.1%}/{k['hit_rate']:<6.1%} "
                    f"{t['load_cv']:>8.1%}/{k['load_cv']:<8.1%}")  # fmt: skip
     out.append("goodput: median over seeds (min-max); '>=': some seed met the SLO at every rate "
-               "tried; hit rate and load CV at the sweep's first rate")  # fmt: skip
+               "tried; '<': the median missed it at every rate tried (0 in the JSON); hit rate "
+               "and load CV at the sweep's first rate")  # fmt: skip
     return "\n".join(out)

@@ -207,6 +207,13 @@ def test_summary_takes_medians_and_ratios_per_seed():
     assert row["ratio"] == 3.0 and row["ratio_range"] == (2.0, 3.0)  # per-seed ratios 3, 2, 3
     assert math.isclose(row["router"]["hit_rate"], 0.2)
     assert "3.00x" in report.format_table(lines)
+    missed = [
+        {**ln, "p90_goodput": 0.0, "points": [(4.0, 0.5), (2.0, 0.6)]}
+        if ln["kind"] == "goodput" and ln["system"] == "tokenlake"
+        else ln
+        for ln in lines
+    ]
+    assert "<2.00" in report.format_table(missed)  # missed at every rate: below the lowest
 
 
 def test_arguments_are_checked():
