@@ -42,6 +42,11 @@ COMMANDS: dict[str, Command] = {
         needs="cluster",
         passes_log_level=True,
     ),
+    "sglang-host": Command(
+        "tokenlake.engines.sglang.host",
+        "host one pool shared by N SGLang workers (control service + engines)",
+        needs="sglang",
+    ),
     "demo": Command(
         "tokenlake.benchmarks.demo",
         "serve tiny-random and replay multi-turn trace sessions against it (make demo)",
@@ -107,11 +112,13 @@ BENCHES: dict[str, Command] = {
         "tokenlake.benchmarks.sim_crosscheck", "simulator step times vs published A100 figures"
     ),
     "calibrate-cpu": Command(
-        "tokenlake.benchmarks.sim_calibrate", "measure a CPU hardware profile for the simulator",
+        "tokenlake.benchmarks.sim_calibrate",
+        "measure a CPU hardware profile for the simulator",
         needs="model",
     ),
     "sim-vs-real": Command(
-        "tokenlake.benchmarks.sim_vs_real", "the simulator on the wall-clock runs' workloads",
+        "tokenlake.benchmarks.sim_vs_real",
+        "the simulator on the wall-clock runs' workloads",
         needs="model",
     ),
     "sglang-e2e": Command(

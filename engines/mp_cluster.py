@@ -56,7 +56,10 @@ class MPCluster(ClusterBase):
         backend: str | None = None,
         secret: ClusterSecret | None = None,
         doorbells: bool = True,
+        named_buffers: bool = False,
     ) -> None:
+        """``named_buffers`` (CPU): the instances' buffers in named shared memory, so that
+        processes this cluster did not spawn can map them (SGLang workers joining a host)."""
         config = config if config is not None else DataPlaneConfig()
         if not isinstance(config, DataPlaneConfig):
             raise InvalidArgumentError(
@@ -64,6 +67,11 @@ class MPCluster(ClusterBase):
             )
         self.config = config
         self._use_doorbells = doorbells
+        if named_buffers and config.device != "cpu":
+            raise InvalidArgumentError(
+                "named_buffers: CPU only (a GPU's buffers travel as CUDA IPC handles)"
+            )
+        self._named = named_buffers
         self._num_launched = pool_config(pool).num_instances
         self._ctx = zmq.Context()
         self._procs: EngineProcesses | None = None
@@ -95,10 +103,13 @@ class MPCluster(ClusterBase):
         # per-layer queries inside one host ring doorbells in shared memory (no message)
         use = self._use_doorbells and not cfg.separate_hosts and doorbell.supported()
         bells = doorbell.nbytes(n) if use else 0
-        self._buffers = [
-            InstanceBuffers.allocate(layout.nbytes(), cfg.device, doorbell_bytes=bells)
-            for _ in range(n)
-        ]
+        if self._named:
+            self._buffers = [InstanceBuffers.create_named(layout.nbytes(), bells) for _ in range(n)]
+        else:
+            self._buffers = [
+                InstanceBuffers.allocate(layout.nbytes(), cfg.device, doorbell_bytes=bells)
+                for _ in range(n)
+            ]
         events = None
         if cfg.device == "cuda":  # not run on a GPU
             from tokenlake.engines.gpu import ClientEvents
@@ -153,6 +164,8 @@ class MPCluster(ClusterBase):
         self._group = self._store = self._driver = None
         shutil.rmtree(self._secret_dir, ignore_errors=True)
         self._ctx.destroy(linger=0)  # closes any socket a failed start-up left open
+        for b in self._buffers:
+            b.unlink()
         self._buffers = []
         if self._mps is not None:
             self._mps.stop()

@@ -9,7 +9,10 @@ the new layout fits the bytes.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
 
 import torch
 
@@ -18,6 +21,15 @@ from tokenlake.engines.kv_pool import KVPool
 from tokenlake.errors import InvalidArgumentError
 
 _ALIGN = 64  # bytes; keeps every typed view aligned for any dtype and SIMD loads
+
+
+class _Segment(SharedMemory):
+    """A named shared memory segment that is never unmapped by garbage collection: the
+    buffers' tensors point into the mapping, and a view may outlive every Python object of
+    the segment; the mapping goes with the process (the host unlinks the name)."""
+
+    def __del__(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -87,13 +99,95 @@ class InstanceViews:
 class InstanceBuffers:
     """The raw shared storage of one instance: one ``uint8`` tensor per buffer, and the
     instance's doorbell area (:mod:`tokenlake.engines.doorbell`; CPU shared memory on every
-    device, ``None`` where the engines are reached by messages only)."""
+    device, ``None`` where the engines are reached by messages only).
+
+    ``named`` buffers (CPU) live in POSIX shared memory segments with names, so a process
+    the launcher did not spawn (an SGLang worker joining a running host) can map them by
+    name (:meth:`attach`); pickled for a spawned process they travel as their names."""
 
     NAMES = ("pool", "q", "kv", "out_o", "out_lse")
 
-    def __init__(self, raw: dict[str, torch.Tensor], doorbells: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        raw: dict[str, torch.Tensor],
+        doorbells: torch.Tensor | None = None,
+        segments: dict[str, SharedMemory] | None = None,
+        owner: bool = False,
+    ) -> None:
         self.raw = raw
         self.doorbells = doorbells
+        self._segments = segments  # name -> its shared memory segment (named buffers)
+        self._owner = owner
+
+    @property
+    def segment_names(self) -> dict[str, str] | None:
+        """Buffer name -> shared memory segment name (``None`` unless named)."""
+        if self._segments is None:
+            return None
+        return {k: seg.name for k, seg in self._segments.items()}
+
+    def sizes(self) -> dict[str, int]:
+        out = {k: int(t.numel()) for k, t in self.raw.items()}
+        if self.doorbells is not None:
+            out["doorbells"] = int(self.doorbells.numel())
+        return out
+
+    @classmethod
+    def create_named(cls, nbytes: dict[str, int], doorbell_bytes: int = 0) -> InstanceBuffers:
+        """CPU buffers in new named shared memory segments, zeroed (removed by :meth:`unlink`)."""
+        sizes = {name: nbytes[name] for name in cls.NAMES}
+        if doorbell_bytes > 0:
+            sizes["doorbells"] = doorbell_bytes
+        segments = {k: _Segment(create=True, size=max(1, n)) for k, n in sizes.items()}
+        return cls._over(segments, sizes, owner=True)
+
+    @classmethod
+    def attach(cls, names: dict[str, str], sizes: dict[str, int]) -> InstanceBuffers:
+        """Map the named buffers of a running host (CPU). Only the creator removes them."""
+        if set(names) != set(sizes) or not set(cls.NAMES) <= set(names):
+            raise InvalidArgumentError(
+                f"names: expected segments for {list(cls.NAMES)} (and doorbells), got {sorted(names)}"
+            )
+        segments = {}
+        for k, name in names.items():
+            try:
+                seg = _Segment(name=str(name))
+            except FileNotFoundError:
+                raise InvalidArgumentError(
+                    f"names[{k!r}]: no shared memory segment {name!r} (is the host running?)"
+                ) from None
+            # attaching registers the segment with this process's resource tracker, which
+            # would remove it when this process exits; it is the host's to remove
+            resource_tracker.unregister(seg._name, "shared_memory")
+            if seg.size < int(sizes[k]):
+                raise InvalidArgumentError(
+                    f"sizes[{k!r}]: segment {name!r} has {seg.size} bytes, expected {sizes[k]}"
+                )
+            segments[k] = seg
+        return cls._over(segments, sizes, owner=False)
+
+    @classmethod
+    def _over(cls, segments: dict, sizes: dict[str, int], owner: bool) -> InstanceBuffers:
+        tensors = {
+            k: torch.frombuffer(seg.buf, dtype=torch.uint8, count=sizes[k]) if sizes[k] else
+            torch.zeros(0, dtype=torch.uint8)
+            for k, seg in segments.items()
+        }  # fmt: skip
+        doorbells = tensors.pop("doorbells", None)
+        return cls(tensors, doorbells, segments, owner)
+
+    def __reduce__(self):
+        if self._segments is None:  # torch shares the tensors (file descriptors, CUDA IPC)
+            return (InstanceBuffers, (self.raw, self.doorbells))
+        return (InstanceBuffers.attach, (self.segment_names, self.sizes()))
+
+    def unlink(self) -> None:
+        """The creator removes its named segments (mapped ones stay valid until unmapped)."""
+        if self._segments is not None and self._owner:
+            for seg in self._segments.values():
+                with contextlib.suppress(FileNotFoundError):
+                    seg.unlink()
+            self._owner = False
 
     @classmethod
     def allocate(

@@ -67,6 +67,7 @@ RAY_CLI = "tests/ray/test_ray_launch.py::test_cli_detached_launch_serves_and_sto
 RAY_FOREGROUND = (
     "tests/ray/test_ray_cli.py::test_cli_launch_serves_until_ctrl_c_then_removes_everything"
 )
+SGLANG_HOST = "tests/sglang/test_sglang_host.py::test_workers_join_a_host_process_by_config_keys"
 GOODPUT_TINY = "--requests 6 --max-evals 1 --seeds 1 --prefill-tokens 2048 --wall-budget 120"
 COMMANDS = {
     "make demo": Covered("tests/serve/test_demo.py::test_demo_runs_and_matches_transformers"),
@@ -94,6 +95,15 @@ COMMANDS = {
         NotHere("SGLang's server needs a GPU (../shared/notes/ecosystem.md); tests/sglang run "
                 "the backend on SGLang's own objects, tests/sglang/test_sglang_memory.py "
                 "computes that it fits one 80 GB GPU"),
+    "tokenlake sglang-host --model-path /models/Qwen2.5-0.5B-Instruct --config tokenlake.json "
+    "--port 7600 --secret-file /run/tokenlake/secret": Covered(SGLANG_HOST),
+    "echo '{\"control_endpoint\": \"tcp://127.0.0.1:7600\", \"secret_file\": "
+    "\"/run/tokenlake/secret\", \"instance_id\": 0}' > worker0.json": Covered(SGLANG_HOST),
+    "python -m sglang.launch_server --model-path /models/Qwen2.5-0.5B-Instruct "
+    "--attention-backend tokenlake --tokenlake-config worker0.json --port 30000": NotHere(
+        "SGLang's server needs a GPU; tests/sglang/test_sglang_host.py joins SGLang worker "
+        "processes (real SGLang objects) to a host process by the same config keys"
+    ),
     'pip install "ray==2.60.0"': NotHere("a workstation's Ray for `ray up`; make test installs "
                                          "the same version"),
     "ray up deploy/ray-cluster.yaml": NotHere(RAY_MACHINES),
@@ -119,6 +129,14 @@ COMMANDS = {
     ".venv/bin/tokenlake bench scheduler": Tiny("--quick"),
     ".venv/bin/tokenlake bench model": Tiny("--quick"),
     ".venv/bin/tokenlake bench real-cluster": Tiny("--quick"),
+    '.venv/bin/python -m pip install "sglang-router==0.3.2"': NotHere(
+        "installs a package; make test installs the same version (the Makefile's router stamp)"
+    ),
+    ".venv/bin/tokenlake bench wallclock --quick": Tiny(),
+    ".venv/bin/tokenlake bench wallclock --seeds 0 1 2 --requests 30 --max-evals 4 --rel-tol "
+    "0.5 --json-out results/wallclock.jsonl": NotHere(
+        "about 45 minutes on a 2-core machine; the --quick line above runs the same code"
+    ),
     "B=router,router-tbt,router-tbt-cascade,mooncake-1p3d,mooncake-3p1d": NotHere("a shell variable for the lines below"),
     "T=tokenlake,tokenlake-no-groups": NotHere("a shell variable for the lines below"),
     ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems $T "

@@ -28,7 +28,9 @@ from .batch_map import BatchMap, RequestTable, SeqInfo, engine_slots, map_batch
 from .config import SGLangPoolConfig, config_from_env
 from .local_batch import LocalBatch, attend, local_batch, plan_rows
 from .model_check import UnsupportedFeatureError, check_model
+from .one_copy import check_one_copy
 from .pool_runtime import PoolRuntime
+from .shared_runtime import SharedPoolRuntime
 
 _MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED)
 
@@ -50,6 +52,12 @@ class TokenLakeAttnBackend(AttentionBackend):
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         kv = self.token_to_kv_pool
+        joined = runtime is None and config.control_endpoint is not None
+        if joined:
+            runtime = SharedPoolRuntime.join(
+                config.control_endpoint, config.secret_file, config.instance_id,
+                kernel_backend=config.kernel_backend,
+            )  # fmt: skip
         if runtime is None:
             namespace = config.namespace or str(model_runner.model_config.model_path)
             runtime = PoolRuntime(config, shape, namespace, self.device)
@@ -58,6 +66,13 @@ class TokenLakeAttnBackend(AttentionBackend):
                 f"tokenlake shared pool: the pool's model shape {runtime.model} differs from "
                 f"this SGLang worker's {shape}"
             )
+        if getattr(runtime, "engine_slots", False):
+            try:
+                check_one_copy(kv, runtime)
+            except BaseException:
+                if joined:
+                    runtime.close()
+                raise
         self.runtime = runtime
         self.requests = RequestTable(self.runtime)
         self.shape = shape

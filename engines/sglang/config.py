@@ -38,6 +38,10 @@ class SGLangPoolConfig:
             batches stay below its ``--max-prefill-tokens`` (16384 by default) plus its
             running requests; the buffers cost about ``rows x (H_q x D x (2 + 4 x
             num_instances) + num_layers x 2 x H_kv x D x 2)`` bytes per instance in 16 bits.
+        control_endpoint: join a running host's shared pool (``tokenlake sglang-host``) at
+            this ``tcp://`` endpoint, as instance ``instance_id``, authenticated with the
+            cluster secret in ``secret_file``; the host's pool settings apply. All three or
+            none.
     """
 
     num_instances: int = 1
@@ -46,6 +50,9 @@ class SGLangPoolConfig:
     namespace: str | None = None
     kernel_backend: str | None = None
     max_forward_rows: int = 16384
+    control_endpoint: str | None = None
+    secret_file: str | None = None
+    instance_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_instances", "num_slots", "segment_len", "max_forward_rows"):
@@ -64,6 +71,34 @@ class SGLangPoolConfig:
             raise InvalidArgumentError(
                 f"tokenlake config kernel_backend: expected one of {KERNEL_BACKENDS} or null, "
                 f"got {self.kernel_backend!r}"
+            )
+
+        self._check_join()
+
+    def _check_join(self) -> None:
+        join = (self.control_endpoint, self.secret_file, self.instance_id)
+        if all(v is None for v in join):
+            return
+        if any(v is None for v in join):
+            raise InvalidArgumentError(
+                "tokenlake config control_endpoint, secret_file, instance_id: expected all "
+                f"three (to join a host's shared pool) or none, got {join!r}"
+            )
+        if not isinstance(self.control_endpoint, str) or not self.control_endpoint.startswith(
+            "tcp://"
+        ):
+            raise InvalidArgumentError(
+                "tokenlake config control_endpoint: expected 'tcp://HOST:PORT', got "
+                f"{self.control_endpoint!r}"
+            )
+        if not isinstance(self.secret_file, str) or not self.secret_file:
+            raise InvalidArgumentError(
+                f"tokenlake config secret_file: expected a path, got {self.secret_file!r}"
+            )
+        i = self.instance_id
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise InvalidArgumentError(
+                f"tokenlake config instance_id: expected an int >= 0, got {i!r}"
             )
 
     @property

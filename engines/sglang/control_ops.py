@@ -15,6 +15,7 @@ OPS = (
     "locate",
     "stats",
     "release",
+    "attach",
 )
 
 

@@ -35,6 +35,7 @@ from tokenlake.planning import wire as plan_wire
 from tokenlake.plans import Chunk, Plans
 from tokenlake.pool import Pool
 
+from .attach import attach_info
 from .control_ops import OPS, check_request, request_prefix, request_seq
 
 
@@ -43,8 +44,14 @@ class ControlService:
     every instance's engines and shared buffers) on a thread of this process."""
 
     def __init__(
-        self, pool: Pool, cluster, host: str = "127.0.0.1", max_request_bytes: int = 1 << 26
+        self,
+        pool: Pool,
+        cluster,
+        host: str = "127.0.0.1",
+        max_request_bytes: int = 1 << 26,
+        port: int = 0,
     ) -> None:
+        """``port``: where to listen (0: any free port; see :attr:`endpoint`)."""
         self.pool, self.cluster = pool, cluster
         cfg = pool.config
         self.limits = plan_wire.PlanLimits(cfg.num_instances, cfg.num_slots, cfg.segment_len)
@@ -56,7 +63,11 @@ class ControlService:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_request_bytes + 4096)
         self._auth.curve_server(self._sock)
-        self.endpoint = bind_random(self._sock, host)
+        if port:
+            self._sock.bind(f"tcp://{host}:{int(port)}")
+            self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            self.endpoint = bind_random(self._sock, host)
         self._audience = self.endpoint.encode()
         self._plans: dict[int, tuple[Plans, int]] = {}  # epoch -> (plans, worker instance)
         self._workers: dict[int, LauncherId] = {}
@@ -200,6 +211,11 @@ class ControlService:
         """Pages the worker gave up that the pool has let go of since (one copy of the KV:
         its SGLang allocator's again); every reply that can free some carries them."""
         return self.pool.reclaim(self._instance(r)) if self.pool.engine_slots else []
+
+    def _op_attach(self, r: dict) -> dict:
+        """What a worker the host did not spawn needs to join (named buffers only)."""
+        self._instance(r)
+        return attach_info(self.cluster)
 
     def _op_release(self, r: dict) -> list[int]:
         """The worker's SGLang freed these pages (slots): which it may reuse now."""

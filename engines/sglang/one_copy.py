@@ -128,3 +128,17 @@ class SlotPageAllocator(PagedTokenToKVPoolAllocator):
         if len(slots):
             pages = torch.tensor([2 * int(s) for s in slots], dtype=torch.int64, device=self.device)
             super()._release_page_ids(pages)
+
+
+def check_one_copy(kv_pool, runtime) -> None:
+    """A worker of a one-copy pool (``engine_slots``) must run SGLang over its instance's
+    slots: its KV pool a :class:`SlotKVPool` on those bytes, else it is refused by name."""
+    from .model_check import UnsupportedFeatureError
+
+    data = runtime.instance_pool_data
+    if not isinstance(kv_pool, SlotKVPool) or not kv_pool.shares_storage_with(data):
+        raise UnsupportedFeatureError(
+            "tokenlake shared pool: the host keeps one copy of the KV (--one-copy), but this "
+            f"worker's SGLang KV pool ({type(kv_pool).__name__}) is not a SlotKVPool over its "
+            "instance's slots; start the host without --one-copy for such workers"
+        )

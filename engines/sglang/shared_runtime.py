@@ -96,6 +96,27 @@ class ControlClient:
 class SharedPoolRuntime:
     """Worker ``attach.instance_id``'s view of the shared pool (see the module docstring)."""
 
+    @classmethod
+    def join(
+        cls, endpoint: str, secret_path: str, instance_id: int, timeout_s: float = 10.0,
+        kernel_backend: str | None = None,
+    ) -> SharedPoolRuntime:  # fmt: skip
+        """Join a running host knowing only its service's endpoint, the cluster secret's file
+        and this worker's instance: the rest comes from the service (:mod:`.attach`)."""
+        from .attach import attachment_from
+
+        ctx = zmq.Context()
+        try:
+            client = ControlClient(ctx, endpoint, FrameAuth(ClusterSecret.from_file(secret_path)),
+                                   timeout_s)  # fmt: skip
+            try:
+                info = client.call("attach", instance=int(instance_id))
+            finally:
+                client.close()
+        finally:
+            ctx.destroy(linger=0)
+        return cls(attachment_from(info, int(instance_id), endpoint, secret_path), kernel_backend)
+
     def __init__(self, attach: WorkerAttachment, kernel_backend: str | None = None) -> None:
         self.instance_id = attach.instance_id
         self.layout = attach.layout
@@ -127,6 +148,11 @@ class SharedPoolRuntime:
         self.engine_slots = bool(hello.get("engine_slots"))
         self._reclaimed: list[int] = []
         self._inflight: BoundIteration | None = None
+
+    @property
+    def instance_pool_data(self) -> torch.Tensor:
+        """This worker's instance's slots ``[L, S, 2, C, H_kv, D]`` (one copy: SGLang's KV)."""
+        return self._driver.views[self.instance_id].pool.data
 
     # ---- requests ------------------------------------------------------------------------
     def match_len(self, token_ids: np.ndarray) -> int:

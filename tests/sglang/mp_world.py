@@ -31,8 +31,12 @@ def worker_main(attach, conn, world_kwargs: dict) -> None:
     from tokenlake.engines.sglang.shared_runtime import SharedPoolRuntime
 
     torch.set_num_threads(1)
-    runtime = SharedPoolRuntime(attach)
-    pool_data = runtime._driver.views[runtime.instance_id].pool.data  # [L, S, 2, C, H_kv, D]
+    if isinstance(attach, dict):  # a separate worker: it knows the endpoint, secret and id
+        runtime = SharedPoolRuntime.join(attach["endpoint"], attach["secret_path"],
+                                         attach["instance_id"])  # fmt: skip
+    else:
+        runtime = SharedPoolRuntime(attach)
+    pool_data = runtime.instance_pool_data  # [L, S, 2, C, H_kv, D]
     one_copy = runtime.engine_slots
     if one_copy:  # SGLang's KV cache is this instance's slots, and its allocator pages them
         from tokenlake.engines.sglang.one_copy import SlotKVPool, SlotPageAllocator
@@ -104,7 +108,11 @@ def worker_main(attach, conn, world_kwargs: dict) -> None:
 class Workers:
     """The test's side: spawns one worker per instance of ``cluster`` and calls them."""
 
-    def __init__(self, cluster, service, world_kwargs: dict, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, cluster, service, world_kwargs: dict, timeout_s: float = 60.0, join: bool = False
+    ) -> None:
+        """``join``: each worker gets only strings (the service's endpoint, the secret's file,
+        its instance id) and joins by name, as a separate SGLang server would."""
         from tokenlake.engines.launcher import Started, process_context
         from tokenlake.engines.sglang.shared_runtime import WorkerAttachment
 
@@ -112,10 +120,14 @@ class Workers:
         self.timeout_s = timeout_s
         self.conns, self.procs = [], []
         for i in range(cluster.layout.num_instances):
-            attach = WorkerAttachment(
-                i, service.endpoint, cluster.secret_path, cluster.config, cluster.layout,
-                cluster.backend, tuple(cluster.buffers), cluster.endpoints,
-            )  # fmt: skip
+            if join:
+                attach = {"endpoint": service.endpoint, "secret_path": cluster.secret_path,
+                          "instance_id": i}  # fmt: skip
+            else:
+                attach = WorkerAttachment(
+                    i, service.endpoint, cluster.secret_path, cluster.config, cluster.layout,
+                    cluster.backend, tuple(cluster.buffers), cluster.endpoints,
+                )  # fmt: skip
             parent, child = ctx.Pipe()
             p = ctx.Process(target=worker_main, args=(attach, child, world_kwargs), daemon=True)
             p.start()
