@@ -43,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=40, help="requests per rate point")
     p.add_argument("--lo", type=float, default=0.0,
                    help="first rate (req/s); 0: half one idle instance's serial rate, 0.5 / solo E2E")  # fmt: skip
+    p.add_argument("--min-rate", type=float, default=0.0,
+                   help="rates below this are not run (they count as misses): bounds a search "
+                   "whose system misses at every rate, where each halving doubles a run's time")  # fmt: skip
     p.add_argument("--rel-tol", type=float, default=0.3, help="bisection stops at hi/lo <= 1+tol")
     p.add_argument("--max-evals", type=int, default=6, help="most runs per search")
     p.add_argument("--drain-s", type=float, default=30.0,
@@ -65,8 +68,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("rel_tol", "drain_s", "start_timeout_s"):
         if not getattr(args, name) > 0:
             p.error(f"--{name.replace('_', '-')}: expected > 0, got {getattr(args, name)}")
-    if args.lo < 0 or any(s < 0 for s in args.seeds):
-        p.error(f"--lo and --seeds: expected >= 0, got {args.lo} and {args.seeds}")
+    if args.lo < 0 or args.min_rate < 0 or any(s < 0 for s in args.seeds):
+        p.error(
+            f"--lo, --min-rate, --seeds: expected >= 0, got {args.lo}, {args.min_rate}, "
+            f"{args.seeds}"
+        )
     if args.quick:
         args.models, args.workloads, args.seeds = ["tiny-random"], ["long-document"], [0]
         args.requests = 16
@@ -150,6 +156,9 @@ def search_seed(args, launch, key, reqs, slo, lo, salts, emit_line) -> list[dict
     where = f"{key['model']} {key['workload']} seed {key['seed']}"
 
     def attainment_at(name: str, rate: float) -> float:
+        if rate < args.min_rate:
+            log(f"  {where} {name:<9} {rate:7.2f} req/s: not run (below --min-rate)")
+            return 0.0
         line = run_point(launch, name, reqs, rate, next(salts), slo, args.drain_s)
         line = {**key, "kind": "point", "system": name, **line}
         log(f"  {where} {name:<9} {rate:7.2f} req/s: attainment {line['attainment']:.0%}, "
@@ -167,7 +176,7 @@ def search_seed(args, launch, key, reqs, slo, lo, salts, emit_line) -> list[dict
         r = results[name]
         line = {**key, "kind": "goodput", "system": name, "p90_goodput": round(r.goodput, 4),
                 "slo_missed_in_sweep": any(a < 0.9 for _, a in r.points),
-                "points": [(round(x, 4), round(a, 4)) for x, a in r.points],
+                "points": [(round(x, 4), round(a, 4)) for x, a in r.points if x >= args.min_rate],
                 "slo": slo.as_dict(), "load_avg": round(os.getloadavg()[0], 2)}  # fmt: skip
         emit_line(line, args.json_out)
         out.append(line)
