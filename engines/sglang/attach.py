@@ -48,7 +48,11 @@ def attachment_from(info: object, instance_id: int, endpoint: str, secret_path: 
         raw = _map(info, "attach reply")
         lay = _map(raw.get("layout"), "layout")
         model = ModelShape(**_map(lay.get("model"), "layout.model"))
-        layout = Layout(model, **{k: int(v) for k, v in lay.items() if k != "model"})
+        sizes = {k: v for k, v in lay.items() if k != "model"}
+        for k, v in sizes.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise InvalidArgumentError(f"layout.{k}: expected a positive int, got {v!r}")
+        layout = Layout(model, **sizes)
         dp = _map(raw.get("dataplane"), "dataplane")
         known = {f.name for f in fields(DataPlaneConfig)}
         dataplane = DataPlaneConfig(**{k: v for k, v in dp.items() if k in known})
@@ -59,6 +63,10 @@ def attachment_from(info: object, instance_id: int, endpoint: str, secret_path: 
             InstanceBuffers.attach(_map(b.get("names"), "names"), _map(b.get("sizes"), "sizes"))
             for b in map(lambda x: _map(x, "buffers[i]"), bufs)
         )
+        for i, b in enumerate(buffers):
+            problem = b.fits(layout)
+            if problem is not None:
+                raise InvalidArgumentError(f"buffers[{i}]: {problem}")
         endpoints = {}
         for entry in raw.get("endpoints") or []:
             role, i, ep = entry
