@@ -55,7 +55,7 @@ class TokenLakeAttnBackend(AttentionBackend):
         joined = runtime is None and config.control_endpoint is not None
         if joined:
             runtime = SharedPoolRuntime.join(
-                config.control_endpoint, config.secret_file, config.instance_id,
+                config.control_endpoint, config.secret_file, joining_instance(config),
                 kernel_backend=config.kernel_backend,
             )  # fmt: skip
         if runtime is None:
@@ -280,3 +280,22 @@ class TokenLakeAttnBackend(AttentionBackend):
 
     def support_triton(self) -> bool:
         return False
+
+
+def joining_instance(config: SGLangPoolConfig) -> int:
+    """The instance a worker joining a host is: ``config.instance_id``, or else its SGLang
+    data-parallel rank (``--dp-size N``: every DP worker reads one config file)."""
+    if config.instance_id is not None:
+        return config.instance_id
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        rank = get_parallel().dp_rank
+    except RuntimeError:
+        rank = None
+    if rank is None:
+        raise UnsupportedFeatureError(
+            "tokenlake config instance_id: not given, and this SGLang process is no "
+            "data-parallel replica (no --dp-size); give each worker's instance_id"
+        )
+    return int(rank)

@@ -39,9 +39,10 @@ class SGLangPoolConfig:
             running requests; the buffers cost about ``rows x (H_q x D x (2 + 4 x
             num_instances) + num_layers x 2 x H_kv x D x 2)`` bytes per instance in 16 bits.
         control_endpoint: join a running host's shared pool (``tokenlake sglang-host``) at
-            this ``tcp://`` endpoint, as instance ``instance_id``, authenticated with the
-            cluster secret in ``secret_file``; the host's pool settings apply. All three or
-            none.
+            this ``tcp://`` endpoint, authenticated with the cluster secret in
+            ``secret_file`` (both or neither); the host's pool settings apply.
+        instance_id: the instance this worker is when joining; ``None``: its SGLang
+            data-parallel rank (``--dp-size N`` workers sharing one config file).
     """
 
     num_instances: int = 1
@@ -76,13 +77,14 @@ class SGLangPoolConfig:
         self._check_join()
 
     def _check_join(self) -> None:
-        join = (self.control_endpoint, self.secret_file, self.instance_id)
-        if all(v is None for v in join):
+        join = (self.control_endpoint, self.secret_file)
+        if all(v is None for v in join) and self.instance_id is None:
             return
         if any(v is None for v in join):
             raise InvalidArgumentError(
-                "tokenlake config control_endpoint, secret_file, instance_id: expected all "
-                f"three (to join a host's shared pool) or none, got {join!r}"
+                "tokenlake config control_endpoint, secret_file: expected both (to join a "
+                f"host's shared pool, with an optional instance_id) or none, got {join!r} "
+                f"and instance_id {self.instance_id!r}"
             )
         if not isinstance(self.control_endpoint, str) or not self.control_endpoint.startswith(
             "tcp://"
@@ -96,9 +98,9 @@ class SGLangPoolConfig:
                 f"tokenlake config secret_file: expected a path, got {self.secret_file!r}"
             )
         i = self.instance_id
-        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+        if i is not None and (isinstance(i, bool) or not isinstance(i, int) or i < 0):
             raise InvalidArgumentError(
-                f"tokenlake config instance_id: expected an int >= 0, got {i!r}"
+                f"tokenlake config instance_id: expected an int >= 0 or null, got {i!r}"
             )
 
     @property

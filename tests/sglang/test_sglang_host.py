@@ -102,15 +102,27 @@ def test_workers_join_a_host_process_by_config_keys(host) -> None:
         w.close()
 
 
-def test_join_keys_are_all_or_none() -> None:
+def test_join_keys_and_the_dp_rank_as_instance() -> None:
+    from sglang.srt.runtime_context import get_parallel
+
+    from tokenlake.engines.sglang.backend import joining_instance
     from tokenlake.errors import InvalidArgumentError
 
-    with pytest.raises(InvalidArgumentError, match="all three"):
+    with pytest.raises(InvalidArgumentError, match="expected both"):
         SGLangPoolConfig(control_endpoint="tcp://127.0.0.1:7600")
+    with pytest.raises(InvalidArgumentError, match="expected both"):
+        SGLangPoolConfig(instance_id=1)
     with pytest.raises(InvalidArgumentError, match="control_endpoint: expected 'tcp://"):
         SGLangPoolConfig(control_endpoint="127.0.0.1:7600", secret_file="s", instance_id=0)
     with pytest.raises(InvalidArgumentError, match="instance_id: expected an int >= 0"):
         SGLangPoolConfig(control_endpoint="tcp://h:1", secret_file="s", instance_id=-1)
+    shared = SGLangPoolConfig(control_endpoint="tcp://h:1", secret_file="s")
+    assert joining_instance(SGLangPoolConfig(control_endpoint="tcp://h:1", secret_file="s",
+                                             instance_id=3)) == 3  # fmt: skip
+    with get_parallel().override(dp_rank=2):  # a --dp-size worker: its DP rank
+        assert joining_instance(shared) == 2
+    with pytest.raises(UnsupportedFeatureError, match="no data-parallel replica"):
+        joining_instance(shared)
 
 
 def test_host_stops_on_sigterm_and_leaves_no_shared_memory(host) -> None:
