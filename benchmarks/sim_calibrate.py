@@ -176,23 +176,42 @@ def measure_thread_speedup(model, threads: int, repeats: int = 5, seed: int = 0)
     return max(1.0, float(np.exp(np.mean(np.log(ratios)))))
 
 
-def calibrate(model_name: str, repeats: int, quick: bool, seed: int = 0) -> CpuProfile:
-    """Measure ``model_name`` (one of the real cluster's models) and fit its profile."""
+def calibrate(
+    model_name: str, repeats: int, quick: bool, seed: int = 0, serving: bool = True
+) -> CpuProfile:
+    """Measure ``model_name`` (one of the real cluster's models, the checkpoint the
+    wall-clock bench serves) and fit its profile; ``serving``: also the serving path's cost
+    on a real ``tokenlake serve`` (:mod:`.sim_calibrate_serving`)."""
+    import tempfile
+
     import torch
 
-    from tokenlake.benchmarks.real_cluster import load_model
+    from tokenlake.benchmarks.serving_compare import prepare_model
     from tokenlake.engines.kernels import cpu
+    from tokenlake.engines.model.llama import LlamaModel
 
     torch.set_num_threads(1)  # one core per instance, as the processes of a real run
     cpu.set_num_threads(1)
-    model = load_model(model_name, seed)
+    with tempfile.TemporaryDirectory(prefix="tokenlake-calibrate-") as tmp:
+        model = LlamaModel.from_dir(prepare_model(model_name, Path(tmp), seed))
     rows, hop = measure(model, repeats=repeats, quick=quick, seed=seed)
     cores = os.cpu_count() or 1
     speedup = measure_thread_speedup(model, cores, seed=seed)
     profile = fit_cpu_profile(
         model_name, model_profile_of(model_name, model.config), rows, hop, cores
     )
-    return dataclasses.replace(profile, thread_speedup=round(speedup, 3))
+    profile = dataclasses.replace(profile, thread_speedup=round(speedup, 3))
+    if serving:
+        from tokenlake.benchmarks.sim_calibrate_serving import measure_serving
+
+        # the wall-clock bench's two server shapes: a router's one-instance workers on one
+        # torch thread, the pool's server of four instances on every core
+        shapes = ((1, 1), (4, cores))
+        costs = [measure_serving(model_name, profile, n, t, seed=seed) for n, t in shapes]
+        for c in costs:
+            print(f"serving path (server process CPU time): {c.detail}", file=sys.stderr)
+        profile = dataclasses.replace(profile, serving=tuple(c.cost for c in costs))
+    return profile
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,10 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="the profile's JSON file")
     p.add_argument("--repeats", type=int, default=3, help="runs per case; the fastest counts")
     p.add_argument("--quick", action="store_true", help="fewer cases (a smoke run)")
+    p.add_argument(
+        "--no-serving", action="store_true",
+        help="skip the serving path's cost (it starts a tokenlake serve for about a minute)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats: expected >= 1, got {args.repeats}")
-    profile = calibrate(args.model, args.repeats, args.quick)
+    profile = calibrate(args.model, args.repeats, args.quick, serving=not args.no_serving)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(profile.to_json(), indent=1) + "\n")
     print(f"CPU profile of {args.model} (process CPU time, {profile.host_cores} cores)")
@@ -222,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"hop (one remote holder per step, all layers): {profile.hop_s * 1e3:.3f} ms")
     print(f"{profile.host_cores} threads vs 1, wall time: {profile.thread_speedup:.2f}x")
+    for c in profile.serving:
+        print(
+            f"serving path, {c.num_instances} instance(s) on {c.torch_threads} thread(s): "
+            f"{c.request_s * 1e3:.2f} ms per request, {c.token_s * 1e6:.0f} us per streamed "
+            f"token, {c.iteration_s * 1e6:.0f} us per serving-loop iteration"
+        )
     print(json.dumps({"bench": "calibrate-cpu", "model": args.model, **profile.summary()}))
     return 0
 

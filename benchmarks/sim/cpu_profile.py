@@ -11,6 +11,10 @@ the simulator's own step times reproduce the measured rows. ``host_cores`` is ho
 the measured machine has and ``thread_speedup`` how much faster a step runs on all of them
 than on one (a server's torch and kernel threads): the simulator shares the cores among the
 busy processes of a CPU run, each at most that much faster than one core.
+``serving`` holds the serving path's CPU per request, per streamed token and per serving-loop
+iteration in a real server process (``tokenlake serve``: HTTP, tokenizer, the stream, the
+loop's sampling and books, and whatever else its instances cost beyond the engine), per
+server shape, measured by :mod:`tokenlake.benchmarks.sim_calibrate_serving`; none: all 0.
 """
 
 from __future__ import annotations
@@ -28,6 +32,17 @@ PREFILL, DECODE = "prefill", "decode"
 FORMAT = "tokenlake-cpu-profile/1"
 # shared memory between two processes of one host: only its bytes' order matters here
 HOST_LINK_BYTES_PER_S = 10e9
+
+
+class ServingCost(NamedTuple):
+    """The serving path's CPU in a real ``tokenlake serve`` of ``num_instances`` instances on
+    ``torch_threads`` threads: per request, per streamed token, per serving-loop iteration."""
+
+    num_instances: int
+    torch_threads: int
+    request_s: float
+    token_s: float
+    iteration_s: float
 
 
 class MeasuredRow(NamedTuple):
@@ -61,6 +76,14 @@ class CpuProfile:
     host_cores: int
     rows: tuple[MeasuredRow, ...] = ()
     thread_speedup: float = 1.0  # a step on every core's threads vs on one (wall time)
+    serving: tuple[ServingCost, ...] = ()  # per server shape measured
+
+    def serving_cost(self, num_instances: int) -> ServingCost:
+        """The serving path's costs of a server with ``num_instances`` instances: the one
+        measured with that many, else the nearest (none measured: all 0)."""
+        if not self.serving:
+            return ServingCost(num_instances, 1, 0.0, 0.0, 0.0)
+        return min(self.serving, key=lambda c: (abs(c.num_instances - num_instances), c))
 
     def spec(self, num_instances: int = 1, cache_tokens: int = 0) -> ClusterSpec:
         """A cluster of ``num_instances`` instances of this profile (one core each)."""
@@ -116,6 +139,7 @@ class CpuProfile:
             "hop_s": self.hop_s,
             "host_cores": self.host_cores,
             "thread_speedup": self.thread_speedup,
+            "serving": [c._asdict() for c in self.serving],
             "max_abs_error": round(max(map(abs, errs)), 4) if errs else None,
         }
 
@@ -129,6 +153,7 @@ class CpuProfile:
             "hop_s": self.hop_s,
             "host_cores": self.host_cores,
             "thread_speedup": self.thread_speedup,
+            "serving": [c._asdict() for c in self.serving],
             "rows": [r._asdict() for r in self.rows],
         }
 
@@ -148,13 +173,19 @@ class CpuProfile:
                 int(raw["host_cores"]),
                 tuple(MeasuredRow(**r) for r in raw.get("rows", ())),
                 float(raw.get("thread_speedup", 1.0)),
+                tuple(ServingCost(**c) for c in raw.get("serving", ())),
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"hardware profile: bad or missing field: {e}") from None
-        if not (profile.hop_s >= 0 and profile.host_cores >= 1 and profile.thread_speedup >= 1):
+        costs = [x for c in profile.serving for x in c[2:]]
+        if not (
+            profile.hop_s >= 0 and profile.host_cores >= 1 and profile.thread_speedup >= 1
+            and min(costs, default=0.0) >= 0
+        ):  # fmt: skip
             raise ValueError(
-                f"hardware profile: expected hop_s >= 0, host_cores >= 1 and thread_speedup "
-                f">= 1, got {profile.hop_s!r}, {profile.host_cores!r}, {profile.thread_speedup!r}"
+                f"hardware profile: expected hop_s and the serving costs >= 0, host_cores >= 1 "
+                f"and thread_speedup >= 1, got {profile.hop_s!r}, {costs!r}, "
+                f"{profile.host_cores!r}, {profile.thread_speedup!r}"
             )
         return profile
 

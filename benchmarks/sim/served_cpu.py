@@ -12,9 +12,10 @@ Here both run through the simulator's own parts: the real pool and elastic sched
 model (:class:`.router.CacheAwareRouter`). The costs a GPU cluster does not have are the
 profile's (:mod:`.cpu_profile`): every server's iterations are one thread's work, the whole
 pool's included (:class:`.tokenlake_timing.SharedHost`), and all servers' threads share the
-host's cores; ``request_overhead_s`` is the serving path's fixed cost per request (HTTP,
-tokenizer, stream), paid before the request reaches the scheduler; ``background_threads``
-are other programs' busy threads on the same cores (a shared machine).
+host's cores. The serving path's measured CPU (the profile's) is paid per request before it
+reaches the scheduler, per streamed token and per iteration by the server's thread; ``request_overhead_s``
+adds to the first, ``background_threads`` are other programs' busy threads on the same
+cores (a shared machine).
 """
 
 from __future__ import annotations
@@ -146,6 +147,8 @@ def _config(settings: ServedSettings, profile: CpuProfile, num_instances: int) -
         sync_iterations=True,
         pricing=PricingConfig(rpc_s=0.0, launch_s=0.0, control_plane_scale=1.0),
         latency=profile.latency_model(min(num_instances, 4)),
+        token_overhead_s=profile.serving_cost(num_instances).token_s,
+        iteration_overhead_s=profile.serving_cost(num_instances).iteration_s,
     )
 
 
@@ -180,6 +183,8 @@ def simulate_served(
                 loop.at(max(t, nxt.send_s), lambda a=nxt: send(a))
 
     make = _Pool if system == "tokenlake" else _Router
+    shape = settings.num_instances if system == "tokenlake" else 1
+    request_s = profile.serving_cost(shape).request_s
     served = make(loop, profile, settings, load, on_done, host)
     session_of = {a.req.rid: a.session for a in arrivals}
 
@@ -189,7 +194,8 @@ def simulate_served(
         rec = RequestRecord(a.req.rid, loop.now, a.req.input_len, a.req.output_len, 1.0, (1.0, 0))
         records[a.req.rid] = rec
         job = Job(a.req, rec, block_size)
-        loop.at(loop.now + settings.request_overhead_s, lambda: served.submit(job))
+        overhead = request_s + settings.request_overhead_s
+        loop.at(loop.now + overhead, lambda: served.submit(job))
 
     def arrive(a: Arrival) -> None:
         if a.session is not None and (a.session in busy or waiting.get(a.session)):

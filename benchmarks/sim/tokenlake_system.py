@@ -59,6 +59,8 @@ class TokenLakeConfig:
     page_groups: bool = True  # decode reads of rows sharing a page grouped (the data plane's)
     pricing: PricingConfig = PricingConfig()
     latency: object = None  # the scheduler's LatencyModel; None: fitted to the roofline
+    token_overhead_s: float = 0.0  # serving CPU per streamed token (a CPU host's thread)
+    iteration_overhead_s: float = 0.0  # ... and per iteration of its serving loop
 
 
 class TokenLakeSystem:
@@ -108,6 +110,8 @@ class TokenLakeSystem:
         self.sched = ElasticScheduler(cfg, model, self.pool, clock=lambda: loop.now)
         self.timing = TokenLakeTiming(timer, spec, seg, config.page_groups, config.pricing, host)
         self.load_offset = load_offset
+        self.token_overhead_s = config.token_overhead_s
+        self.iteration_overhead_s = config.iteration_overhead_s
         self.pricing, self.cpu_clock = config.pricing, cpu_clock
         self.control_free_at = 0.0  # when the control plane's last charged call ends
         self.control_cpu_s = 0.0  # measured CPU seconds of its calls (unscaled)
@@ -169,7 +173,14 @@ class TokenLakeSystem:
                     job.rec.hit_tokens = job.rec.cached_tokens = chunk.start
             has_prefill = any(p != "decode" for p in it.decision.phases)
             delay = self.control_free_at - now + self.pricing.rpc_s
-            flight, moved = self.timing.start(it.plans, has_prefill, now, it, delay)
+            streamed = sum(
+                c.num_new_tokens if not has_prefill else c.end == len(c.token_ids)
+                for c in it.decision.chunks
+            )
+            flight, moved = self.timing.start(
+                it.plans, has_prefill, now, it, delay,
+                streamed * self.token_overhead_s + self.iteration_overhead_s,
+            )  # fmt: skip
             flight.owner = self
             for i in flight.reads.nonzero()[0]:
                 self.load.add(now, self.load_offset + int(i), float(flight.reads[i]))

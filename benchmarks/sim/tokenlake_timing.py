@@ -75,11 +75,18 @@ class TokenLakeTiming:
         )
 
     def start(
-        self, plans, has_prefill: bool, now: float, payload: object, delay: float = 0.0
+        self,
+        plans,
+        has_prefill: bool,
+        now: float,
+        payload: object,
+        delay: float = 0.0,
+        host_extra_s: float = 0.0,
     ) -> tuple[Flight, list]:
         """Start an iteration at ``now``, ``delay`` seconds of control plane ahead of it.
         Returns its :class:`Flight` and the other flights whose end moved (their completion
-        events must be rescheduled)."""
+        events must be rescheduled). ``host_extra_s``: more work of the same thread on a
+        shared host (the serving path's, for the tokens this iteration streams)."""
         n, seg, timer = self.spec.num_instances, self.segment_len, self.timer
         work = np.zeros(n)  # seconds of this iteration's work on each instance (full speed)
         entries, puts, num_steps = [], [], 1
@@ -138,6 +145,7 @@ class TokenLakeTiming:
             # data plane): one fixed cost and one pass over the weights per step, not one
             # per instance; the queries and puts stay as they are
             work = work - dense
+            work[0] += host_extra_s
             if has_prefill:
                 work[0] += overhead + timer.forward_time(all_pieces)
             else:

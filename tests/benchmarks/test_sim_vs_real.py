@@ -96,8 +96,19 @@ def test_measured_profiles_reproduce_their_own_rows(model):
 
 
 def test_profile_json_round_trip_and_bad_files(tmp_path):
-    profile = _profile("tiny", TINY, X, 5e-4, 2, CASES)
+    import dataclasses
+
+    from tokenlake.benchmarks.sim.cpu_profile import ServingCost
+
+    costs = (ServingCost(1, 1, 4e-3, 2e-4, 3e-4), ServingCost(4, 2, 9e-3, 1e-3, 6e-4))
+    profile = dataclasses.replace(_profile("tiny", TINY, X, 5e-4, 2, CASES), serving=costs)
     assert CpuProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
+    assert profile.serving_cost(1) == costs[0] and profile.serving_cost(3) == costs[1]
+    assert _profile("tiny", TINY, X, 5e-4, 2, CASES).serving_cost(4)[2:] == (0.0, 0.0, 0.0)
+    raw = profile.to_json()
+    raw["serving"][0]["token_s"] = -1.0
+    with pytest.raises(ValueError, match="serving"):
+        CpuProfile.from_json(raw)
     with pytest.raises(ValueError, match="format"):
         CpuProfile.from_json({"format": "something-else"})
     raw = profile.to_json()
@@ -166,6 +177,7 @@ def test_block_ids_are_equal_exactly_up_to_the_shared_prefix():
 
 def served(system, prompts, sends, sessions, limit_s=60.0):
     profile = load_cpu_profile(DATA / "cpu_profile_tiny-random.json")
+    assert profile.serving  # the stored profile has the serving path's costs
     reqs = to_requests(prompts, [6] * len(prompts), 32)
     arrivals = [Arrival(r, s, x) for r, s, x in zip(reqs, sends, sessions, strict=True)]
     return simulate_served(system, profile, ServedSettings(), arrivals, limit_s, 32)
@@ -309,3 +321,17 @@ def test_idle_costs_make_the_simulated_solo_the_real_one():
     fast = {"ttft_s": 10 * ttft / 2, "tpot_s": 10 * tpot / 2}  # faster than the profile
     bare = idle_costs(profile, ServedSettings(), timed, fast, 32)
     assert bare.background_threads == 0 and bare.request_overhead_s == 0
+
+
+def test_serving_costs_are_read_on_a_real_server():
+    """Against a real ``tokenlake serve`` (tiny-random, one instance): a single stream takes
+    one iteration per token, the costs solved for are finite and not negative."""
+    pytest.importorskip("httpx")
+    from tokenlake.benchmarks.sim_calibrate_serving import measure_serving
+
+    profile = load_cpu_profile(DATA / "cpu_profile_tiny-random.json")
+    got = measure_serving("tiny-random", profile, 1, 1, batch=2, max_tokens=8, num_solo=2)
+    assert got.detail["iterations"][1] == 8  # the single stream
+    assert got.detail["iterations"][0] == 2  # one iteration per one-token request
+    assert 2 <= got.detail["iterations"][2] <= 16  # the pair decodes together, mostly
+    assert all(0 <= x < 1 for x in got.cost[2:])
