@@ -43,7 +43,7 @@ COMMANDS: dict[str, Command] = {
         passes_log_level=True,
     ),
     "sglang-host": Command(
-        "tokenlake.engines.sglang.host",
+        "tokenlake.serve.sglang_host",
         "host one pool shared by N SGLang workers (control service + engines)",
         needs="sglang",
     ),

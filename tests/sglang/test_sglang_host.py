@@ -45,7 +45,7 @@ def host(tmp_path_factory):
     config.write_text(json.dumps({"num_instances": 2, "num_slots": 40, "segment_len": 8,
                                   "max_forward_rows": 256}))  # fmt: skip
     secret, port, metrics = str(tmp / "secret"), _free_port(), _free_port()
-    cmd = [sys.executable, "-m", "tokenlake.engines.sglang.host", "--model-path", str(model),
+    cmd = [sys.executable, "-m", "tokenlake.serve.sglang_host", "--model-path", str(model),
            "--config", str(config), "--port", str(port), "--secret-file", secret,
            "--one-copy", "--metrics-port", str(metrics)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

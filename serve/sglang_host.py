@@ -1,10 +1,12 @@
 """The host of one pool shared by N SGLang workers: ``tokenlake sglang-host``.
 
-It runs the control plane (``Pool`` behind a :class:`.control_service.ControlService` on a
+It runs the control plane (``Pool`` behind a
+:class:`tokenlake.engines.sglang.control_service.ControlService` on a
 loopback port) and every instance's query and transfer engines (``MPCluster``; on CPU their
 buffers in named shared memory), then waits. Each SGLang worker joins it with three keys in
 its ``--tokenlake-config`` (``control_endpoint``, ``secret_file``, ``instance_id``: see
-docs/sglang.md); everything else comes from the service (:mod:`.attach`).
+docs/sglang.md); everything else comes from the service
+(:mod:`tokenlake.engines.sglang.attach`).
 
     tokenlake sglang-host --model-path DIR --config tokenlake.json --port 7600 \\
         --secret-file /run/tokenlake/secret [--one-copy] [--metrics-port 9400]
@@ -25,10 +27,9 @@ from tokenlake.config import PoolConfig
 from tokenlake.engines.auth import ClusterSecret
 from tokenlake.engines.dataplane_config import DataPlaneConfig
 from tokenlake.engines.model.config import ModelConfig
+from tokenlake.engines.sglang.config import SGLangPoolConfig, load_config
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.pool import Pool
-
-from .config import SGLangPoolConfig, load_config
 
 
 @dataclass
@@ -47,8 +48,7 @@ class Host:
         """Build and start a host for ``config.num_instances`` workers of the model at
         ``model_path`` (its ``config.json``: the attention shape the workers must have)."""
         from tokenlake.engines.mp_cluster import MPCluster
-
-        from .control_service import ControlService
+        from tokenlake.engines.sglang.control_service import ControlService
 
         model = ModelConfig.from_dir(model_path)
         shape = model.shape(model.auto_dtype if device == "cpu" else None)
