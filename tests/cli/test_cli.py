@@ -101,7 +101,7 @@ def test_one_log_level_for_every_command():
 def test_no_bare_print_in_library_code():
     """Library code logs; only command entry points print their output."""
     root = Path(__file__).parents[2]
-    allowed = {root / "serve" / "cli.py", root / "serve" / "launch.py"}
+    allowed = {root / "serve" / name for name in ("cli.py", "launch.py", "sglang_host.py")}
     offenders = []
     for package in ("tokenlake", "engines", "scheduler", "serve"):
         for path in sorted((root / package).rglob("*.py")):
