@@ -311,17 +311,7 @@ class Pool:
         evicted, and earlier ones the pool has let go of since (:meth:`reclaim`); the rest
         come back through :meth:`reclaim` once nothing pins or reads them."""
         alloc = self._engine_allocator(instance_id)
-        slots = [
-            check_int(f"slots[{i}]", s, low=0, high=alloc.num_slots) for i, s in enumerate(slots)
-        ]
-        if len(set(slots)) != len(slots):
-            raise fail("slots", "distinct slot ids", slots)
-        for i, s in enumerate(slots):
-            if s in alloc.released_slots():
-                raise fail(f"slots[{i}]", "a slot not released already", s)
-        free_now = [s for s in slots if alloc.release(s)]
-        engine_slots.evict_released(self.tree, self.allocators, instance_id)
-        return free_now + alloc.drain_reclaimed()
+        return engine_slots.release(self.tree, self.allocators, int(instance_id), alloc, slots)
 
     def reclaim(self, instance_id: int) -> list[int]:
         """Slots the engine of ``instance_id`` released earlier that the pool has let go of

@@ -17,7 +17,7 @@ from tokenlake.iteration.requests import PlannedChunk
 from tokenlake.plans import Chunk
 from tokenlake.tree.node import Node
 from tokenlake.tree.prefix_tree import PrefixTree
-from tokenlake.validate import check_sequence, fail
+from tokenlake.validate import check_int, check_sequence, fail
 
 
 def assign(
@@ -38,6 +38,23 @@ def assign(
             )
         if need:
             pc.engine_slots = (int(instance_id), given)
+
+
+def release(
+    tree: PrefixTree, allocators: Sequence, instance_id: int, alloc: EngineSlots, slots
+) -> list[int]:
+    """:meth:`tokenlake.Pool.release_slots` (checked first: nothing changes on bad input)."""
+    check_sequence("slots", slots)
+    slots = [check_int(f"slots[{i}]", s, low=0, high=alloc.num_slots) for i, s in enumerate(slots)]
+    if len(set(slots)) != len(slots):
+        raise fail("slots", "distinct slot ids", slots)
+    held = set(alloc.released_slots())
+    for i, s in enumerate(slots):
+        if s in held:
+            raise fail(f"slots[{i}]", "a slot not released already", s)
+    free_now = [s for s in slots if alloc.release(s)]
+    evict_released(tree, allocators, instance_id)
+    return free_now + alloc.drain_reclaimed()
 
 
 def evict_released(tree: PrefixTree, allocators: Sequence, instance_id: int) -> None:
