@@ -182,6 +182,15 @@ COMMANDS = {
     "0.15 --max-evals 6 --jobs 2 --lo 0.1 --hi 3 --out "
     "results/goodput/conversation_lenient": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake bench sim-crosscheck": Tiny(),
+    ".venv/bin/tokenlake bench calibrate-cpu --model tiny-random --out "
+    "results/cpu_profile_tiny-random.json": Tiny("--quick --repeats 1 --no-serving"),
+    ".venv/bin/tokenlake bench calibrate-cpu --model bench-model --out "
+    "results/cpu_profile_bench-model.json": Tiny("--quick --repeats 1 --no-serving"),
+    ".venv/bin/tokenlake bench sim-vs-real --real results/wallclock.jsonl --hardware-profile "
+    "results/cpu_profile_tiny-random.json --hardware-profile "
+    "results/cpu_profile_bench-model.json": Covered(
+        "tests/benchmarks/test_sim_vs_real.py::test_sim_vs_real_command_end_to_end"
+    ),
 }  # fmt: skip
 
 
