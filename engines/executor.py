@@ -16,6 +16,7 @@ import torch
 from tokenlake.engines import kernels
 from tokenlake.engines.kernels.cpu import CpuPart
 from tokenlake.engines.page_groups import group_shared_pages
+from tokenlake.engines.state_merge import StateMerge
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.plans import HolderPart
 
@@ -49,6 +50,11 @@ class BoundPart:
     logit_cap: float = 0.0
     cpu_part: CpuPart | None = None  # the C++ kernel's form, checked once (CPU)
     num_kernel_rows: int = 0  # rows the kernel reads (states when grouped), known at bind
+    # the part rows of its states on the host (rows, or rows[state_rows] when grouped): the
+    # query's merge is laid out from these once (StateMerge), and a grouped part's own
+    group_merge: StateMerge | None = None
+    host_rows: np.ndarray | None = None
+    host_state_rows: np.ndarray | None = None
 
     @classmethod
     def from_part(
@@ -70,11 +76,13 @@ class BoundPart:
         groups = None
         if page_len is not None:
             groups = group_shared_pages(*csr, page_len)
-        q_index, state_rows = rows, None
+        q_index, state_rows, group_merge, host_state_rows = rows, None, None, rows
         if groups is not None:
             csr = (groups.q_indptr, groups.kv_indptr, groups.kv_indices, groups.last_len)
             q_index = rows[groups.state_rows]
             state_rows = torch.tensor(groups.state_rows, dtype=torch.int64, device=device)
+            group_merge = StateMerge.build(groups.state_rows, n, device)
+            host_state_rows = rows[groups.state_rows]
         num_kernel_rows = int(csr[0][-1]) if groups is not None else n  # on the host here
         csr = tuple(_i32(a, device) for a in csr)
         planned = planner.plan(*csr) if planner is not None else None
@@ -92,6 +100,9 @@ class BoundPart:
             logit_cap,
             cpu_part,
             num_kernel_rows,
+            group_merge,
+            np.asarray(rows, dtype=np.int64),
+            np.asarray(host_state_rows, dtype=np.int64),
         )
 
     @property
@@ -105,9 +116,9 @@ class BoundPart:
         ``pool_layer``. Returns ``o`` ``[num_part_rows, H_q, D]``, ``lse``
         ``[num_part_rows, H_q]`` float32 (natural log)."""
         o, lse = self.kernel_states(q, pool_layer, backend)
-        if self.state_rows is None:
+        if self.group_merge is None:
             return o, lse
-        return merge_states(o, lse, self.state_rows, self.num_rows)
+        return self.group_merge.run(o, lse)
 
     def kernel_states(
         self, q: torch.Tensor, pool_layer: torch.Tensor, backend: str | None
@@ -140,17 +151,9 @@ def merge_states(
     """Merge partial states over disjoint key sets by row: state ``s`` (``o`` ``[S, H, D]``,
     ``lse`` ``[S, H]`` float32, natural log) belongs to row ``state_rows[s]`` (int64 ``[S]``).
     Returns ``o`` ``[num_rows, H, D]``, ``lse`` ``[num_rows, H]``; a row without a finite
-    state gets ``o = 0``, ``lse = -inf``, like a row that sees no keys."""
-    num_heads = lse.shape[1]
-    top = lse.new_full((num_rows, num_heads), -torch.inf)
-    top.scatter_reduce_(0, state_rows[:, None].expand(-1, num_heads), lse, "amax")
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    weight = torch.exp(lse - top.index_select(0, state_rows))  # 0 for an lse of -inf
-    total = lse.new_zeros((num_rows, num_heads)).index_add_(0, state_rows, weight)
-    out = o.new_zeros((num_rows, *o.shape[1:])).index_add_(0, state_rows, o * weight[..., None])
-    seen = total > 0
-    out = torch.where(seen[..., None], out / torch.where(seen, total, 1.0)[..., None], 0.0)
-    return out, torch.where(seen, top + torch.log(total), -torch.inf)
+    state gets ``o = 0``, ``lse = -inf``, like a row that sees no keys. (Reads
+    ``state_rows`` on the host; a bound plan lays its merge out once: :class:`StateMerge`.)"""
+    return StateMerge.build(state_rows.cpu().numpy(), num_rows, o.device).run(o, lse)
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,7 @@ class MergeLayout:
     own: BoundPart | None
     own_rows: torch.Tensor | None  # int64 [own states]: the query row of each own state
     remote_index: torch.Tensor | None  # int64 [R]: flat rows of out_o[h, offset + i]
-    state_rows: torch.Tensor  # int64 [own states + R]
+    state_merge: StateMerge  # own states then the R remote ones, by query row
     passthrough: bool
 
     @classmethod
@@ -182,15 +185,15 @@ class MergeLayout:
         pieces, flat = [], []
         if own is not None:
             own_rows = own.rows if own.state_rows is None else own.rows[own.state_rows]
-            pieces.append(own_rows)
+            pieces.append(own.host_state_rows)
         for p in parts:
             if p.instance_id != own_id:
                 base = p.instance_id * region_rows + offset
                 flat.append(torch.arange(base, base + p.num_rows, device=p.rows.device))
-                pieces.append(p.rows)
+                pieces.append(p.host_rows)  # a peer returns one merged state per row
         device = parts[0].rows.device if parts else torch.device("cpu")
         remote_index = torch.cat(flat) if flat else None
-        state_rows = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+        state_rows = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
         passthrough = (
             len(parts) == 1
             and own is not None
@@ -198,7 +201,8 @@ class MergeLayout:
             and own.state_rows is None
             and own.num_rows == num_rows
         )
-        return cls(num_rows, own, own_rows, remote_index, state_rows.to(device), passthrough)
+        merge = StateMerge.build(state_rows, num_rows, device)
+        return cls(num_rows, own, own_rows, remote_index, merge, passthrough)
 
     def attend_own(
         self, q_buf: torch.Tensor, pool_layer: torch.Tensor, backend: str | None
@@ -233,7 +237,7 @@ class MergeLayout:
             return o, like.new_full(like.shape[:2], -torch.inf, dtype=torch.float32)
         o = o_states[0] if len(o_states) == 1 else torch.cat(o_states)
         lse = lse_states[0] if len(lse_states) == 1 else torch.cat(lse_states)
-        return merge_states(o, lse, self.state_rows, self.num_rows)
+        return self.state_merge.run(o, lse)
 
 
 def merge_rows(
