@@ -68,6 +68,8 @@ def group_shared_pages(
     one read per page does not repay)."""
     kv_indptr = np.asarray(kv_indptr, dtype=np.int64)
     num_entries = len(kv_indptr) - 1
+    if num_entries < 2:  # one request (a decode of one): no page has two readers
+        return None
     pages = np.diff(kv_indptr)
     entry = np.repeat(np.arange(num_entries), pages)
     slot = np.asarray(kv_indices, dtype=np.int64)
