@@ -209,7 +209,7 @@ def calibrate(
         shapes = ((1, 1), (4, cores))
         costs = [measure_serving(model_name, profile, n, t, seed=seed) for n, t in shapes]
         for c in costs:
-            print(f"serving path (server process CPU time): {c.detail}", file=sys.stderr)
+            print(f"serving path, measured: {c.detail}", file=sys.stderr)
         profile = dataclasses.replace(profile, serving=tuple(c.cost for c in costs))
     return profile
 

@@ -4,7 +4,8 @@ plane, which the simulator already prices.
 
 Three phases are driven by the wall-clock bench's streaming client: ``num_solo`` requests
 one after another with one output token each, one request streaming ``max_tokens`` tokens,
-then ``batch`` such requests at once; the server's iteration counter (``/metrics``) is read
+then ``batch`` such requests at once (``prompt_len``-token prompts: their pages spread over
+a pool's instances, so a decode step has the parts a served conversation's has); the server's iteration counter (``/metrics``) is read
 around each. The time each phase kept the server busy, as its clients saw it (the solo
 requests' TTFTs; the streams' first send to last token), is set against the simulator's for
 the same requests on the same profile with no serving cost; what is left is the serving
@@ -95,6 +96,7 @@ def measure_serving(
     num_solo: int = 32,
     seed: int = 0,
     clock: str = "wall",
+    prompt_len: int = 512,
 ) -> ServingCosts:
     """Start ``tokenlake serve`` with ``num_instances`` instances on ``torch_threads``
     threads for ``model_name`` (as the wall-clock bench writes it), measure the phases, stop
@@ -125,8 +127,8 @@ def measure_serving(
 
     solo, one, many = (
         prompts(num_solo, 1, 64),
-        prompts(1, max_tokens, 16),
-        prompts(batch, max_tokens, 16),
+        prompts(1, max_tokens, prompt_len),
+        prompts(batch, max_tokens, prompt_len),
     )
     with tempfile.TemporaryDirectory(prefix="tokenlake-calibrate-") as tmp:
         model_dir = prepare_model(model_name, Path(tmp), seed)
