@@ -196,7 +196,7 @@ def calibrate(
         model = LlamaModel.from_dir(prepare_model(model_name, Path(tmp), seed))
     rows, hop = measure(model, repeats=repeats, quick=quick, seed=seed)
     cores = os.cpu_count() or 1
-    speedup = measure_thread_speedup(model, cores, seed=seed)
+    speedup = measure_thread_speedup(model, cores, repeats=1 if quick else 5, seed=seed)
     profile = fit_cpu_profile(
         model_name, model_profile_of(model_name, model.config), rows, hop, cores
     )
