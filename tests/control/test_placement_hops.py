@@ -1,7 +1,7 @@
 """Hop-priced placement: with ``BalancerConfig.hop_bytes > 0`` a request's next segment goes
 on the instance of its previous one (unless that instance is loaded beyond the balancer's
-factor), so its decode steps read one holder; with ``hop_bytes = 0`` placement is the
-rendezvous hash, as before."""
+factor while more requests run than there are instances), so its decode steps read one
+holder; with ``hop_bytes = 0`` placement is the rendezvous hash, as before."""
 
 from __future__ import annotations
 
@@ -36,9 +36,11 @@ def test_rank_beside_moves_one_instance_first(seed):
         placement.rank_beside(key, missing)
 
 
-def overloaded(pool: tl.Pool) -> set[int]:
+def overloaded(pool: tl.Pool, num_running: int) -> set[int]:
     load = pool.access.window_load
     live = list(pool.placement.live)
+    if num_running <= len(live):  # light load: no instance queues behind another
+        return set()
     mean = float(load[live].mean())
     if mean <= 0:
         return set()
@@ -58,7 +60,7 @@ def run(balancer: BalancerConfig, n: int, seed: int):
         own = tokens(50 + r + 100 * seed, C * int(rng.integers(1, 4)) + int(rng.integers(0, C)))
         ids = np.concatenate([docs[int(rng.integers(0, 3))], own]) if r % 4 else own
         cached = h.cached(ids)
-        hot = overloaded(pool)
+        hot = overloaded(pool, len(pool.requests) + 1)
         errs.append(h.step([[tl.Chunk(f"r{r}", ids, cached)]]))
         pool.check_invariants()
         nodes = pool.requests[f"r{r}"].nodes
@@ -108,3 +110,21 @@ def test_a_private_request_decodes_on_one_holder(n):
         steps[hop] = seen
     assert all(holders == [origin] for origin, holders in steps[1e6])
     assert any(len(holders) > 1 for _, holders in steps[0.0])
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_requests_in_sequence_each_decode_on_one_holder(n):
+    """Light load, one request after another (the previous one finished): each request's
+    segments stay together, so every decode step reads one holder, although the instance
+    that served the last request carries all the recent load."""
+    h = Harness(n, C, num_slots=64, balancer=BalancerConfig(hop_bytes=1e6))
+    for r in range(6):
+        ids = tokens(70 + r, 5 * C + 3)
+        h.step([[tl.Chunk(f"r{r}", ids, 0)]])
+        for k in range(2):
+            ids = np.append(ids, k).astype(np.int32)
+            assert h.step([[tl.Chunk(f"r{r}", ids, len(ids) - 1)]]) <= h.tolerance
+            qp = h.last_plans.query_plans[0]
+            assert qp.holder_ids.tolist() == [qp.origin], (r, qp.holder_ids.tolist())
+        h.pool.finish(f"r{r}")
+        h.pool.check_invariants()

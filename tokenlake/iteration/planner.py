@@ -71,10 +71,15 @@ class IterationPlanner:
 
     def _not_overloaded(self, instance_id: int) -> bool:
         """Hop-priced placement keeps a request's segments together on a live instance whose
-        window load is within the balancer's factor of the mean."""
+        window load is within the balancer's factor of the mean, and always while at most
+        one request per instance runs: then no instance queues work behind another's, and
+        the recent load of a light stream (all of it on the instance that served the last
+        request) says nothing about imbalance."""
         live = self.placement.live
         if instance_id not in live:
             return False
+        if len(self.requests) <= len(live):
+            return True
         load = self.access.window_load
         mean = float(load[list(live)].mean())
         return mean <= 0 or load[instance_id] <= self.balancer.overload_factor * mean
