@@ -19,7 +19,6 @@ attainment at a rate) and "goodput".
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import statistics
@@ -36,13 +35,13 @@ from tokenlake.benchmarks.sim.served_cpu import (
     Arrival,
     ServedSettings,
     attainment,
+    idle_costs,
+    sim_slo,
     simulate_served,
-    solo_latency,
     to_requests,
 )
 
 TARGET = 0.9
-SLO_SCALE = 10.0  # the wall-clock bench's: 10x the batch-size-1 latencies
 ATTAINMENT_TOLERANCE = 0.10  # points
 GOODPUT_TOLERANCE = 0.25  # relative
 
@@ -81,44 +80,6 @@ def goodput(points: list[tuple[float, float]]) -> float:
     return max((r for r, a in points if a >= TARGET), default=0.0)
 
 
-def _probe(timed, block_size):
-    """The wall-clock bench's batch-size-1 request: the median-length prompt, 2+ tokens."""
-    probe = sorted(timed, key=lambda t: len(t.prompt_ids))[len(timed) // 2]
-    (req,) = to_requests([probe.prompt_ids], [max(2, probe.max_tokens)], block_size)
-    return req
-
-
-def _sim_slo(profile, settings, timed, block_size) -> dict:
-    """The wall-clock bench's rule on the simulated server: :data:`SLO_SCALE` times the
-    batch-size-1 TTFT and TPOT of its probe request."""
-    ttft, tpot = solo_latency(profile, settings, _probe(timed, block_size), block_size)
-    return {"ttft_s": round(SLO_SCALE * ttft, 6), "tpot_s": round(SLO_SCALE * tpot, 6)}
-
-
-def idle_costs(profile, settings, timed, real_slo, block_size) -> ServedSettings:
-    """``settings`` with the two costs the real run's idle figures show beyond the profile
-    (its thresholds over :data:`SLO_SCALE`: the batch-size-1 TTFT and TPOT it measured):
-    other programs' busy threads on the host (``background_threads``, from how much slower
-    the real decode step was than the profile's) and the serving path's fixed cost per
-    request (``request_overhead_s``, what the real TTFT has beyond the simulated one)."""
-    req = _probe(timed, block_size)
-    bare = dataclasses.replace(settings, background_threads=0.0, request_overhead_s=0.0)
-    _, tpot = solo_latency(profile, bare, req, block_size)
-    cores = profile.host_cores
-    speed = min(profile.thread_speedup, cores)
-    target = real_slo["tpot_s"] / SLO_SCALE
-    rate = tpot / target  # the share of a core the real decode got, first guess
-    for _ in range(3):  # the control plane's time is not slowed: a few corrections
-        background = 0.0 if rate >= speed else cores / rate - 1
-        loaded = dataclasses.replace(bare, background_threads=round(background, 3))
-        if background == 0:
-            break
-        rate *= solo_latency(profile, loaded, req, block_size)[1] / target
-    ttft, _ = solo_latency(profile, loaded, req, block_size)
-    overhead = max(0.0, real_slo["ttft_s"] / SLO_SCALE - ttft)
-    return dataclasses.replace(loaded, request_overhead_s=round(overhead, 6))
-
-
 def compare(
     real_points: dict, real_goodputs: dict, profiles: dict, settings, drain_s, own_slo=False,
     from_idle=True,
@@ -149,11 +110,11 @@ def compare(
         )  # fmt: skip
         if from_idle:
             cfg = idle_costs(profiles[model], cfg, timed, lines[0]["slo"], settings.segment_len)
-        sim_slo = _sim_slo(profiles[model], cfg, timed, settings.segment_len)
+        own = sim_slo(profiles[model], cfg, timed, settings.segment_len)
         sim_points, real_pts = [], []
         for line in lines:
             rate, real_slo = line["rate"], line["slo"]
-            slo = sim_slo if own_slo else real_slo
+            slo = own if own_slo else real_slo
             arrivals = [
                 Arrival(r, t.arrival_s / rate, t.session_id)
                 for r, t in zip(reqs, timed, strict=True)
@@ -163,7 +124,7 @@ def compare(
                 system, profiles[model], cfg, arrivals, limit, settings.segment_len
             )
             sim = attainment(records, slo["ttft_s"], slo["tpot_s"])
-            by_rule = attainment(records, sim_slo["ttft_s"], sim_slo["tpot_s"])
+            by_rule = attainment(records, own["ttft_s"], own["tpot_s"])
             ttfts = [r.first_token_s - r.arrival_s if r.num_tokens else math.inf for r in records]
             tpots = [
                 (r.last_token_s - r.first_token_s) / (r.num_tokens - 1) if r.num_tokens > 1 else 0.0
@@ -174,15 +135,15 @@ def compare(
             rows.append({
                 "bench": "sim-vs-real", "kind": "point", "model": model, "workload": workload,
                 "seed": seed, "system": system, "num_instances": cfg.num_instances,
-                "rate": rate, "num_requests": n, "slo": real_slo, "sim_slo": sim_slo,
+                "rate": rate, "num_requests": n, "slo": real_slo, "sim_slo": own,
                 "slo_used": "sim's own" if own_slo else "real",
                 "background_threads": cfg.background_threads,
                 "request_overhead_s": cfg.request_overhead_s,
                 "real_attainment": line["attainment"], "sim_attainment": round(sim, 4),
                 "error_points": round(100 * (sim - line["attainment"]), 1),
                 "sim_attainment_by_rule": round(by_rule, 4),
-                "solo_ttft_real_over_sim": round(real_slo["ttft_s"] / sim_slo["ttft_s"], 3),
-                "solo_tpot_real_over_sim": round(real_slo["tpot_s"] / sim_slo["tpot_s"], 3),
+                "solo_ttft_real_over_sim": round(real_slo["ttft_s"] / own["ttft_s"], 3),
+                "solo_tpot_real_over_sim": round(real_slo["tpot_s"] / own["tpot_s"], 3),
                 "real_ttft_p90_s": line.get("ttft_p90_s"), "sim_ttft_p90_s": _p90(ttfts),
                 "real_tpot_p90_s": line.get("tpot_p90_s"), "sim_tpot_p90_s": _p90(tpots),
                 "real_max_gap_p90_s": line.get("max_gap_p90_s"),

@@ -236,3 +236,44 @@ def solo_latency(
         raise ValueError(f"solo request {req.rid}: expected 2+ tokens, got {rec.num_tokens}")
     tpot = (rec.last_token_s - rec.first_token_s) / (rec.num_tokens - 1)
     return rec.first_token_s - rec.arrival_s, tpot
+
+
+SLO_SCALE = 10.0  # the wall-clock bench's: 10x the batch-size-1 latencies
+
+
+def probe(timed, block_size: int) -> SimRequest:
+    """The wall-clock bench's batch-size-1 request: the median-length prompt, 2+ tokens."""
+    probe = sorted(timed, key=lambda t: len(t.prompt_ids))[len(timed) // 2]
+    (req,) = to_requests([probe.prompt_ids], [max(2, probe.max_tokens)], block_size)
+    return req
+
+
+def sim_slo(profile, settings, timed, block_size) -> dict:
+    """The wall-clock bench's rule on the simulated server: :data:`SLO_SCALE` times the
+    batch-size-1 TTFT and TPOT of its probe request."""
+    ttft, tpot = solo_latency(profile, settings, probe(timed, block_size), block_size)
+    return {"ttft_s": round(SLO_SCALE * ttft, 6), "tpot_s": round(SLO_SCALE * tpot, 6)}
+
+
+def idle_costs(profile, settings, timed, real_slo, block_size) -> ServedSettings:
+    """``settings`` with the two costs the real run's idle figures show beyond the profile
+    (its thresholds over :data:`SLO_SCALE`: the batch-size-1 TTFT and TPOT it measured):
+    other programs' busy threads on the host (``background_threads``, from how much slower
+    the real decode step was than the profile's) and the serving path's fixed cost per
+    request (``request_overhead_s``, what the real TTFT has beyond the simulated one)."""
+    req = probe(timed, block_size)
+    bare = dataclasses.replace(settings, background_threads=0.0, request_overhead_s=0.0)
+    _, tpot = solo_latency(profile, bare, req, block_size)
+    cores = profile.host_cores
+    speed = min(profile.thread_speedup, cores)
+    target = real_slo["tpot_s"] / SLO_SCALE
+    rate = tpot / target  # the share of a core the real decode got, first guess
+    for _ in range(3):  # the control plane's time is not slowed: a few corrections
+        background = 0.0 if rate >= speed else cores / rate - 1
+        loaded = dataclasses.replace(bare, background_threads=round(background, 3))
+        if background == 0:
+            break
+        rate *= solo_latency(profile, loaded, req, block_size)[1] / target
+    ttft, _ = solo_latency(profile, loaded, req, block_size)
+    overhead = max(0.0, real_slo["ttft_s"] / SLO_SCALE - ttft)
+    return dataclasses.replace(loaded, request_overhead_s=round(overhead, 6))

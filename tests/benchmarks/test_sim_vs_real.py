@@ -304,13 +304,12 @@ def test_idle_costs_make_the_simulated_solo_the_real_one():
     """The background load and cost per request read from a real run's batch-size-1
     figures give those figures back when the simulated server runs the same probe (within
     5%: the control plane's measured CPU time is charged beside the host's share)."""
-    from tokenlake.benchmarks.sim.served_cpu import solo_latency
-    from tokenlake.benchmarks.sim_vs_real import _probe, idle_costs
+    from tokenlake.benchmarks.sim.served_cpu import idle_costs, probe, solo_latency
     from tokenlake.benchmarks.wallclock.workloads import build_workload
 
     profile = load_cpu_profile(DATA / "cpu_profile_tiny-random.json")
     timed = build_workload("long-document", seed=0, num_requests=12, vocab_size=90)
-    req = _probe(timed, 32)
+    req = probe(timed, 32)
     ttft, tpot = solo_latency(profile, ServedSettings(), req, 32)
     real = {"ttft_s": 10 * (1.5 * ttft + 0.05), "tpot_s": 10 * 1.5 * tpot}
     settings = idle_costs(profile, ServedSettings(), timed, real, 32)
