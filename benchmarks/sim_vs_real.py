@@ -251,10 +251,14 @@ def main(argv: list[str] | None = None) -> int:
         "batch-size-1 latencies (as the real bench derives its thresholds)",
     )  # fmt: skip
     args = p.parse_args(argv)
-    real_points, real_goodputs = read_real(args.real)
-    if not real_points:
-        p.error(f"--real {args.real}: no wallclock-router point lines")
-    profiles = load_profiles(args.hardware_profile, {k[0] for k in real_points}, args.repeats)
+    try:
+        real_points, real_goodputs = read_real(args.real)
+        if not real_points:
+            raise ValueError(f"{args.real}: no wallclock-router point lines")
+        models = {k[0] for k in real_points}
+        profiles = load_profiles(args.hardware_profile, models, args.repeats)
+    except (OSError, ValueError) as e:  # a bad file: say which and why, no traceback
+        p.error(str(e))
     overhead = args.request_overhead_ms
     settings = ServedSettings(
         segment_len=args.segment_len, num_slots=args.num_slots, chunk_len=args.chunk_len,

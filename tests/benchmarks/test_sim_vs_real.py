@@ -232,6 +232,12 @@ def test_goodput_and_reading_real_lines(tmp_path):
     f.write_text(json.dumps({**point, "slo": {}}) + "\n")
     with pytest.raises(ValueError, match="real.jsonl:1"):
         read_real(f)
+    from tokenlake.benchmarks.sim_vs_real import main
+
+    for bad in (f, tmp_path / "missing.jsonl"):  # a usage error naming the file, nothing run
+        with pytest.raises(SystemExit) as e:
+            main(["--real", str(bad)])
+        assert e.value.code == 2
 
 
 def test_calibration_times_every_case_on_the_real_engine():
