@@ -205,6 +205,7 @@ class Deciding:
             ready,
             self.decode_scale,
             prefill_waits=bool(prefills),
+            homes={r.request_id: self.pool.home_instance(r.request_id) for r in ready},
         )
         out = []
         if split.decodes:

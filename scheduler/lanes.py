@@ -18,7 +18,7 @@ TBT SLO ("what is about to free up") instead of taking a free instance from pref
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from tokenlake.scheduler.config import ELASTIC, XPYD, SchedulerConfig
@@ -116,6 +116,7 @@ def split_free_instances(
     ready_decodes: Sequence[Request],
     scale: float = 1.0,
     prefill_waits: bool = False,
+    homes: Mapping[int | str, int] | None = None,
 ) -> Split:
     """Lanes and prefill instances among ``free`` (sorted ids) for elastic and xPyD modes.
 
@@ -128,7 +129,9 @@ def split_free_instances(
     wait would break the TBT SLO of the oldest of them, in which case one more lane opens
     (elastic overshoot: up to every live instance when no prefill waits, else up to
     ``len(live) - 1``, the decode share of TokenLake-1P(N-1)D; xPyD opens every free decode
-    instance it needs).
+    instance it needs). ``homes`` (request id -> the instance holding its newest KV): lanes
+    open first where the oldest ready decodes' KV lives, so a light stream's decode steps
+    read their prefix locally instead of paying a hop per layer.
     """
     if config.mode == XPYD:
         num_prefill = min(config.num_prefill_instances, len(live) - 1)
@@ -158,6 +161,11 @@ def split_free_instances(
             step = decode_step_time(model, cap, load, scale)
             overdue = next_free - ready[0].ready_at + step > config.tbt_slo
             opened = int(overdue and len(lanes_busy) < overshoot_max)
+    if homes:
+        first = {}
+        for k, r in enumerate(ready):
+            first.setdefault(homes.get(r.request_id), k)
+        candidates.sort(key=lambda i: (first.get(i, len(ready)), i))
     lanes = tuple(candidates[:opened])
     if config.mode == ELASTIC:
         prefill_pool = [i for i in free if i not in lanes]

@@ -142,6 +142,12 @@ class Pool:
     def num_stored_tokens(self, request_id: int | str) -> int:
         return self._state(request_id).num_tokens
 
+    def home_instance(self, request_id: int | str) -> int | None:
+        """Where a running request's newest KV lives (its open tail, else its last segment's
+        first replica); ``None`` for a request the pool does not run or holds nothing of."""
+        state = self.requests.get(check_request_id("request_id", request_id))
+        return None if state is None else state.home_instance()
+
     def free_capacity(self) -> int:
         """Slots obtainable now without touching pinned or in-flight data."""
         return self.iterations.segments.free_capacity()

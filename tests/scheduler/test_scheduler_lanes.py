@@ -227,3 +227,23 @@ def test_victim_is_the_latest_running_arrival():
 def test_config_rejects_bad_lane_fraction(bad):
     with pytest.raises(tl.InvalidArgumentError, match="lane_tbt_fraction"):
         SchedulerConfig(2, C, lane_tbt_fraction=bad)
+
+
+def test_lanes_open_where_the_ready_decodes_kv_lives():
+    """A light stream: one ready decode whose KV is on instance 3 gets its lane there (the
+    lowest free id otherwise); with several, the oldest decodes' homes come first."""
+    one = decodes(1)
+    assert split(ready=one).decode_instances == (0,)
+    cfg = SchedulerConfig(4, C, sync_iterations=False, tbt_slo=0.1, lane_tbt_fraction=0.5)
+    homes = {one[0].request_id: 3}
+    s = split_free_instances(cfg, MODEL, 0.0, 0.0, [0, 1, 2, 3], [0, 1, 2, 3], [], one,
+                             homes=homes)  # fmt: skip
+    assert s.decode_instances == (3,) and s.decodes == tuple(one)
+    busy_home = split_free_instances(cfg, MODEL, 0.0, 0.0, [0, 1, 2, 3], [0, 1, 2], [], one,
+                                     homes=homes)  # fmt: skip
+    assert busy_home.decode_instances == (0,)  # its home runs something else: any free one
+    many = decodes(60, ready_at=0.0)
+    homes = {r.request_id: 2 if i < 30 else 1 for i, r in enumerate(many)}
+    s = split_free_instances(cfg, MODEL, 0.0, 0.0, [0, 1, 2, 3], [0, 1, 2, 3], [], many,
+                             homes=homes)  # fmt: skip
+    assert s.decode_instances[:2] == (2, 1)

@@ -204,6 +204,7 @@ def plan_replications(
     capacity_slots: int | None = None,
     failover: frozenset[int] | set[int] = frozenset(),
     remote: RemoteReads | None = None,
+    light: bool = False,
 ) -> list[ReplicationOrder]:
     """This iteration's replication orders.
 
@@ -213,7 +214,9 @@ def plan_replications(
     copied to the least-loaded live instance without a copy, while the estimated load says it
     helps. Last, with ``remote`` (hops priced), each heavy hitter that small decodes read
     remotely at least ``MIN_REMOTE_READS`` times gets a copy on its main reader, unless that
-    reader holds one or is overloaded. All share the budget.
+    reader holds one or is overloaded. All share the budget. ``light`` (at most one running
+    request per instance): nobody queues, so load is not balanced and no reader counts as
+    overloaded; only fail-over and hop copies are made.
     """
     if not config.replicate or len(live) < 2:
         return []
@@ -225,7 +228,7 @@ def plan_replications(
         return []
     load = stats.window_load
     mean = float(load[live].mean())
-    threshold = config.overload_factor * mean
+    threshold = np.inf if light else config.overload_factor * mean
     over = [i for i in sorted(live, key=lambda i: -load[i]) if load[i] > threshold]
     hop_pass = remote is not None and bool(remote.counts)
     if (not over and not failover and not hop_pass) or stats.total_access_tokens <= 0:

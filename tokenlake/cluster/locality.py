@@ -61,17 +61,21 @@ def prefer_home(
     segment_len: int,
     live: Sequence[int],
     config: BalancerConfig,
+    light: bool = False,
 ) -> np.ndarray:
     """The load the replica choice sees: ``base_load``, or for a small decode with hops
     priced, every instance it reads anyway marked preferred (the more it holds there, the
-    more preferred), except those whose load exceeds ``overload_factor`` times the mean."""
+    more preferred), except those whose load exceeds ``overload_factor`` times the mean,
+    unless the pool is ``light`` (at most one running request per instance: the recent
+    load of a light stream sits on the instances that served it, and no instance queues
+    behind another)."""
     if config.hop_bytes <= 0 or not is_small_decode(cs, dops, config.small_decode_rows):
         return base_load
     fixed = fixed_tokens(cs, table, segment_len, len(base_load))
     load = np.asarray(base_load, dtype=np.float64)
     mean = float(load[list(live)].mean()) if len(live) else 0.0
     ok = fixed > 0
-    if mean > 0:
+    if mean > 0 and not light:
         ok &= load <= config.overload_factor * mean
     if not ok.any():
         return base_load

@@ -69,6 +69,12 @@ class IterationPlanner:
             config.segment_bytes, balancer.hop_bytes, engine_written=engine_slots,
         )  # fmt: skip
 
+    def _light(self) -> bool:
+        """Hops priced and at most one running request per live instance: no instance
+        queues behind another, so recent load says nothing about imbalance, and spreading a
+        request's reads only adds hops (unpriced, every decision stays as it was)."""
+        return self.remote is not None and len(self.requests) <= len(self.placement.live)
+
     def _not_overloaded(self, instance_id: int) -> bool:
         """Hop-priced placement keeps a request's segments together on a live instance whose
         window load is within the balancer's factor of the mean, and always while at most
@@ -78,7 +84,7 @@ class IterationPlanner:
         live = self.placement.live
         if instance_id not in live:
             return False
-        if len(self.requests) <= len(live):
+        if self._light():
             return True
         load = self.access.window_load
         mean = float(load[list(live)].mean())
@@ -116,6 +122,7 @@ class IterationPlanner:
         base_load = locality.prefer_home(
             self.inflight.total_load(self.access.recent_load), cs, dops, self.tree.table,
             self.config.segment_len, self.placement.live, self.balancer,
+            light=self._light(),
         )  # fmt: skip
         plans, traffic, reads = self.builder.build(
             (self.inflight.pool_id, it.epoch),
@@ -216,7 +223,7 @@ class IterationPlanner:
         live = list(self.placement.live)
         orders = plan_replications(
             self.tree, self.access, live, self.balancer, capacity, failover=it.failover[1],
-            remote=self.remote,
+            remote=self.remote, light=self._light(),
         )  # fmt: skip
         paths = []
         for node, _, _ in orders:

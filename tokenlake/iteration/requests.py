@@ -49,6 +49,14 @@ class RequestState:
     def last_key(self, root_key: int) -> int:
         return self.nodes[-1].key if self.nodes else root_key
 
+    def home_instance(self) -> int | None:
+        """Where its newest KV lives: its open tail, else its last segment's first replica."""
+        if self.open is not None:
+            return self.open.location.instance_id
+        if self.nodes and self.nodes[-1].replicas:
+            return self.nodes[-1].replicas[0].instance_id
+        return None
+
 
 @dataclass(eq=False, slots=True)
 class SegmentWrite:

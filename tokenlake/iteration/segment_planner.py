@@ -62,7 +62,7 @@ class SegmentPlanner:
         pos = pc.start
         parent_key = state.last_key(tree.root.key)
         parent_ref = state.nodes[-1] if state.nodes else tree.root  # for tree reservations
-        prev = _last_instance(state) if self.beside is not None else None
+        prev = state.home_instance() if self.beside is not None else None
         while pos < pc.end:
             offset = pos % seg
             seg_start = pos - offset
@@ -124,12 +124,3 @@ class SegmentPlanner:
             return Location(destination, slot)
         evicted = self.tree.evict_lru(instance_id=destination, journal=journal)
         return None if evicted is None else evicted[1]
-
-
-def _last_instance(state) -> int | None:
-    """Where the request's last segment lives (its open tail, else its last full one)."""
-    if state.open is not None:
-        return state.open.location.instance_id
-    if state.nodes and state.nodes[-1].replicas:
-        return state.nodes[-1].replicas[0].instance_id
-    return None
