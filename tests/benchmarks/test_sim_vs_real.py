@@ -344,3 +344,23 @@ def test_serving_costs_are_read_on_a_real_server():
     assert got.detail["iterations"][0] == 2  # one iteration per one-token request
     assert 2 + 7 <= got.detail["iterations"][2] <= 2 * (2 + 7)  # the pair, mostly together
     assert all(0 <= x < 1 for x in got.cost[2:])
+
+
+def test_goodput_harness_runs_on_a_measured_profile(tmp_path, capsys):
+    """``tokenlake goodput --hardware-profile FILE``: the cluster is the profile's (its
+    hardware and model, one core per instance), and a bad file is an error naming it."""
+    from tokenlake.benchmarks.goodput import main
+
+    profile = DATA / "cpu_profile_tiny-random.json"
+    argv = ["--workload", "sharegpt", "--requests", "6", "--systems", "tokenlake,router",
+            "--rates", "1", "--prefill-tokens", "512", "--segment-len", "32", "--seeds", "1",
+            "--wall-budget", "120"]  # fmt: skip
+    assert main(["--hardware-profile", str(profile), *argv]) == 0
+    out = capsys.readouterr()
+    assert "4 instances x TP1 CPU (tiny-random, measured), tiny-random" in out.err + out.out
+    runs = [json.loads(x) for x in out.out.splitlines() if x.startswith("{")]
+    assert {r["system"] for r in runs if "total" in r} == {"tokenlake", "router"}
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["--hardware-profile", str(bad), *argv]) != 0
+    assert "bad.json" in capsys.readouterr().err
