@@ -133,9 +133,14 @@ COMMANDS = {
         "installs a package; make test installs the same version (the Makefile's router stamp)"
     ),
     ".venv/bin/tokenlake bench wallclock --quick": Tiny(),
-    ".venv/bin/tokenlake bench wallclock --seeds 0 1 2 --requests 30 --max-evals 4 --rel-tol "
-    "0.5 --json-out results/wallclock.jsonl": NotHere(
-        "about 45 minutes on a 2-core machine; the --quick line above runs the same code"
+    ".venv/bin/tokenlake bench wallclock --models tiny-random --seeds 0 1 2 --requests 30 "
+    "--max-evals 4 --rel-tol 0.5 --json-out results/wallclock.jsonl": NotHere(
+        "about 15 minutes on a 2-core machine; the --quick line above runs the same code"
+    ),
+    ".venv/bin/tokenlake bench wallclock --models bench-model --seeds 0 1 2 --requests 20 "
+    "--max-evals 4 --rel-tol 0.5 --min-rate 0.2 --drain-s 20 --json-out "
+    "results/wallclock.jsonl": NotHere(
+        "about 25 minutes on a 2-core machine; the --quick line above runs the same code"
     ),
     "B=router,router-tbt,router-tbt-cascade,mooncake-1p3d,mooncake-3p1d": NotHere("a shell variable for the lines below"),
     "T=tokenlake,tokenlake-no-groups": NotHere("a shell variable for the lines below"),
