@@ -73,6 +73,11 @@ class SchedulerConfig:
             flight (or chosen before it in the same decision) is computing waits for that
             chunk's commit instead of computing the segment again (SGLang's in-batch prefix
             caching; :mod:`tokenlake.scheduler.pending`).
+        compute_lanes: batches one synchronous iteration computes in parallel (0: one per
+            instance). ``tokenlake serve`` on one host runs every instance's dense layers in
+            one process, so there 1: an iteration is at most one prefill and one decode batch
+            (DoP 1), their attention still spread over the instances holding their KV;
+            splitting a batch would only add parts and merges, never parallel compute.
     """
 
     num_instances: int
@@ -90,6 +95,7 @@ class SchedulerConfig:
     output_reserve: float = 1.0
     admission_backfill: bool = True
     defer_pending_prefix: bool = True
+    compute_lanes: int = 0
 
     def __post_init__(self) -> None:
         _positive_int("num_instances", self.num_instances)
@@ -97,6 +103,7 @@ class SchedulerConfig:
         _positive_int("chunk_len", self.chunk_len)
         _positive_int("max_prefill_tokens", self.max_prefill_tokens, 0)
         _positive_int("decode_steps", self.decode_steps)
+        _positive_int("compute_lanes", self.compute_lanes, 0)
         if self.mode not in MODES:
             raise InvalidArgumentError(
                 f"SchedulerConfig.mode: expected one of {MODES}, got {self.mode!r}"
@@ -139,9 +146,17 @@ class SchedulerConfig:
                 )
 
     @property
+    def parallel_instances(self) -> int:
+        """Instances whose batches compute in parallel (``compute_lanes``, at most all)."""
+        lanes = self.compute_lanes or self.num_instances
+        return min(lanes, self.num_instances)
+
+    @property
     def prefill_instances(self) -> int:
         """Instances prefill batches may use in total."""
-        return self.num_prefill_instances if self.mode == XPYD else self.num_instances
+        if self.mode == XPYD:
+            return min(self.num_prefill_instances, self.parallel_instances)
+        return self.parallel_instances
 
     @property
     def decode_instances(self) -> int:
@@ -149,9 +164,9 @@ class SchedulerConfig:
         if self.mode == COLOCATED:
             return 0
         return (
-            self.num_instances - self.num_prefill_instances
+            min(self.num_instances - self.num_prefill_instances, self.parallel_instances)
             if self.mode == XPYD
-            else self.num_instances
+            else self.parallel_instances
         )
 
     @property

@@ -48,7 +48,10 @@ class InstanceLimits(NamedTuple):
 
     @classmethod
     def of(cls, config: SchedulerConfig) -> InstanceLimits:
-        return cls(config.num_instances, config.prefill_instances, config.decode_instances)
+        total = config.parallel_instances
+        if config.mode != COLOCATED and config.compute_lanes:  # a prefill and a decode batch
+            total = min(config.num_instances, 2 * config.parallel_instances)
+        return cls(total, config.prefill_instances, config.decode_instances)
 
 
 class Decision(NamedTuple):

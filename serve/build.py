@@ -86,6 +86,9 @@ def build(config: ServeConfig, engine_factory: Callable | None = None) -> Served
             config.segment_len,
             mode=config.scheduler_mode,
             chunk_len=config.chunk_len,
+            # one process computes every instance's dense layers here (the Ray launch's
+            # engines compute in their own processes): batches do not run in parallel
+            compute_lanes=1 if engine_factory is None else 0,
         )
         scheduler = ElasticScheduler(sched_config, latency, pool)
         eos = model.config.eos_token_ids

@@ -207,3 +207,30 @@ def test_cached_requests_go_before_longer_uncached_ones():
     assert [it.request_id for it in select_work(reqs, cfg, lambda r: cached[r.request_id])] == [
         "r2"
     ]
+
+
+def test_compute_lanes_one_gives_one_batch_per_phase():
+    """``compute_lanes=1`` (one process computes every instance's batches, as in
+    ``tokenlake serve``): at most one prefill batch at DoP 1 and one decode batch, every
+    request still scheduled; the same work on 4 parallel instances splits it."""
+    spread, cfg = decide("elastic", SPECS)
+    assert len(spread.batches) > 2 or max(spread.dops) > 1
+    one, cfg = decide("elastic", SPECS, compute_lanes=1)
+    assert cfg.parallel_instances == 1 and cfg.prefill_instances == cfg.decode_instances == 1
+    assert sorted(one.phases) in ([DECODE, PREFILL], [DECODE], [PREFILL])
+    assert one.dops == (1,) * len(one.batches)
+    prefill_ids = {c.request_id for b, ph in zip(one.batches, one.phases, strict=True)
+                   for c in b if ph == PREFILL}  # fmt: skip
+    decode_ids = {c.request_id for b, ph in zip(one.batches, one.phases, strict=True)
+                  for c in b if ph == DECODE}  # fmt: skip
+    assert decode_ids == {f"r{i}" for i, sp in enumerate(SPECS) if sp[1] is Phase.DECODE}
+    assert prefill_ids  # the budget of one instance's chunk
+    co, _ = decide("colocated", SPECS, compute_lanes=1)
+    assert len(co.batches) == 1 and co.phases == (MIXED,)
+    two = SchedulerConfig(4, C, compute_lanes=2)
+    assert (
+        two.parallel_instances == 2
+        and SchedulerConfig(4, C, compute_lanes=9).parallel_instances == 4
+    )
+    with pytest.raises(InvalidArgumentError, match="compute_lanes"):
+        SchedulerConfig(4, C, compute_lanes=-1)
