@@ -14,4 +14,9 @@ JSON lines printed by the bench (and written with ``--json-out FILE``), one obje
   ``p90_goodput`` (req/s: the highest rate found with attainment >= 0.9) and
   ``slo_missed_in_sweep`` (bool: some rate missed, so the goodput is where the system failed,
   not a cap of the sweep).
+
+Diagnostics ride along: point lines also carry ``finished``, ``errors``, ``ttft_mean_s``,
+``max_gap_p90_s`` and the attainment of each half of the SLO alone (``attainment_ttft_only``,
+``attainment_gap_only``); goodput lines carry ``points`` ([rate, attainment] as run), ``slo``
+and ``load_avg``.
 """
