@@ -19,6 +19,7 @@ attainment at a rate) and "goodput".
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -104,10 +105,9 @@ def compare(
             )
             cache[(model, workload, seed, n)] = (timed, reqs)
         timed, reqs = cache[(model, workload, seed, n)]
-        cfg = ServedSettings(
-            int(lines[0].get("num_instances", settings.num_instances)), settings.segment_len,
-            settings.num_slots, settings.chunk_len, settings.request_overhead_s,
-        )  # fmt: skip
+        cfg = dataclasses.replace(
+            settings, num_instances=int(lines[0].get("num_instances", settings.num_instances))
+        )
         if from_idle:
             cfg = idle_costs(profiles[model], cfg, timed, lines[0]["slo"], settings.segment_len)
         own = sim_slo(profiles[model], cfg, timed, settings.segment_len)
@@ -241,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=3, help="calibration runs per case")
     p.add_argument(
+        "--compute-lanes", type=int, default=1,
+        help="batches a server computes at once: 1 as tokenlake serve sets it; 0 for runs of "
+        "a serve from before it did (one per instance)",
+    )  # fmt: skip
+    p.add_argument(
         "--idle-costs", choices=("solo", "none"), default="solo",
         help="solo: the host's background load and the cost per request from the real run's "
         "batch-size-1 figures; none: no background, --request-overhead-ms per request",
@@ -263,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServedSettings(
         segment_len=args.segment_len, num_slots=args.num_slots, chunk_len=args.chunk_len,
         request_overhead_s=0.0 if overhead is None else overhead / 1e3,
+        compute_lanes=args.compute_lanes,
     )  # fmt: skip
     rows = compare(
         real_points, real_goodputs, profiles, settings, args.drain_s, args.slo == "rule",

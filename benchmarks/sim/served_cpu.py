@@ -40,8 +40,10 @@ SYSTEMS = ("tokenlake", "router")
 
 @dataclass(frozen=True)
 class ServedSettings:
-    """The real runs' server flags (``tokenlake bench wallclock``'s defaults) and the
-    serving path's cost per request."""
+    """The real runs' server flags (``tokenlake bench wallclock``'s defaults), the batches
+    a server computes at once (``compute_lanes``: 1 as ``tokenlake serve`` sets it, one
+    process computing every instance; 0: one per instance, as it did before), and the
+    serving path's extra cost per request and the background load."""
 
     num_instances: int = 4
     segment_len: int = 32
@@ -49,12 +51,13 @@ class ServedSettings:
     chunk_len: int = 256
     request_overhead_s: float = 0.0
     background_threads: float = 0.0
+    compute_lanes: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_instances", "segment_len", "num_slots", "chunk_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ServedSettings.{name}: expected an int >= 1, got {value!r}")
+        for name in ("num_instances", "segment_len", "num_slots", "chunk_len", "compute_lanes"):
+            value, low = getattr(self, name), 0 if name == "compute_lanes" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"ServedSettings.{name}: expected an int >= {low}, got {value!r}")
         for name in ("request_overhead_s", "background_threads"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(
@@ -149,6 +152,7 @@ def _config(settings: ServedSettings, profile: CpuProfile, num_instances: int) -
         latency=profile.latency_model(min(num_instances, 4)),
         token_overhead_s=profile.serving_cost(num_instances).token_s,
         iteration_overhead_s=profile.serving_cost(num_instances).iteration_s,
+        compute_lanes=settings.compute_lanes,
     )
 
 

@@ -61,6 +61,7 @@ class TokenLakeConfig:
     latency: object = None  # the scheduler's LatencyModel; None: fitted to the roofline
     token_overhead_s: float = 0.0  # serving CPU per streamed token (a CPU host's thread)
     iteration_overhead_s: float = 0.0  # ... and per iteration of its serving loop
+    compute_lanes: int = 0  # the scheduler's batches computed in parallel (0: one per instance)
 
 
 class TokenLakeSystem:
@@ -104,6 +105,7 @@ class TokenLakeSystem:
             sync_iterations=config.sync_iterations,
             output_reserve=config.output_reserve,
             decode_steps=config.decode_steps,
+            compute_lanes=config.compute_lanes,
         )
         dops = tuple(d for d in (1, 2, 4, 8, 16) if d <= cfg.max_prefill_dop)
         model = config.latency or timer.cost.fit(dops=dops)
