@@ -24,8 +24,8 @@ _ROLES = ("query", "transfer")
 
 def attach_info(cluster) -> dict:
     """The ``attach`` reply for ``cluster`` (an ``MPCluster`` with named buffers)."""
-    buffers = cluster.buffers
-    if any(b.segment_names is None for b in buffers):
+    buffers = getattr(cluster, "buffers", None)
+    if not buffers or any(getattr(b, "segment_names", None) is None for b in buffers):
         raise InvalidArgumentError(
             "attach: the host's buffers are not named; start its MPCluster with "
             "named_buffers=True (CPU) for workers to join by name"

@@ -117,3 +117,43 @@ def test_a_worker_plans_commits_and_its_death_drops_its_instance(service) -> Non
     with pytest.raises(InvalidArgumentError, match="was dropped"):
         c.call("plan", instance=1, chunks=[chunk])
     assert wire.unpackb(wire.packb(c.call("stats")), 1 << 20)["lost"] == [1]
+
+
+def test_one_copy_and_attach_requests_are_checked(service) -> None:
+    """``release``, ``attach`` and a plan's ``engine_slots`` from an authenticated worker:
+    wrong types, ranges or pool kinds get an error naming them, and nothing changes."""
+    svc, ctx, _ = service
+    c = _client(svc, ctx)
+    chunk = plan_wire.encode(Chunk("w0:r#1", np.arange(8, dtype=np.int64), 0, 8))
+    cases = [
+        ("release", {"instance": 0, "slots": [1, 2]}, r"slots: expected a 1-D int32 array"),
+        ("release", {"instance": 0, "slots": np.array([1], np.int32)}, r"engine_slots"),
+        ("attach", {"instance": 0}, r"not named"),
+        ("attach", {"instance": 7}, r"instance"),
+    ]
+    for op, args, message in cases:
+        with pytest.raises(TokenLakeError, match=message):
+            c.call(op, **args)
+    # a one-copy pool: a plan must carry one slot array per chunk, each slot in range
+    pool = Pool(PoolConfig(SHAPE, 2, 16, 4, "m"), engine_slots=True)
+    one = ControlService(pool, SimpleNamespace(secret=svc.cluster.secret, mark_lost=print))
+    try:
+        w = _client(one, ctx)
+        bad = [
+            ({}, r"engine_slots: expected a list of 1 slot arrays"),
+            ({"engine_slots": [np.array([3], np.int32)]}, r"expected 2 slots"),
+            (
+                {"engine_slots": [np.array([3, 99], np.int32)]},
+                r"slot: expected a slot in \[0, 16\)",
+            ),
+        ]
+        for extra, message in bad:
+            with pytest.raises(TokenLakeError, match=message):
+                w.call("plan", instance=0, chunks=[chunk], **extra)
+        pool.check_invariants()
+        assert pool.requests == {} and pool.tree.num_nodes == 0
+        with pytest.raises(TokenLakeError, match=r"slots\[0\]"):
+            w.call("release", instance=0, slots=np.array([16], np.int32))
+        assert w.call("release", instance=1, slots=np.array([3, 5], np.int32)) == [3, 5]
+    finally:
+        one.close()
