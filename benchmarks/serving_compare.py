@@ -34,6 +34,8 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from tokenlake.benchmarks.wallclock.processes import stop_process
+
 MODELS = ("tiny-random", "bench-model")
 DATASETS = ("random-ids", "generated-shared-prefix")
 LOADS = ("light", "saturation")
@@ -238,12 +240,7 @@ def running_server(args, model_dir: Path, name: str, num_instances: int) -> Iter
             time.sleep(0.5)
         yield port
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+        stop_process(proc)
         log.close()
 
 

@@ -40,6 +40,7 @@ import numpy as np
 from tokenlake.benchmarks.sim.cpu_profile import CpuProfile, ServingCost
 from tokenlake.benchmarks.sim.served_cpu import Arrival, ServedSettings, simulate_served
 from tokenlake.benchmarks.sim.served_cpu import to_requests as sim_requests
+from tokenlake.benchmarks.wallclock.processes import stop_process
 
 SEGMENT_LEN, NUM_SLOTS, CHUNK_LEN = 32, 512, 256
 START_TIMEOUT_S = 300.0
@@ -163,12 +164,7 @@ def measure_serving(
                     busy = max(r.token_s[-1] for r in records) - min(r.sent_s for r in records)
                 phases.append((cpu if clock == "cpu" else busy, _iterations(url) - n0))
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
+            stop_process(proc)
     (cpu_solo, _), (cpu_one, it_one), (cpu_many, it_many) = phases
     sim_solo = _sim_busy_s(profile, solo, False, num_instances)
     per_request = max(0.0, (cpu_solo - sim_solo) / num_solo)

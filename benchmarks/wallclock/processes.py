@@ -24,6 +24,17 @@ class ProcessError(RuntimeError):
     """A server or the router did not start or died; the message ends with its log's tail."""
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """Terminate ``proc`` and wait for it; kill it if it does not end within ``timeout_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout_s)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -146,13 +157,7 @@ class Fleet:
                 entry = self._procs.pop(proc.pid, None)
             if entry is None:
                 continue
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=STOP_TIMEOUT_S)
+            stop_process(proc)
             entry[1].close()
 
     def close(self) -> None:

@@ -159,3 +159,38 @@ class Workers:
                 with contextlib.suppress(OSError):
                     conn.send_bytes(wire.packb({"op": "stop"}))
         stop_processes(self.procs, 5.0)
+
+
+@contextlib.contextmanager
+def shared_pool(
+    world: dict, num_workers: int, num_slots: int, segment_len: int, one_copy: bool = False,
+    join: bool = False,
+):  # fmt: skip
+    """The host (this process: ``Pool``, the engines' ``MPCluster``, the ``ControlService``)
+    and ``num_workers`` worker processes of one SGLang ``world`` shape; ``one_copy``: the
+    pool takes SGLang's pages as its slots; ``join``: the buffers are named and each worker
+    joins knowing only the endpoint, the secret's file and its instance id. Yields
+    ``(pool, cluster, service, workers)``; stops everything on the way out."""
+    from tokenlake.config import ModelShape, PoolConfig
+    from tokenlake.engines.dataplane_config import DataPlaneConfig
+    from tokenlake.engines.mp_cluster import MPCluster
+    from tokenlake.engines.sglang.control_service import ControlService
+    from tokenlake.pool import Pool
+
+    shape = ModelShape(world["num_layers"], world["num_q_heads"], world["num_kv_heads"],
+                       world["head_dim"], "float32")  # fmt: skip
+    config = PoolConfig(shape, num_workers, num_slots, segment_len, "tiny-test-model")
+    pool = Pool(config, engine_slots=one_copy)
+    dataplane = DataPlaneConfig(max_q_rows=256, max_kv_rows=256, kernel_threads=1)
+    cluster = MPCluster(pool, dataplane, named_buffers=join)
+    service = workers = None
+    try:
+        service = ControlService(pool, cluster)
+        workers = Workers(cluster, service, world, join=join)
+        yield pool, cluster, service, workers
+    finally:
+        if service is not None:
+            service.close()
+        if workers is not None:
+            workers.close()
+        cluster.close()

@@ -18,11 +18,6 @@ mp_world = pytest.importorskip("mp_world")
 import torch  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 
-from tokenlake.config import ModelShape, PoolConfig  # noqa: E402
-from tokenlake.engines.dataplane_config import DataPlaneConfig  # noqa: E402
-from tokenlake.engines.mp_cluster import MPCluster  # noqa: E402
-from tokenlake.engines.sglang.control_service import ControlService  # noqa: E402
-from tokenlake.pool import Pool  # noqa: E402
 from tokenlake.serve.metrics import render  # noqa: E402
 from tokenlake.serve.sglang_metrics import shared_pool_registry  # noqa: E402
 
@@ -35,22 +30,13 @@ WORLD = dict(num_q_heads=H_Q, num_kv_heads=H_KV, head_dim=D, num_layers=L, seed=
 
 @pytest.fixture(scope="module")
 def shared():
-    shape = ModelShape(L, H_Q, H_KV, D, "float32")
-    pool = Pool(
-        PoolConfig(shape, NUM_WORKERS, NUM_SLOTS, SEG, "tiny-test-model"), engine_slots=True
-    )
-    cluster = MPCluster(pool, DataPlaneConfig(max_q_rows=256, max_kv_rows=256, kernel_threads=1))
-    service = workers = None
-    try:
-        service = ControlService(pool, cluster)
-        workers = mp_world.Workers(cluster, service, WORLD)
-        yield pool, cluster, service, workers
-    finally:
-        if service is not None:
-            service.close()
-        if workers is not None:
-            workers.close()
-        cluster.close()
+    """The host in this process with its buffers in named shared memory; the workers join
+    knowing only the service's endpoint, the secret's file and their instance id, as
+    separate SGLang servers would."""
+    with mp_world.shared_pool(
+        WORLD, NUM_WORKERS, NUM_SLOTS, SEG, one_copy=True, join=True
+    ) as world:
+        yield world
 
 
 def test_sglang_kv_cache_is_the_instance_slots(shared) -> None:

@@ -13,11 +13,6 @@ import pytest
 sgl_world = pytest.importorskip("sgl_world", reason="sglang is not installed")
 mp_world = pytest.importorskip("mp_world")
 
-from tokenlake.config import ModelShape, PoolConfig  # noqa: E402
-from tokenlake.engines.dataplane_config import DataPlaneConfig  # noqa: E402
-from tokenlake.engines.mp_cluster import MPCluster  # noqa: E402
-from tokenlake.engines.sglang.control_service import ControlService  # noqa: E402
-from tokenlake.pool import Pool  # noqa: E402
 from tokenlake.serve.metrics import render  # noqa: E402
 from tokenlake.serve.sglang_metrics import shared_pool_registry  # noqa: E402
 
@@ -29,21 +24,8 @@ WORLD = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, num_layers=2, kv_size=1
 
 @pytest.fixture(scope="module")
 def shared():
-    shape = ModelShape(WORLD["num_layers"], WORLD["num_q_heads"], WORLD["num_kv_heads"],
-                       WORLD["head_dim"], "float32")  # fmt: skip
-    pool = Pool(PoolConfig(shape, NUM_WORKERS, NUM_SLOTS, SEGMENT_LEN, "tiny-test-model"))
-    cluster = MPCluster(pool, DataPlaneConfig(max_q_rows=256, max_kv_rows=256, kernel_threads=1))
-    service = workers = None
-    try:
-        service = ControlService(pool, cluster)
-        workers = mp_world.Workers(cluster, service, WORLD)
-        yield pool, cluster, service, workers
-    finally:
-        if service is not None:
-            service.close()
-        if workers is not None:
-            workers.close()
-        cluster.close()
+    with mp_world.shared_pool(WORLD, NUM_WORKERS, NUM_SLOTS, SEGMENT_LEN) as world:
+        yield world
 
 
 def test_prefixes_are_reused_across_workers_exactly(shared) -> None:
