@@ -1,10 +1,11 @@
-"""One copy of the KV: three SGLang worker processes, joined to a running host by name, whose
-KV caches *are* their instances' slots (``one_copy.SlotKVPool`` views, ``SlotPageAllocator`` pages), sharing one pool with
-``engine_slots=True``. Nothing is put: the pool attends every prefix from bytes only SGLang
-wrote, so any disagreement between the two layouts shows up as an error against SGLang's
-``torch_native`` backend on the same full sequences (fp32, max abs error <= 1e-5). Also: the
-storage identity, the memory against SGLang alone, a page another worker reads held back
-from SGLang until it is unpinned, cross-worker hits, a retract and a worker that dies."""
+"""One copy of the KV: three SGLang worker processes, joined to a running host by name,
+whose KV caches *are* their instances' slots (``one_copy.SlotKVPool`` views,
+``SlotPageAllocator`` pages), sharing one pool with ``engine_slots=True``. Nothing is put: the
+pool attends every prefix from bytes only SGLang wrote, so any disagreement between the two
+layouts shows up as an error against SGLang's ``torch_native`` backend on the same full
+sequences (fp32, max abs error <= 1e-5). Also: the storage identity, the memory against
+SGLang alone, a page another worker reads held back from SGLang until it is unpinned,
+cross-worker hits, a retract and a worker that dies."""
 
 from __future__ import annotations
 
