@@ -78,6 +78,8 @@ class SchedulerConfig:
             one process, so there 1: an iteration is at most one prefill and one decode batch
             (DoP 1), their attention still spread over the instances holding their KV;
             splitting a batch would only add parts and merges, never parallel compute.
+        max_dop: largest DoP of a prefill batch (0: every prefill instance). 1 where a batch
+            cannot span instances' compute processes (``tokenlake serve --data-plane compute``).
     """
 
     num_instances: int
@@ -96,6 +98,7 @@ class SchedulerConfig:
     admission_backfill: bool = True
     defer_pending_prefix: bool = True
     compute_lanes: int = 0
+    max_dop: int = 0
 
     def __post_init__(self) -> None:
         _positive_int("num_instances", self.num_instances)
@@ -104,6 +107,7 @@ class SchedulerConfig:
         _positive_int("max_prefill_tokens", self.max_prefill_tokens, 0)
         _positive_int("decode_steps", self.decode_steps)
         _positive_int("compute_lanes", self.compute_lanes, 0)
+        _positive_int("max_dop", self.max_dop, 0)
         if self.mode not in MODES:
             raise InvalidArgumentError(
                 f"SchedulerConfig.mode: expected one of {MODES}, got {self.mode!r}"
@@ -171,7 +175,9 @@ class SchedulerConfig:
 
     @property
     def max_prefill_dop(self) -> int:
-        return 1 if self.mode == COLOCATED else self.prefill_instances
+        if self.mode == COLOCATED:
+            return 1
+        return min(self.prefill_instances, self.max_dop or self.prefill_instances)
 
     @property
     def prefill_token_budget(self) -> int:

@@ -77,18 +77,26 @@ def build(config: ServeConfig, engine_factory: Callable | None = None) -> Served
         # the dispatcher and placement weigh a hop in bytes: its seconds at the link's rate
         balancer = BalancerConfig(hop_bytes=latency.hop_s * LINK_BYTES_PER_S)
         pool = tl.Pool(pool_config, balancer=balancer)
-        if engine_factory is None:
-            engine = ModelEngine(model, cluster)
-        else:
+        if engine_factory is not None:
             engine = engine_factory(model, pool, closers)
+        elif config.data_plane == "compute":
+            from tokenlake.serve.local_compute import make_engine
+
+            threads = max(1, config.torch_threads // config.num_instances)
+            engine = make_engine(str(path), config.dtype, threads, model, cluster, closers)
+        else:
+            engine = ModelEngine(model, cluster)
+        parallel = engine_factory is not None or config.data_plane == "compute"
         sched_config = SchedulerConfig(
             config.num_instances,
             config.segment_len,
             mode=config.scheduler_mode,
             chunk_len=config.chunk_len,
-            # one process computes every instance's dense layers here (the Ray launch's
-            # engines compute in their own processes): batches do not run in parallel
-            compute_lanes=1 if engine_factory is None else 0,
+            # local/mp: one process computes every instance's dense layers, so batches do
+            # not run in parallel; compute processes (here or in the Ray launch) do, one
+            # batch per process: no DoP across processes
+            compute_lanes=0 if parallel else 1,
+            max_dop=1 if parallel else 0,
         )
         scheduler = ElasticScheduler(sched_config, latency, pool)
         eos = model.config.eos_token_ids

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from tokenlake.errors import InvalidArgumentError
 
-DATA_PLANES = ("local", "mp")
+DATA_PLANES = ("local", "mp", "compute")
 SCHEDULER_MODES = ("elastic", "colocated")
 DTYPES = ("auto", "float32", "bfloat16")
 KERNEL_BACKENDS = ("cpu", "torch", "flashinfer")
@@ -56,7 +56,8 @@ class ServeConfig:
     )  # fmt: skip
     data_plane: str = _flag(
         "local", "local: engines in this process; mp: query/transfer engine processes per "
-        "instance (default: %(default)s)", POOL, DATA_PLANES,
+        "instance; compute: mp plus a compute process per instance, so instances compute in "
+        "parallel (default: %(default)s)", POOL, DATA_PLANES,
     )  # fmt: skip
     kernel_backend: str | None = _flag(
         None, "attention kernels (default: by device)", POOL, KERNEL_BACKENDS

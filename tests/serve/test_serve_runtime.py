@@ -37,9 +37,12 @@ def run_requests(runtime, requests, timeout_s=60.0):
 
 
 @pytest.mark.slow
-def test_mp_data_plane_gives_the_local_tokens():
+def test_mp_and_compute_data_planes_give_the_local_tokens():
+    """The same greedy tokens whether one process computes (local, mp) or each instance
+    computes in a process of its own (compute), where an iteration's batches run in
+    parallel, one per instance, at DoP 1."""
     outputs = []
-    for plane in ("local", "mp"):
+    for plane in ("local", "mp", "compute"):
         config = ServeConfig(
             num_instances=2, segment_len=8, num_slots=64, chunk_len=16, max_model_len=256,
             data_plane=plane, profile=plane == "mp", torch_threads=1,
@@ -52,9 +55,15 @@ def test_mp_data_plane_gives_the_local_tokens():
             ]
             outputs.append(run_requests(served.runtime, reqs))
             assert served.runtime.scheduler.pool.get_stats()["num_running_requests"] == 0
+            sched = served.runtime.scheduler.config
+            if plane == "compute":
+                assert sched.parallel_instances == 2 and sched.max_prefill_dop == 1
+                assert len(served.runtime.engine.compute.pids) == 2
+            else:
+                assert sched.parallel_instances == 1
         finally:
             served.runtime.close()
-    assert outputs[0] == outputs[1]
+    assert outputs[0] == outputs[1] == outputs[2]
     assert all(len(v) == 6 for v in outputs[0].values())
 
 

@@ -1,0 +1,66 @@
+"""``--data-plane compute``: every instance computes in a process of its own on this host.
+
+With ``local`` or ``mp`` one server process runs every instance's dense layers, so the
+instances share its compute (``compute_lanes=1``). Here each instance is what it is on a GPU
+cluster, one process with its own model: an :class:`~tokenlake.engines.mp_cluster.MPCluster`
+(query and transfer engines, shared buffers) and one compute process per instance
+(:class:`~tokenlake.engines.compute_process.ComputeProcesses` running
+:class:`~tokenlake.serve.ray_engine.ModelProgram`, as the Ray launch does on each node). An
+iteration's batches, one per instance at DoP 1, compute in parallel; the server process keeps
+the pool, the scheduler and the HTTP API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import partial
+
+import numpy as np
+import torch
+
+from tokenlake.plans import Chunk, Plans
+
+from .ray_engine import ModelProgram, ModelSource
+
+
+def _program(source: ModelSource, torch_threads: int) -> ModelProgram:
+    """A compute process's model (module level: the spawn pickles this factory)."""
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    return ModelProgram(source)
+
+
+class LocalComputeEngine:
+    """What the runtime drives: ``run``/``retire`` per iteration over the compute processes.
+    ``model`` is the server's copy (its config); ``cluster`` gives the engines' counters."""
+
+    def __init__(self, model, cluster, compute) -> None:
+        self.model, self.cluster, self.compute = model, cluster, compute
+
+    def run(self, plans: Plans, chunks: Mapping[int | str, Chunk]) -> dict:
+        """``{request_id: logits [vocab] float32}`` for the chunks that produce a token."""
+        out = {}
+        for result in self.compute.run(plans, chunks):
+            for rid, row in result or ():
+                out[rid] = torch.from_numpy(np.array(row, dtype=np.float32))
+        return out
+
+    def retire(self, plans: Plans) -> None:
+        self.compute.retire(plans.epoch)
+
+    def mark_lost(self, instance_id: int) -> None:
+        self.cluster.mark_lost(instance_id)
+
+
+def make_engine(
+    model_dir: str, dtype: str, torch_threads: int, model, cluster, closers: list
+) -> LocalComputeEngine:
+    """The engine over ``cluster``'s instances (an ``MPCluster``), one compute process each
+    running the checkpoint in ``model_dir``; ``closers`` stops them before the engines."""
+    from tokenlake.engines.compute_process import ComputeProcesses
+
+    n = cluster.layout.num_instances
+    factory = partial(_program, ModelSource(model_dir, dtype), torch_threads)
+    compute = ComputeProcesses(cluster, [[i] for i in range(n)], factory)
+    closers.append(compute.close)
+    return LocalComputeEngine(model, cluster, compute)
