@@ -5,6 +5,7 @@ batch-size-1 measurement the SLO is made of."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -45,13 +46,17 @@ class Launch:
     num_instances: int
     router_args: tuple[str, ...] = ()
     cores: int = os.cpu_count() or 1
+    tokenlake_data_plane: str | None = None  # TokenLake's server only (None: settings')
 
     @contextlib.contextmanager
     def started(self, name: str) -> Iterator[System]:
         n, procs = self.num_instances, []
         try:
             if name == "tokenlake":
-                urls, procs = self.fleet.serve(self.settings, 1, n, self.cores)
+                settings = self.settings
+                if self.tokenlake_data_plane is not None:
+                    settings = dataclasses.replace(settings, data_plane=self.tokenlake_data_plane)
+                urls, procs = self.fleet.serve(settings, 1, n, self.cores)
                 yield System(urls[0], urls)
             elif name == "router":
                 urls, procs = self.fleet.serve(self.settings, n, 1, max(1, self.cores // n))

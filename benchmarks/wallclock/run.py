@@ -53,7 +53,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-slots", type=int, default=96, help="segment slots per instance")
     p.add_argument("--segment-len", type=int, default=32)
     p.add_argument("--chunk-len", type=int, default=256)
-    p.add_argument("--data-plane", choices=("local", "mp"), default="local")
+    p.add_argument(
+        "--data-plane",
+        choices=("local", "mp"),
+        default="local",
+        help="every server's data plane (default: %(default)s)",
+    )
+    p.add_argument("--tokenlake-data-plane", choices=("local", "mp", "compute"), default=None,
+                   help="TokenLake's server only (default: --data-plane); compute: a compute "
+                        "process per instance, so its instances compute in parallel as the "
+                        "router's servers do")  # fmt: skip
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                    help="one more sglang_router.launch_router argument (repeatable)")  # fmt: skip
     p.add_argument("--json-out", type=Path, default=None, help="also append the JSON lines here")
@@ -131,7 +140,8 @@ def run_model(args, fleet, model: str, tmp: Path, salts, emit_line) -> list[dict
     n = args.num_instances
     settings = ServerSettings(prepare_model(model, tmp / model, 0), model, args.segment_len,
                               args.num_slots, args.chunk_len, args.data_plane)  # fmt: skip
-    launch = Launch(fleet, settings, n, tuple(args.router_arg))
+    launch = Launch(fleet, settings, n, tuple(args.router_arg),
+                    tokenlake_data_plane=args.tokenlake_data_plane)  # fmt: skip
     out: list[dict] = []
     for workload in args.workloads:
         per_seed = {s: build_workload(workload, seed=s, num_requests=args.requests,
@@ -142,7 +152,8 @@ def run_model(args, fleet, model: str, tmp: Path, salts, emit_line) -> list[dict
         lo = args.lo or round(0.5 / solo_e2e, 2)
         for seed, reqs in per_seed.items():
             key = {"bench": BENCH, "model": model, "workload": workload, "seed": seed,
-                   "num_instances": n}  # fmt: skip
+                   "num_instances": n,
+                   "tokenlake_data_plane": args.tokenlake_data_plane or args.data_plane}  # fmt: skip
             out += search_seed(args, launch, key, reqs, slo, lo, salts, emit_line)
     return out
 
