@@ -63,7 +63,13 @@ class Deciding:
     ) -> Decision:
         reqs = list(requests)
         config = self._live_config()
-        items = self._work(reqs, reqs, config, {}, max_new_requests=max_new_requests, now=now)
+        free = None
+        if math.isfinite(config.tbt_slo) and any(r.phase is Phase.DECODE for r in reqs):
+            # decodes wait for the whole iteration: its prefill chunks fit the TBT SLO
+            free = config.prefill_instances
+        items = self._work(reqs, reqs, config, {}, num_free=free,
+                           max_new_requests=max_new_requests, now=now,
+                           decoding=free is not None)  # fmt: skip
         load = self.admission.cache_load(items) if load is None else load
         return plan_batches(items, config, self.model, load, self.solver)
 

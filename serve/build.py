@@ -97,6 +97,7 @@ def build(config: ServeConfig, engine_factory: Callable | None = None) -> Served
             # batch per process: no DoP across processes
             compute_lanes=0 if parallel else 1,
             max_dop=1 if parallel else 0,
+            tbt_slo=config.tbt_slo_ms / 1e3 if config.tbt_slo_ms > 0 else math.inf,
         )
         scheduler = ElasticScheduler(sched_config, latency, pool)
         eos = model.config.eos_token_ids

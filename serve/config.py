@@ -78,6 +78,11 @@ class ServeConfig:
         "compute on its own (tokenlake launch always uses colocated; default: %(default)s)",
         POOL, SCHEDULER_MODES,
     )  # fmt: skip
+    tbt_slo_ms: float = _flag(
+        0.0, "target milliseconds between two output tokens: while decodes run, the scheduler "
+        "cuts prefill chunks so that an iteration fits it, by the latency model profiled at "
+        "start-up; 0 = no target (default: %(default)s)", POOL,
+    )  # fmt: skip
     max_body_bytes: int = _flag(
         8 << 20, "largest HTTP request body in bytes; a larger one gets a 413 before it is "
         "read whole (default: %(default)s)", HTTP,
@@ -94,6 +99,11 @@ class ServeConfig:
         _check_int("max_model_len", self.max_model_len, 0)
         _check_int("torch_threads", self.torch_threads, 0)
         _check_int("max_body_bytes", self.max_body_bytes, 1, MAX_BODY_BYTES_LIMIT)
+        tbt = self.tbt_slo_ms
+        if isinstance(tbt, bool) or not isinstance(tbt, (int, float)) or not 0 <= tbt < 1e7:
+            raise InvalidArgumentError(
+                f"tbt_slo_ms: expected milliseconds in [0, 1e7) (0: no target), got {tbt!r}"
+            )
         if self.chunk_len % self.segment_len:
             raise InvalidArgumentError(
                 f"chunk_len: expected a multiple of segment_len={self.segment_len}, "
