@@ -60,6 +60,7 @@ class ServerSettings:
     chunk_len: int = 256
     data_plane: str = "local"
     seed: int = 0
+    tbt_slo_ms: float = 0.0  # the servers' TBT target (--tbt-slo-ms; 0: none)
 
 
 class Fleet:
@@ -131,7 +132,8 @@ class Fleet:
                     "--segment-len", str(s.segment_len), "--num-slots", str(s.num_slots),
                     "--chunk-len", str(s.chunk_len), "--data-plane", s.data_plane,
                     "--torch-threads", str(torch_threads), "--seed", str(s.seed),
-                    "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]  # fmt: skip
+                    "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+                    "--tbt-slo-ms", f"{s.tbt_slo_ms:g}"]  # fmt: skip
             what = f"tokenlake serve --num-instances {num_instances} (port {port})"
             spawned.append((self._spawn(argv), f"http://127.0.0.1:{port}", what))
         return self._started(spawned), [p for p, _, _ in spawned]

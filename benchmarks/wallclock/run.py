@@ -17,6 +17,7 @@ to stdout.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -59,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="local",
         help="every server's data plane (default: %(default)s)",
     )
+    p.add_argument("--slo-aware", action="store_true",
+                   help="start every server (both systems) with --tbt-slo-ms at the measured "
+                        "token-gap SLO, so each schedules its prefill chunks for it")  # fmt: skip
     p.add_argument("--tokenlake-data-plane", choices=("local", "mp", "compute"), default=None,
                    help="TokenLake's server only (default: --data-plane); compute: a compute "
                         "process per instance, so its instances compute in parallel as the "
@@ -140,20 +144,25 @@ def run_model(args, fleet, model: str, tmp: Path, salts, emit_line) -> list[dict
     n = args.num_instances
     settings = ServerSettings(prepare_model(model, tmp / model, 0), model, args.segment_len,
                               args.num_slots, args.chunk_len, args.data_plane)  # fmt: skip
-    launch = Launch(fleet, settings, n, tuple(args.router_arg),
+    base = Launch(fleet, settings, n, tuple(args.router_arg),
                     tokenlake_data_plane=args.tokenlake_data_plane)  # fmt: skip
     out: list[dict] = []
     for workload in args.workloads:
         per_seed = {s: build_workload(workload, seed=s, num_requests=args.requests,
                                       vocab_size=len(ALPHABET)) for s in args.seeds}  # fmt: skip
-        slo, solo_e2e = measure_solo(launch, per_seed[args.seeds[0]], salts)
+        slo, solo_e2e = measure_solo(base, per_seed[args.seeds[0]], salts)
         log(f"{model} {workload}: SLO TTFT <= {slo.ttft_s * 1e3:.1f} ms, every token gap "
             f"<= {slo.tpot_s * 1e3:.1f} ms (10x batch-size-1 at idle)")  # fmt: skip
         lo = args.lo or round(0.5 / solo_e2e, 2)
+        launch = base
+        if args.slo_aware:  # every server (both systems) schedules for the token-gap SLO
+            aware = dataclasses.replace(settings, tbt_slo_ms=round(slo.tpot_s * 1e3, 3))
+            launch = dataclasses.replace(base, settings=aware)
         for seed, reqs in per_seed.items():
             key = {"bench": BENCH, "model": model, "workload": workload, "seed": seed,
                    "num_instances": n,
-                   "tokenlake_data_plane": args.tokenlake_data_plane or args.data_plane}  # fmt: skip
+                   "tokenlake_data_plane": args.tokenlake_data_plane or args.data_plane,
+                   "tbt_slo_ms": launch.settings.tbt_slo_ms}  # fmt: skip
             out += search_seed(args, launch, key, reqs, slo, lo, salts, emit_line)
     return out
 
