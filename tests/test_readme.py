@@ -142,6 +142,16 @@ COMMANDS = {
     "results/wallclock.jsonl": NotHere(
         "about 25 minutes on a 2-core machine; the --quick line above runs the same code"
     ),
+    ".venv/bin/tokenlake bench wallclock --models tiny-random --seeds 0 1 2 --requests 30 "
+    "--max-evals 4 --rel-tol 0.5 --slo-aware --json-out results/wallclock-aware.jsonl": NotHere(
+        "about 6 minutes on a 2-core machine; tests/scheduler/test_sync_tbt.py covers the "
+        "scheduling --slo-aware turns on in every server"
+    ),
+    ".venv/bin/tokenlake bench wallclock --models bench-model --seeds 0 1 2 --requests 20 "
+    "--max-evals 4 --rel-tol 0.5 --min-rate 0.2 --drain-s 20 --slo-aware --json-out "
+    "results/wallclock-aware.jsonl": NotHere(
+        "about 16 minutes on a 2-core machine; the --quick line above runs the same code"
+    ),
     "B=router,router-tbt,router-tbt-cascade,mooncake-1p3d,mooncake-3p1d": NotHere("a shell variable for the lines below"),
     "T=tokenlake,tokenlake-no-groups": NotHere("a shell variable for the lines below"),
     ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems $T "
