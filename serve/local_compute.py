@@ -15,12 +15,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from functools import partial
 
-import numpy as np
 import torch
 
 from tokenlake.plans import Chunk, Plans
 
-from .ray_engine import ModelProgram, ModelSource
+from .ray_engine import ModelProgram, ModelSource, logits_of
 
 
 def _program(source: ModelSource, torch_threads: int) -> ModelProgram:
@@ -39,11 +38,7 @@ class LocalComputeEngine:
 
     def run(self, plans: Plans, chunks: Mapping[int | str, Chunk]) -> dict:
         """``{request_id: logits [vocab] float32}`` for the chunks that produce a token."""
-        out = {}
-        for result in self.compute.run(plans, chunks):
-            for rid, row in result or ():
-                out[rid] = torch.from_numpy(np.array(row, dtype=np.float32))
-        return out
+        return logits_of(self.compute.run(plans, chunks))
 
     def retire(self, plans: Plans) -> None:
         self.compute.retire(plans.epoch)

@@ -66,11 +66,7 @@ class RayModelEngine:
         """Execute one iteration; ``{request_id: logits [vocab] float32}`` like
         :meth:`~tokenlake.engines.model.engine.ModelEngine.run`. Raises
         :class:`PeerFailedError` naming the instance when a process of it died."""
-        out = {}
-        for result in self.dataplane.run_step(plans, chunks):
-            for rid, row in result or ():
-                out[rid] = torch.from_numpy(np.array(row, dtype=np.float32))
-        return out
+        return logits_of(self.dataplane.run_step(plans, chunks))
 
     def retire(self, plans: Plans) -> None:
         """The control plane committed or aborted ``plans``."""
@@ -87,3 +83,13 @@ class RayModelEngine:
 
     def close(self) -> None:
         self.dataplane.close()
+
+
+def logits_of(results) -> dict:
+    """``{request_id: logits [vocab] float32}`` from the compute processes' results (each
+    ``[[request_id, logits], ...]`` or ``None``)."""
+    out = {}
+    for result in results:
+        for rid, row in result or ():
+            out[rid] = torch.from_numpy(np.array(row, dtype=np.float32))
+    return out
