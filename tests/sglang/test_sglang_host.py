@@ -62,8 +62,12 @@ def host(tmp_path_factory):
         ns.segments = _segments_of(ns)
         yield ns
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # SIGTERM first: the host removes its shared memory
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         proc.wait(30)
 
 
