@@ -194,3 +194,18 @@ def shared_pool(
         if workers is not None:
             workers.close()
         cluster.close()
+
+
+def wait_lost(service, instance: int, timeout_s: float = 30.0) -> None:
+    """Wait (bounded) until the control service has dropped a killed worker's instance."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while instance not in service.lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def metric_sample(text: str, name: str) -> float:
+    """The value of the one sample ``name`` in Prometheus text ``text``."""
+    (line,) = [x for x in text.splitlines() if x.startswith(name + " ")]
+    return float(line.split()[1])

@@ -9,8 +9,6 @@ cross-worker hits, a retract and a worker that dies."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 sgl_world = pytest.importorskip("sgl_world", reason="sglang is not installed")
@@ -114,15 +112,10 @@ def test_prefixes_are_attended_where_sglang_wrote_them(shared) -> None:
     assert stats["cross_worker_hit_tokens"] > 0
     text = render(shared_pool_registry(service)).decode()
     assert (
-        _sample(text, "tokenlake:sglang_cross_worker_hit_tokens_total")
+        mp_world.metric_sample(text, "tokenlake:sglang_cross_worker_hit_tokens_total")
         == stats["cross_worker_hit_tokens"]
     )
     pool.check_invariants()
-
-
-def _sample(text: str, name: str) -> float:
-    (line,) = [x for x in text.splitlines() if x.startswith(name + " ")]
-    return float(line.split()[1])
 
 
 def test_a_worker_that_dies_is_dropped_and_the_others_go_on(shared) -> None:
@@ -134,9 +127,7 @@ def test_a_worker_that_dies_is_dropped_and_the_others_go_on(shared) -> None:
     assert n == 40
     assert w.call(0, "step", work={"y": 6}) <= TOL  # reads worker 2's segments
     w.kill(2)
-    deadline = time.monotonic() + 30
-    while 2 not in service.lost and time.monotonic() < deadline:
-        time.sleep(0.05)
+    mp_world.wait_lost(service, 2)
     assert 2 in service.lost and pool.live_instances == (0, 1)
     # worker 0 goes on: its prefix on instance 2 is gone, so the pool restarts y and
     # takes the lost segments from worker 0's own pages (the loaded copy), exact

@@ -6,8 +6,6 @@ reused across workers, a retract, and a worker that dies; every output against S
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 sgl_world = pytest.importorskip("sgl_world", reason="sglang is not installed")
@@ -79,15 +77,12 @@ def test_prefixes_are_reused_across_workers_exactly(shared) -> None:
     assert pool_stats["num_hit_tokens"] == stats["num_hit_tokens"]
     # the same counters on /metrics of the process hosting the pool
     text = render(shared_pool_registry(service)).decode()
-    cross = _sample(text, "tokenlake:sglang_cross_worker_hit_tokens_total")
+    cross = mp_world.metric_sample(text, "tokenlake:sglang_cross_worker_hit_tokens_total")
     assert cross == stats["cross_worker_hit_tokens"] > 0
-    assert _sample(text, "tokenlake:pool_hit_tokens_total") == stats["num_hit_tokens"]
-    assert _sample(text, "tokenlake:sglang_workers") == NUM_WORKERS
-
-
-def _sample(text: str, name: str) -> float:
-    (line,) = [x for x in text.splitlines() if x.startswith(name + " ")]
-    return float(line.split()[1])
+    assert (
+        mp_world.metric_sample(text, "tokenlake:pool_hit_tokens_total") == stats["num_hit_tokens"]
+    )
+    assert mp_world.metric_sample(text, "tokenlake:sglang_workers") == NUM_WORKERS
 
 
 def test_a_worker_that_dies_is_dropped_and_the_others_go_on(shared) -> None:
@@ -98,9 +93,7 @@ def test_a_worker_that_dies_is_dropped_and_the_others_go_on(shared) -> None:
     w.call(0, "add", rid="y", tokens=tokens(13, 30) + [5])
     assert w.call(0, "step", work={"y": 30}) <= TOL
     w.kill(2)
-    deadline = time.monotonic() + 30
-    while 2 not in service.lost and time.monotonic() < deadline:
-        time.sleep(0.05)
+    mp_world.wait_lost(service, 2)
     assert 2 in service.lost and pool.live_instances == (0, 1)
     assert 2 in cluster.lost
     # the survivors go on: worker 0 decodes (its segments on instance 2 are gone: the pool
