@@ -13,7 +13,9 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 @dataclass(frozen=True)
 class GenerationRequest:
     """Generate up to ``max_tokens`` after ``prompt_ids``; stop early at an end-of-sequence
-    token (unless ``ignore_eos``) or at any of ``stop_token_ids``."""
+    token (unless ``ignore_eos``) or at any of ``stop_token_ids``. ``grammar``: an
+    ``xgrammar.CompiledGrammar`` the output must match (it stops when the grammar is
+    complete), or ``None``."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -21,6 +23,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    grammar: object | None = None
 
     def check(self, max_model_len: int, vocab_size: int) -> None:
         """Raise ``InvalidArgumentError`` for an empty or over-long prompt, a token id
@@ -48,11 +51,16 @@ class GenerationRequest:
     def _check_sampling(self, vocab_size: int) -> None:
         """Raise ``InvalidArgumentError`` for what only the model's geometry rules out: a
         ``logit_bias`` token outside the vocabulary, ``min_tokens`` over ``max_tokens``."""
-        bad = [t for t, _ in self.sampling.logit_bias if t >= vocab_size]
-        if bad:
-            raise InvalidArgumentError(
-                f"logit_bias: token ids must be in [0, {vocab_size}), got {bad[:3]}"
-            )
+        for name, ids in (
+            ("logit_bias", [t for t, _ in self.sampling.logit_bias]),
+            ("allowed_token_ids", self.sampling.allowed_token_ids or ()),
+            ("bad_words", [t for w in self.sampling.bad_words_token_ids for t in w]),
+        ):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise InvalidArgumentError(
+                    f"{name}: token ids must be in [0, {vocab_size}), got {bad[:3]}"
+                )
         if self.sampling.min_tokens > self.max_tokens:
             raise InvalidArgumentError(
                 f"min_tokens: expected at most max_tokens={self.max_tokens}, "

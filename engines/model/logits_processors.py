@@ -1,6 +1,7 @@
-"""What vLLM's sampler does to one request's logits before temperature / top-k / top-p, in
-vLLM V1's order: the end tokens masked until ``min_tokens`` (``MinTokensLogitsProcessor``),
-``logit_bias`` added, then the penalties: repetition over prompt + output (divide a positive
+"""What vLLM's sampler does to one request's logits before temperature / min-p / top-k /
+top-p, in vLLM V1's order: every token outside ``allowed_token_ids`` masked, then the last
+token of each bad word whose other tokens end the output, the end tokens masked until
+``min_tokens`` (``MinTokensLogitsProcessor``), ``logit_bias`` added, then the penalties: repetition over prompt + output (divide a positive
 logit by it, multiply a negative one), frequency (times each token's count in the output)
 and presence (once per token in the output) subtracted.
 
@@ -44,6 +45,16 @@ def process_logits(
         return logits
     scores = logits.detach().to(torch.float32).clone()
     vocab = scores.numel()
+    if params.allowed_token_ids is not None:
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long)] = (
+            True
+        )
+        scores = scores.masked_fill(~keep, float("-inf"))
+    for word in params.bad_words_token_ids:
+        *head, last = word
+        if last < vocab and (not head or tuple(output_ids[-len(head) :]) == tuple(head)):
+            scores[last] = float("-inf")
     if len(output_ids) < params.min_tokens and end_ids:
         masked = torch.tensor(sorted(t for t in end_ids if t < vocab), dtype=torch.long)
         scores[masked] = float("-inf")
@@ -55,8 +66,11 @@ def process_logits(
         seen = torch.zeros(vocab, dtype=torch.bool)
         seen[torch.tensor(list(prompt_ids), dtype=torch.long)] = True
         seen[out] = True
-        penalty = params.repetition_penalty
-        penalized = torch.where(scores > 0, scores / penalty, scores * penalty)
+        # in float64, capped at float32's largest: any penalty > 0 is accepted, and one near
+        # 0 would overflow a positive logit to inf in float32 (and turn -inf * 0 into NaN)
+        wide, penalty = scores.to(torch.float64), params.repetition_penalty
+        penalized = torch.where(wide > 0, wide / penalty, wide * penalty)
+        penalized = penalized.clamp(max=torch.finfo(torch.float32).max).to(torch.float32)
         scores = torch.where(seen, penalized, scores)
     if params.frequency_penalty or params.presence_penalty:
         counts = torch.bincount(out, minlength=vocab).to(torch.float32)

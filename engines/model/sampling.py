@@ -1,4 +1,4 @@
-"""Choosing the next token from logits: greedy, or temperature / top-k / top-p sampling.
+"""Choosing the next token from logits: greedy, or temperature / min-p / top-k / top-p sampling.
 What vLLM's sampler does before that (min_tokens, logit_bias, penalties) is in
 ``logits_processors``; :class:`SamplingParams` carries both."""
 
@@ -27,7 +27,11 @@ class SamplingParams:
     so far, ``repetition_penalty`` (> 0, 1 = none) on prompt and output; ``logit_bias`` is
     ``((token_id, bias), ...)`` with bias in [-100, 100]; the end tokens are masked until
     ``min_tokens`` tokens were generated; ``logprobs`` (0..20) asks for the chosen token's
-    log-probability and that many of the most likely ones."""
+    log-probability and that many of the most likely ones. ``min_p`` in [0, 1] drops the
+    tokens less likely than ``min_p`` times the most likely one (after temperature);
+    ``allowed_token_ids`` (if not ``None``) are the only tokens that may be sampled;
+    ``bad_words_token_ids`` are token sequences never generated (a sequence's last token is
+    masked whenever the output so far ends with the rest of it), as vLLM's."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -39,6 +43,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     logprobs: int | None = None
+    min_p: float = 0.0
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         _check_number("temperature", self.temperature, 0, 100)
@@ -68,6 +75,19 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, 0, None)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _check_number("min_p", self.min_p, 0, 1)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, tuple) or not self.allowed_token_ids:
+                raise InvalidArgumentError(
+                    f"allowed_token_ids: expected a non-empty tuple, got {self.allowed_token_ids!r}"
+                )
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, 0, None)
+        for word in self.bad_words_token_ids:
+            if not isinstance(word, tuple) or not word:
+                raise InvalidArgumentError(f"bad_words: expected token id tuples, got {word!r}")
+            for t in word:
+                _check_int("bad_words token id", t, 0, None)
 
     @property
     def greedy(self) -> bool:
@@ -82,6 +102,8 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.min_tokens
+            or self.allowed_token_ids is not None
+            or self.bad_words_token_ids
         )
 
 
@@ -110,6 +132,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     entries (tokens masked by ``logit_bias`` or ``min_tokens``) are allowed."""
     if params.greedy:
         return int(torch.argmax(logits))
+    return int(torch.multinomial(sampling_probs(logits, params), 1, generator=generator))
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution :func:`sample` draws from (float64): temperature, then min-p,
+    top-k and top-p, in vLLM's order."""
     # float64 with the maximum subtracted: the largest score is exactly 0, so softmax has a
     # denominator >= 1 and no inf / NaN for any temperature accepted above
     scores = logits.detach().to(torch.float64)
@@ -118,6 +146,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if not bool(torch.isfinite(scores).any()):
         raise ValueError("sample: every token is masked (-inf)")
     scores = (scores - scores.max()) / float(params.temperature)
+    if params.min_p > 0:
+        # the largest score is 0: a token's probability over the top one's is exp(score)
+        scores = scores.masked_fill(scores < math.log(params.min_p), float("-inf"))
     if params.top_k > 0:
         kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -128,4 +159,4 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         mask = torch.zeros_like(probs, dtype=torch.bool)
         mask[order[keep]] = True
         probs = torch.where(mask, probs, torch.zeros_like(probs))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return probs
