@@ -45,10 +45,12 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it for the whole text):
+        # a long prompt tokenized on a worker thread then never stalls the event loop
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._tok.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text of a chat, by the checkpoint's template (as ``transformers``'
