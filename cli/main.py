@@ -37,7 +37,7 @@ COMMANDS: dict[str, Command] = {
         passes_log_level=True,
     ),
     "launch": Command(
-        "tokenlake.serve.launch",
+        "tokenlake.serve.ray.cli",
         "launch the server on a Ray cluster (multi-node)",
         needs="cluster",
         passes_log_level=True,
@@ -48,7 +48,7 @@ COMMANDS: dict[str, Command] = {
         needs="sglang",
     ),
     "demo": Command(
-        "tokenlake.benchmarks.demo",
+        "tokenlake.benchmarks.demo.main",
         "serve tiny-random and replay multi-turn trace sessions against it (make demo)",
         needs="model,serve",
     ),
@@ -58,48 +58,48 @@ COMMANDS: dict[str, Command] = {
         function="bench_main",
     ),
     "goodput": Command(
-        "tokenlake.benchmarks.goodput",
+        "tokenlake.benchmarks.goodput.harness",
         "goodput harness: a preset or your own trace through simulated clusters",
         needs="bench",
     ),
     "trace": Command(
-        "tokenlake.benchmarks.trace_tool",
+        "tokenlake.benchmarks.goodput.trace_tool",
         "inspect a Mooncake-format trace (counts, lengths, infinite-cache hit rate) or convert it",
     ),
 }
 
 BENCHES: dict[str, Command] = {
     "attention": Command(
-        "tokenlake.benchmarks.bench_attention", "C++ kernel vs torch reference vs SDPA; memcpy"
+        "tokenlake.benchmarks.micro.attention", "C++ kernel vs torch reference vs SDPA; memcpy"
     ),
     "plans": Command(
-        "tokenlake.benchmarks.bench_plans", "gen_plans latency; trace replays: load CV, hit rate"
+        "tokenlake.benchmarks.micro.plans", "gen_plans latency; trace replays: load CV, hit rate"
     ),
     "dataplane": Command(
-        "tokenlake.benchmarks.bench_dataplane", "engine query latency vs in-process kernel; put"
+        "tokenlake.benchmarks.micro.dataplane", "engine query latency vs in-process kernel; put"
     ),
     "page-groups": Command(
-        "tokenlake.benchmarks.bench_page_groups",
+        "tokenlake.benchmarks.micro.page_groups",
         "shared-page groups vs every request reading its copy (CPU kernel)",
     ),
     "cross-node": Command(
-        "tokenlake.benchmarks.bench_cross_node",
+        "tokenlake.benchmarks.micro.cross_node",
         "query/put across nodes (gloo) vs inside one; Ray launch time",
         needs="cluster",
     ),
-    "scheduler": Command("tokenlake.benchmarks.bench_scheduler", "the scheduler DP's latency"),
+    "scheduler": Command("tokenlake.benchmarks.micro.scheduler", "the scheduler DP's latency"),
     "model": Command(
-        "tokenlake.benchmarks.bench_model",
+        "tokenlake.benchmarks.micro.model",
         "model engine vs transformers: decode, batch-16, cached prefill",
         needs="model",
     ),
     "real-cluster": Command(
-        "tokenlake.benchmarks.real_cluster",
+        "tokenlake.benchmarks.real.cluster",
         "goodput on a real CPU mini-cluster: TokenLake vs cache-aware router",
         needs="model",
     ),
     "serving-compare": Command(
-        "tokenlake.benchmarks.serving_compare",
+        "tokenlake.benchmarks.wallclock.serving_compare",
         "serve N vs 1 instance, SGLang's bench_serving client",
         needs="sglang",
     ),
@@ -109,20 +109,22 @@ BENCHES: dict[str, Command] = {
         needs="bench,model,serve",
     ),
     "sim-crosscheck": Command(
-        "tokenlake.benchmarks.sim_crosscheck", "simulator step times vs published A100 figures"
+        "tokenlake.benchmarks.calibrate.crosscheck",
+        "simulator step times vs published A100 figures",
     ),
     "calibrate-cpu": Command(
-        "tokenlake.benchmarks.sim_calibrate",
+        "tokenlake.benchmarks.calibrate.hardware",
         "measure a CPU hardware profile for the simulator",
         needs="model",
     ),
     "sim-vs-real": Command(
-        "tokenlake.benchmarks.sim_vs_real",
+        "tokenlake.benchmarks.calibrate.vs_real",
         "the simulator on the wall-clock runs' workloads",
         needs="model",
     ),
     "sglang-e2e": Command(
-        "tokenlake.benchmarks.sglang_e2e", "SGLang end to end, tokenlake vs flashinfer (GPU only)"
+        "tokenlake.benchmarks.real.sglang_e2e",
+        "SGLang end to end, tokenlake vs flashinfer (GPU only)",
     ),
 }
 

@@ -1,4 +1,4 @@
-"""Configuration and error types of the multi-process data plane (DESIGN §2.2)."""
+"""Configuration and error types of the multi-process data plane (docs/architecture.md#the-floors)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ class PeerFailedError(TokenLakeError):
 
     ``instance_id`` is the instance it belongs to and ``role`` is ``"query"`` or
     ``"transfer"``. The caller should abort the iteration, ``Pool.drop_instance(instance_id)``
-    and re-plan (see :meth:`tokenlake.engines.mp_cluster.MPCluster.fail_over`).
+    and re-plan (see :meth:`tokenlake.engines.clusters.mp.MPCluster.fail_over`).
     """
 
     def __init__(self, instance_id: int, role: str, reason: str) -> None:

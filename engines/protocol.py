@@ -1,9 +1,9 @@
 """The one engine protocol every compute engine codes against, whatever the transport
-(in-process :class:`~tokenlake.engines.local_cluster.LocalCluster`, multi-process
-:class:`~tokenlake.engines.mp_cluster.MPCluster`, or a compute process of its own). The
-iteration driver that runs a model through it is :func:`tokenlake.engines.forward.run_forward`.
+(in-process :class:`~tokenlake.engines.clusters.local.LocalCluster`, multi-process
+:class:`~tokenlake.engines.clusters.mp.MPCluster`, or a compute process of its own). The
+iteration driver that runs a model through it is :func:`tokenlake.engines.client.forward.run_forward`.
 
-One layer of one iteration (DESIGN §3.1)::
+One layer of one iteration (docs/architecture.md#one-iterations-life)::
 
     q_buf = engine.init_query(query_plan)      # [rows, H_q, D]: the model writes q here
     kv_buf = engine.init_transfer(transfer_plan)  # [L, rows, 2, H_kv, D]: new K, V

@@ -1,4 +1,4 @@
-"""The elastic scheduler (DESIGN §2.3, paper §6): a client of the pool that decides batches and
+"""The elastic scheduler (docs/architecture.md#the-floors, paper §6): a client of the pool that decides batches and
 degrees of parallelism each iteration and never manages cache placement.
 
 Modules: :mod:`.config` (``SchedulerConfig``), :mod:`.request` (lifecycle), :mod:`.policy`
@@ -70,3 +70,8 @@ __all__ = [
     "solve",
     "solve_reference",
 ]
+
+if __name__ != "tokenlake.scheduler":  # one import name per module (docs/architecture.md, "Layout")
+    raise ImportError(
+        f"the folder scheduler/ is the package tokenlake.scheduler: import tokenlake.scheduler, not {__name__}"
+    )

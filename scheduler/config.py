@@ -45,7 +45,7 @@ class SchedulerConfig:
         input_token_slo: seconds allowed per input token of a prefill chunk (``inf``: no SLO).
         sync_iterations: one iteration at a time over the whole cluster (it lasts as long as
             its slowest batch, so while any decode runs every batch must also meet
-            ``tbt_slo``). False: asynchronous iterations (DESIGN §2.3), one per batch, each on
+            ``tbt_slo``). False: asynchronous iterations (docs/architecture.md#the-floors), one per batch, each on
             its own instances, decided as instances free up (:mod:`tokenlake.scheduler.lanes`).
         lane_tbt_fraction: asynchronous decode lanes are sized so a decode batch takes at most
             this share of ``tbt_slo`` alone on its GPUs. The rest covers waiting for a busy

@@ -1,4 +1,4 @@
-"""Asynchronous decisions (DESIGN §2.3): which free instances run decode now and which prefill.
+"""Asynchronous decisions (docs/architecture.md#the-floors): which free instances run decode now and which prefill.
 
 Iterations are in flight at once, each on its own instance group. Decodes run in *lanes*: an
 instance that finishes a decode batch decodes again at once with the requests that are ready,

@@ -5,7 +5,7 @@ its admission pins) and the cache load, decides batches and DoPs (:mod:`.policy`
 DP), and calls ``gen_plans``; after the data plane ran the plans, :meth:`complete` commits
 them, advances every request and finishes the done ones (releasing their pins).
 
-Asynchronous iterations (``sync_iterations=False``, DESIGN §2.3): each batch is an iteration
+Asynchronous iterations (``sync_iterations=False``, docs/architecture.md#the-floors): each batch is an iteration
 of its own on its own instances, committed on its own; :meth:`step` hands out the next one
 for the free instances (:mod:`.lanes` chooses decode lanes and prefill instances). Memory
 (:mod:`.memory`): FCFS admission within what the pool can hold; when the pool still runs

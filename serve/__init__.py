@@ -1,4 +1,4 @@
-"""The serving runtime (DESIGN §2): composes pool, scheduler and engines behind an
+"""The serving runtime (docs/architecture.md#the-floors): composes pool, scheduler and engines behind an
 OpenAI-compatible HTTP API.
 
 Modules: :mod:`.config` (``ServeConfig``), :mod:`.request` (requests and token events),
@@ -7,3 +7,8 @@ Modules: :mod:`.config` (``ServeConfig``), :mod:`.request` (requests and token e
 (detokenization, stop strings), :mod:`.api` (FastAPI app), :mod:`.metrics` (``/metrics``),
 :mod:`.http_server` (uvicorn), :mod:`.cli` (``python -m tokenlake.serve``).
 """
+
+if __name__ != "tokenlake.serve":  # one import name per module (docs/architecture.md, "Layout")
+    raise ImportError(
+        f"the folder serve/ is the package tokenlake.serve: import tokenlake.serve, not {__name__}"
+    )

@@ -157,11 +157,11 @@ def _max_model_len(config: ServeConfig, model: LlamaModel, pool_config: tl.PoolC
 
 def _cluster(config: ServeConfig, pool: tl.PoolConfig, closers: list):
     if config.data_plane == "local":
-        from tokenlake.engines.local_cluster import LocalCluster
+        from tokenlake.engines.clusters.local import LocalCluster
 
         return LocalCluster(pool, backend=config.kernel_backend)
+    from tokenlake.engines.clusters.mp import MPCluster
     from tokenlake.engines.dataplane_config import DataPlaneConfig
-    from tokenlake.engines.mp_cluster import MPCluster
 
     rows = config.chunk_len * config.num_instances + config.max_num_seqs
     cluster = MPCluster(
@@ -187,7 +187,7 @@ def _hop_seconds(config: ServeConfig, model: LlamaModel, pool: tl.PoolConfig, cl
     cfg = pool
     scratch = tl.Pool(dataclasses.replace(cfg, num_slots=4))
     if config.data_plane == "local":
-        from tokenlake.engines.local_cluster import LocalCluster
+        from tokenlake.engines.clusters.local import LocalCluster
 
         local = LocalCluster(scratch, backend=config.kernel_backend)
         return measure_served_hop(model, local, scratch)
@@ -224,7 +224,7 @@ def profile_latency_model(
     """Fit the scheduler's ``T(batch, k)`` on this model and machine (a second or two, on a
     scratch pool so a served pool's cache and counters stay clean); each case the fastest of
     ``repeats`` runs timed on ``clock``."""
-    from tokenlake.engines.local_cluster import LocalCluster
+    from tokenlake.engines.clusters.local import LocalCluster
 
     dops = tuple(range(1, min(num_instances, 4) + 1))
     max_len = min(chunk_len, 256)

@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("tokenlake.serve")
     try:
         config = config_from_args(args)
+        from tokenlake.serve.api.http_server import HTTPServer
         from tokenlake.serve.build import build
-        from tokenlake.serve.http_server import HTTPServer
 
         log.info("loading %s on %d instances", config.model, config.num_instances)
         served = build(config)

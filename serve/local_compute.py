@@ -2,10 +2,10 @@
 
 With ``local`` or ``mp`` one server process runs every instance's dense layers, so the
 instances share its compute (``compute_lanes=1``). Here each instance is what it is on a GPU
-cluster, one process with its own model: an :class:`~tokenlake.engines.mp_cluster.MPCluster`
+cluster, one process with its own model: an :class:`~tokenlake.engines.clusters.mp.MPCluster`
 (query and transfer engines, shared buffers) and one compute process per instance
-(:class:`~tokenlake.engines.compute_process.ComputeProcesses` running
-:class:`~tokenlake.serve.ray_engine.ModelProgram`, as the Ray launch does on each node). An
+(:class:`~tokenlake.engines.clusters.compute_process.ComputeProcesses` running
+:class:`~tokenlake.serve.ray.engine.ModelProgram`, as the Ray launch does on each node). An
 iteration's batches, one per instance at DoP 1, compute in parallel; the server process keeps
 the pool, the scheduler and the HTTP API.
 """
@@ -52,7 +52,7 @@ def make_engine(
 ) -> LocalComputeEngine:
     """The engine over ``cluster``'s instances (an ``MPCluster``), one compute process each
     running the checkpoint in ``model_dir``; ``closers`` stops them before the engines."""
-    from tokenlake.engines.compute_process import ComputeProcesses
+    from tokenlake.engines.clusters.compute_process import ComputeProcesses
 
     n = cluster.layout.num_instances
     factory = partial(_program, ModelSource(model_dir, dtype), torch_threads)

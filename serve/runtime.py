@@ -20,12 +20,13 @@ import torch
 
 from tokenlake.engines.dataplane_config import PeerFailedError
 from tokenlake.engines.model.engine import ModelEngine
+from tokenlake.engines.model.grammar import GrammarMasks, new_matcher
 from tokenlake.engines.model.logits_processors import Pick, pick
 from tokenlake.engines.model.sampling import SamplingParams, sample
 from tokenlake.errors import InvalidArgumentError, PoolFullError, UnknownRequestError
 from tokenlake.scheduler import ElasticScheduler
 from tokenlake.serve.membership import Membership
-from tokenlake.serve.metrics_requests import RequestMetrics, RequestTimes
+from tokenlake.serve.metrics.requests import RequestMetrics, RequestTimes
 from tokenlake.serve.request import GenerationRequest, TokenEvent
 from tokenlake.serve.runtime_stats import StatsSnapshots
 
@@ -44,6 +45,7 @@ class _Live:
     num_generated: int = 0
     output_ids: list[int] = field(default_factory=list)  # for penalties and min_tokens
     last_pick: Pick | None = None  # this iteration's, with its logprobs if asked for
+    matcher: object | None = None  # an xgrammar.GrammarMatcher when the output has a grammar
 
 
 class Runtime:
@@ -74,6 +76,7 @@ class Runtime:
         self._seed = seed
         self._on_close = on_close
         self._sampler = sampler
+        self._grammar_masks: GrammarMasks | None = None  # made at the first grammar
         self._cond = threading.Condition()
         self._inbox: collections.deque[_Live] = collections.deque()
         self._cancels: set[str] = set()
@@ -106,7 +109,10 @@ class Runtime:
                 x.request.request_id == request.request_id for x in self._inbox
             ):
                 raise InvalidArgumentError(f"request_id: {request.request_id!r} is in use")
-            self._inbox.append(_Live(request, sink, generator, self.request_metrics.arrive()))
+            live = _Live(request, sink, generator, self.request_metrics.arrive())
+            if request.grammar is not None:
+                live.matcher = new_matcher(request.grammar)
+            self._inbox.append(live)
             self.counters["requests"] += 1
             self._cond.notify()
 
@@ -227,6 +233,7 @@ class Runtime:
                 self._end(rid, None, "error", f"engine error: {e}")
             return
         tokens, failed = {}, {}
+        logits = self._apply_grammars(logits)
         for rid, row in logits.items():
             live = self._live[rid]
             req = live.request
@@ -257,6 +264,18 @@ class Runtime:
         self.stats.after_iteration()
         self.iteration_seconds += time.perf_counter() - t0
 
+    def _apply_grammars(self, logits: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``logits`` with the rows of requests that have a grammar masked to what their
+        matchers allow next: one batched mask for the step."""
+        constrained = [rid for rid in logits if self._live[rid].matcher is not None]
+        if not constrained:
+            return logits
+        if self._grammar_masks is None:
+            self._grammar_masks = GrammarMasks(self.engine.model.config.vocab_size)
+        matchers = [self._live[rid].matcher for rid in constrained]
+        masked = self._grammar_masks.apply([logits[rid] for rid in constrained], matchers)
+        return {**logits, **{rid: masked[i] for i, rid in enumerate(constrained)}}
+
     def _end_all(self, error: str) -> None:
         for rid in list(self._live):
             self._end(rid, None, "error", error)
@@ -271,6 +290,11 @@ class Runtime:
         self.counters["generation_tokens"] += 1
         self.request_metrics.token(live.times)
         stop = token in req.stop_token_ids or (not req.ignore_eos and token in self.eos_token_ids)
+        if live.matcher is not None:  # the grammar is complete once it accepted its stop token
+            if not live.matcher.accept_token(token):
+                self._end(rid, token, "error", f"grammar: token {token} was not allowed")
+                return
+            stop = stop or live.matcher.is_terminated()
         if stop or finished:
             if not finished:
                 self.scheduler.cancel(rid)

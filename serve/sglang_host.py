@@ -24,10 +24,10 @@ import threading
 from dataclasses import dataclass
 
 from tokenlake.config import PoolConfig
-from tokenlake.engines.auth import ClusterSecret
 from tokenlake.engines.dataplane_config import DataPlaneConfig
 from tokenlake.engines.model.config import ModelConfig
 from tokenlake.engines.sglang.config import SGLangPoolConfig, load_config
+from tokenlake.engines.transport.auth import ClusterSecret
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.pool import Pool
 
@@ -47,7 +47,7 @@ class Host:
     ) -> Host:  # fmt: skip
         """Build and start a host for ``config.num_instances`` workers of the model at
         ``model_path`` (its ``config.json``: the attention shape the workers must have)."""
-        from tokenlake.engines.mp_cluster import MPCluster
+        from tokenlake.engines.clusters.mp import MPCluster
         from tokenlake.engines.sglang.control_service import ControlService
 
         model = ModelConfig.from_dir(model_path)
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.metrics_port:
             from prometheus_client import start_http_server
 
-            from tokenlake.serve.sglang_metrics import shared_pool_registry
+            from tokenlake.serve.metrics.sglang import shared_pool_registry
 
             start_http_server(args.metrics_port, addr="127.0.0.1",
                               registry=shared_pool_registry(host.service))  # fmt: skip

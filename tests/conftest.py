@@ -1,5 +1,5 @@
 """Options of the robustness suite: ``--fuzz-calls N`` and ``--fuzz-seed S`` turn the API
-fuzzer (tests/control/test_fuzz_api.py) into a longer soak. And one torch thread in the test
+fuzzer (tests/tokenlake/test_fuzz_api.py) into a longer soak. And one torch thread in the test
 process (see :func:`pytest_configure`)."""
 
 from __future__ import annotations

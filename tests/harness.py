@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import numpy as np
 
 import tokenlake as tl
-from tokenlake.engines.local_cluster import LocalCluster
-from tokenlake.engines.synthetic import SyntheticModel, run_iteration
+from tokenlake.engines.client.synthetic import SyntheticModel, run_iteration
+from tokenlake.engines.clusters.local import LocalCluster
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 

@@ -199,3 +199,37 @@ def test_notebook_patterns_spare_workload_words(line):
     assert not any(
         re.search(p, line, re.I if what != "a commit hash" else 0) for what, p in NOTEBOOK.items()
     ), line
+
+
+CITATION = re.compile(r"docs/([\w-]+\.md)(?:#([\w-]+))?")
+
+
+def code_citations() -> list[tuple[str, str, str | None]]:
+    """Every ``docs/PAGE.md#anchor`` the shipped code cites: (file, page, anchor)."""
+    found = []
+    for folder in SHIPPED:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for page, anchor in CITATION.findall(path.read_text()):
+                found.append((str(path.relative_to(ROOT)), page, anchor or None))
+    return found
+
+
+def test_code_cites_docs_that_exist_not_a_note_outside_the_repository():
+    """The code points to docs/ sections (anchors checked), never to a design note that the
+    repository does not hold."""
+    citations = code_citations()
+    assert len(citations) > 10
+    broken = [
+        (f, page, anchor)
+        for f, page, anchor in citations
+        if not (ROOT / "docs" / page).exists()
+        or (anchor and anchor not in anchors(ROOT / "docs" / page))
+    ]
+    assert not broken, broken
+    outside = [
+        str(p.relative_to(ROOT))
+        for folder in SHIPPED
+        for p in (ROOT / folder).rglob("*.py")
+        if re.search(r"DESIGN(\.md| §)", p.read_text())
+    ]
+    assert not outside, outside

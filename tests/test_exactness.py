@@ -1,4 +1,4 @@
-"""query + local self-attention, merged, equals monolithic causal attention (DESIGN §3.1)."""
+"""query + local self-attention, merged, equals monolithic causal attention (docs/architecture.md#one-iterations-life)."""
 
 from __future__ import annotations
 

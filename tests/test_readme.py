@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenlake.benchmarks.traces import CONVERSATION_TRACE, SYNTHETIC_TRACE
+from tokenlake.benchmarks.workloads.traces import CONVERSATION_TRACE, SYNTHETIC_TRACE
 
 ROOT = Path(__file__).parents[1]
 README = ROOT / "README.md"
@@ -359,7 +359,7 @@ def test_serving_metrics_example_runs():
     import urllib.request
 
     import tokenlake as tl
-    from tokenlake.engines.local_cluster import LocalCluster
+    from tokenlake.engines.clusters.local import LocalCluster
 
     code = re.search(r"```python\n(from prometheus_client.*?)```", SERVING.read_text(), re.S)[1]
     code = code.replace("start_http_server(9400", "server, _ = start_http_server(0")

@@ -3,7 +3,7 @@
 The GPU profiles are datasheet peaks scaled by a calibration (:class:`.step_timer.TimerConfig`)
 and priced by the scheduler's roofline ``CostModel``. A CPU profile is the same model with
 its numbers measured: the engines' own profiler times prefill and decode steps of the real
-model engine (``tokenlake bench calibrate-cpu``, :mod:`tokenlake.benchmarks.sim_calibrate`) and
+model engine (``tokenlake bench calibrate-cpu``, :mod:`tokenlake.benchmarks.calibrate.hardware`) and
 :func:`fit_cpu_profile` chooses the roofline's effective FLOP/s and memory bandwidth, the
 fixed cost per step and per row, and the hop (the fixed cost of one remote holder per step,
 priced by the layered pricing as its link latency: ``hop / (2 x layers)`` each way) so that
@@ -14,7 +14,7 @@ busy processes of a CPU run, each at most that much faster than one core.
 ``serving`` holds the serving path's CPU per request, per streamed token and per serving-loop
 iteration in a real server process (``tokenlake serve``: HTTP, tokenizer, the stream, the
 loop's sampling and books, and whatever else its instances cost beyond the engine), per
-server shape, measured by :mod:`tokenlake.benchmarks.sim_calibrate_serving`; none: all 0.
+server shape, measured by :mod:`tokenlake.benchmarks.calibrate.serving`; none: all 0.
 """
 
 from __future__ import annotations

@@ -25,12 +25,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokenlake.benchmarks.sim.cascade import cascade_read_tokens, common_prefix_tokens
 from tokenlake.benchmarks.sim.events import EventLoop
 from tokenlake.benchmarks.sim.job import Job
 from tokenlake.benchmarks.sim.metrics import LoadTimeline
-from tokenlake.benchmarks.sim.radix_cache import LocalPrefixCache
 from tokenlake.benchmarks.sim.step_timer import StepTimer
+from tokenlake.benchmarks.sim.systems.cascade import cascade_read_tokens, common_prefix_tokens
+from tokenlake.benchmarks.sim.systems.radix_cache import LocalPrefixCache
 from tokenlake.benchmarks.sim.tbt_chunk import CHUNK_GRANULE, tbt_aware_chunk
 
 

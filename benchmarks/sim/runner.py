@@ -23,7 +23,6 @@ from tokenlake.benchmarks.progress import Progress
 from tokenlake.benchmarks.sim.engine import EngineConfig
 from tokenlake.benchmarks.sim.events import EventLoop
 from tokenlake.benchmarks.sim.job import Job
-from tokenlake.benchmarks.sim.layered import PricingConfig
 from tokenlake.benchmarks.sim.metrics import (
     LoadTimeline,
     RequestRecord,
@@ -31,17 +30,18 @@ from tokenlake.benchmarks.sim.metrics import (
     hit_rate,
     slo_attainment,
 )
-from tokenlake.benchmarks.sim.mooncake import ConductorConfig, MooncakeSystem
-from tokenlake.benchmarks.sim.mooncake_store import MooncakeStoreConfig
-from tokenlake.benchmarks.sim.router import RouterConfig, RouterSystem
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec, CostModelTimer
-from tokenlake.benchmarks.sim.systems import (  # noqa: F401 (re-exported)
+from tokenlake.benchmarks.sim.systems.layered import PricingConfig
+from tokenlake.benchmarks.sim.systems.mooncake import ConductorConfig, MooncakeSystem
+from tokenlake.benchmarks.sim.systems.mooncake_store import MooncakeStoreConfig
+from tokenlake.benchmarks.sim.systems.router import RouterConfig, RouterSystem
+from tokenlake.benchmarks.sim.systems.systems import (  # noqa: F401 (re-exported)
     EXTRA_SYSTEMS,
     SYSTEMS,
     VARIANT_SYSTEMS,
     split_system,
 )
-from tokenlake.benchmarks.sim.tokenlake_system import TokenLakeConfig, TokenLakeSystem
+from tokenlake.benchmarks.sim.systems.tokenlake_system import TokenLakeConfig, TokenLakeSystem
 from tokenlake.benchmarks.workloads.request import SimRequest, Workload
 
 SLO_MISSED = "slo_missed"

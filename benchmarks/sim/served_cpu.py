@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from tokenlake.benchmarks.sim.cpu_profile import CpuProfile
 from tokenlake.benchmarks.sim.events import EventLoop
 from tokenlake.benchmarks.sim.job import Job
-from tokenlake.benchmarks.sim.layered import PricingConfig
 from tokenlake.benchmarks.sim.metrics import LoadTimeline, RequestRecord
-from tokenlake.benchmarks.sim.router import CacheAwareRouter
-from tokenlake.benchmarks.sim.shared_servers import SharedHost
-from tokenlake.benchmarks.sim.tokenlake_system import TokenLakeConfig, TokenLakeSystem
+from tokenlake.benchmarks.sim.systems.layered import PricingConfig
+from tokenlake.benchmarks.sim.systems.router import CacheAwareRouter
+from tokenlake.benchmarks.sim.systems.shared_servers import SharedHost
+from tokenlake.benchmarks.sim.systems.tokenlake_system import TokenLakeConfig, TokenLakeSystem
 from tokenlake.benchmarks.workloads.request import SimRequest
 
 SYSTEMS = ("tokenlake", "router")

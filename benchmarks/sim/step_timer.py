@@ -101,7 +101,7 @@ class TimerConfig:
     """Calibration of the scheduler's roofline :class:`CostModel` to measured engines:
     achievable shares of peak FLOP/s and HBM bandwidth, and a fixed per-iteration overhead
     (kernel launches, sampling, scheduling; TP all-reduces fold into it). Chosen once against
-    the published measurements cited in the README (``tokenlake.benchmarks.sim_crosscheck``).
+    the published measurements cited in the README (``tokenlake.benchmarks.calibrate.crosscheck``).
     ``row_overhead_s``: a fixed cost per request (chunk) in each forward, the host-side work
     per row (batching, position and page tables, sampling); 0 for the GPU profiles, where it
     was not measured, fitted for a measured CPU profile (:mod:`.cpu_profile`)."""

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     except ProcessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from tokenlake.benchmarks.demo_client import quiet_http_client_logs
+    from tokenlake.benchmarks.demo.client import quiet_http_client_logs
 
     quiet_http_client_logs()
     lines: list[dict] = []
@@ -135,10 +135,10 @@ def emit(line: dict, json_out: Path | None) -> None:
 
 
 def run_model(args, fleet, model: str, tmp: Path, salts, emit_line) -> list[dict]:
-    from tokenlake.benchmarks.serving_compare import prepare_model
     from tokenlake.benchmarks.wallclock.client import ALPHABET
     from tokenlake.benchmarks.wallclock.point import Launch, measure_solo
     from tokenlake.benchmarks.wallclock.processes import ServerSettings
+    from tokenlake.benchmarks.wallclock.serving_compare import prepare_model
     from tokenlake.benchmarks.wallclock.workloads import build_workload
 
     n = args.num_instances

@@ -2,14 +2,14 @@
 1 req/s (the runner divides them by the rate).
 
 - ``conversation``: multi-turn sessions of the shared Mooncake conversation trace, chosen and
-  scaled as ``make demo`` does (:func:`tokenlake.benchmarks.demo.find_sessions`, lengths / 16
-  by :class:`~tokenlake.benchmarks.traces.TokenSynth`, outputs capped at 24 tokens). Each seed
+  scaled as ``make demo`` does (:func:`tokenlake.benchmarks.demo.main.find_sessions`, lengths / 16
+  by :class:`~tokenlake.benchmarks.workloads.traces.TokenSynth`, outputs capped at 24 tokens). Each seed
   draws its own sessions; turns keep the trace's order and relative timing (jittered inside
   its 3 s buckets), rescaled to a mean of 1 req/s. Sessions whose longest scaled prompt
   exceeds ``MAX_PROMPT_LEN`` are left out so one request fits one instance's slots.
 - ``long-document``: documents shared by many requests (Zipf popularity), each request a
   document plus a fresh question, Poisson arrivals: the real-cluster bench's generator
-  (:func:`tokenlake.benchmarks.real_cluster_systems.workload`).
+  (:func:`tokenlake.benchmarks.real.systems.workload`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def build_workload(
 
 
 def _long_document(seed: int, num_requests: int, vocab_size: int) -> list[TimedRequest]:
-    from tokenlake.benchmarks.real_cluster_systems import RealClusterConfig, workload
+    from tokenlake.benchmarks.real.systems import RealClusterConfig, workload
 
     cfg = RealClusterConfig(num_requests=num_requests, seed=seed)
     return [
@@ -64,8 +64,8 @@ def _long_document(seed: int, num_requests: int, vocab_size: int) -> list[TimedR
 
 
 def _conversation(seed: int, num_requests: int, vocab_size: int) -> list[TimedRequest]:
-    from tokenlake.benchmarks.demo import find_sessions
-    from tokenlake.benchmarks.traces import TokenSynth, conversation_trace, load_trace
+    from tokenlake.benchmarks.demo.main import find_sessions
+    from tokenlake.benchmarks.workloads.traces import TokenSynth, conversation_trace, load_trace
 
     trace = load_trace(conversation_trace(TRACE_WINDOW), TRACE_WINDOW)
     synth = TokenSynth(block_size=512, scale=DEMO_SCALE, vocab_size=vocab_size)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenlake.benchmarks.traces import TraceError, TraceRequest, read_trace
 from tokenlake.benchmarks.workloads.request import SimRequest, Workload
+from tokenlake.benchmarks.workloads.traces import TraceError, TraceRequest, read_trace
 
 SESSION_MODES = ("open", "closed", "auto")
 
@@ -33,7 +33,7 @@ class TraceConfig:
         poisson: redraw the gaps between arrivals as exponential with the trace's mean rate,
             keeping the order (for traces whose arrivals are a Poisson process already).
         block_size: tokens per ``hash_ids`` block; ``None`` reads it from the trace or infers
-            it (:func:`tokenlake.benchmarks.traces.resolve_block_size`).
+            it (:func:`tokenlake.benchmarks.workloads.traces.resolve_block_size`).
         reblock: merge this many consecutive blocks into one (exact for chained ids: a group
             takes its last block's id).
         per_session_ids: ids are only unique within ``session_id``; give each session its own

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from tokenlake.engines.forward import run_forward
+from tokenlake.engines.client.forward import run_forward
 from tokenlake.engines.model.llama import LlamaModel
 from tokenlake.plans import Chunk, Plans
 

@@ -1,5 +1,5 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2) split at its attention: the forward
-driver (:mod:`tokenlake.engines.forward`) calls :meth:`LlamaModel.project` for a layer's q, k,
+driver (:mod:`tokenlake.engines.client.forward`) calls :meth:`LlamaModel.project` for a layer's q, k,
 v, runs attention through the pool, and hands the result back to :meth:`LlamaModel.absorb`.
 
 Matches ``transformers``' modeling code operation for operation (RMSNorm in float32, RoPE
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tokenlake.engines.forward import RowBatch
+from tokenlake.engines.client.forward import RowBatch
 from tokenlake.engines.model import rope
 from tokenlake.engines.model.checkpoint import TensorTable, load_tensors
 from tokenlake.engines.model.config import DTYPES, ModelConfig

@@ -12,14 +12,28 @@ checked here before use.
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 
 from tokenlake.config import ModelShape
+from tokenlake.engines.core.shared_buffers import InstanceBuffers, Layout
 from tokenlake.engines.dataplane_config import DataPlaneConfig
-from tokenlake.engines.shared_buffers import InstanceBuffers, Layout
 from tokenlake.errors import InvalidArgumentError
 
 _ROLES = ("query", "transfer")
+
+
+@dataclass(frozen=True)
+class WorkerAttachment:
+    """What a worker process needs to join a shared pool (handed over at spawn, one host)."""
+
+    instance_id: int
+    control_endpoint: str
+    secret_path: str
+    dataplane: DataPlaneConfig
+    layout: Layout
+    backend: str | None
+    buffers: tuple[InstanceBuffers, ...]
+    endpoints: dict[tuple[str, int], str]
 
 
 def attach_info(cluster) -> dict:
@@ -42,8 +56,6 @@ def attach_info(cluster) -> dict:
 
 def attachment_from(info: object, instance_id: int, endpoint: str, secret_path: str):
     """The :class:`WorkerAttachment` of instance ``instance_id`` from an ``attach`` reply."""
-    from .shared_runtime import WorkerAttachment
-
     try:
         raw = _map(info, "attach reply")
         lay = _map(raw.get("layout"), "layout")

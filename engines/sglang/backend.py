@@ -20,8 +20,8 @@ from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from tokenlake.engines.flashinfer_attention import make_causal_planner
-from tokenlake.engines.prefix_attention import PrefixAttention
+from tokenlake.engines.client.prefix_attention import PrefixAttention
+from tokenlake.engines.kernels.flashinfer_attention import make_causal_planner
 from tokenlake.errors import IterationStateError, PoolFullError
 
 from .batch_map import BatchMap, RequestTable, SeqInfo, engine_slots, map_batch

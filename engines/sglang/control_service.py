@@ -10,7 +10,7 @@ The socket: a ZeroMQ ROUTER bound to loopback (by default), a CURVE server keyed
 cluster secret (only holders complete the handshake, so nothing an outsider sends is
 buffered past one frame), every frame sealed with :class:`FrameAuth` (HMAC, nonce, audience)
 and at most ``max_request_bytes``. A request is a msgpack map ``{"op", "seq", ...}``; plans
-and chunks travel in the versioned plan wire (:mod:`tokenlake.planning.wire`), decoded and
+and chunks travel in the versioned plan wire (:mod:`tokenlake.plan_wire`), decoded and
 range-checked against the pool's own geometry. No pickle. One thread serves every request in
 arrival order, so the ``Pool`` is only ever touched by that thread.
 
@@ -27,11 +27,10 @@ from collections import Counter
 import numpy as np
 import zmq
 
-from tokenlake import wire
-from tokenlake.engines.auth import AuthError, FrameAuth
-from tokenlake.engines.peers import LauncherId, bind_random
+from tokenlake import plan_wire, wire
+from tokenlake.engines.transport.auth import AuthError, FrameAuth
+from tokenlake.engines.transport.peers import LauncherId, bind_random
 from tokenlake.errors import InvalidArgumentError, IterationStateError, TokenLakeError
-from tokenlake.planning import wire as plan_wire
 from tokenlake.plans import Chunk, Plans
 from tokenlake.pool import Pool
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenlake.engines.prefix_attention import PrefixAttention
+from tokenlake.engines.client.prefix_attention import PrefixAttention
 
 from .batch_map import SeqInfo
 

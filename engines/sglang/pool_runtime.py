@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from tokenlake.config import KERNEL_DTYPES, ModelShape, PoolConfig
+from tokenlake.engines.clusters.local import LocalCluster
 from tokenlake.engines.dataplane_config import DataPlaneConfig
-from tokenlake.engines.local_cluster import LocalCluster
 from tokenlake.errors import InvalidArgumentError, IterationStateError
 from tokenlake.plans import Chunk, Plans, QueryPlan
 from tokenlake.pool import Pool

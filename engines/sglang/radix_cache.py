@@ -45,7 +45,12 @@ class TokenLakeRadixCache(UnifiedRadixCache):
 
     def _load_from_pool(self, key, result: MatchResult) -> bool:
         """Insert what the pool holds beyond SGLang's match; ``True`` if anything was."""
-        token_ids = np.frombuffer(key.token_ids, dtype=np.int64).astype(np.int32)
+        if key.is_bigram or key.extra_key is not None or key.cache_salt is not None:
+            return False  # the pool keys segments by token ids alone (see create_radix_cache)
+        # only the key's first len(key) tokens may match: SGLang caps a request's match
+        # below its length (``RadixKey.limit``, at most input_len - 1) without slicing
+        # ``token_ids``; every token loaded past the cap is one slot the tree never takes
+        token_ids = np.frombuffer(key.raw_token_ids(), dtype=np.int64).astype(np.int32)
         have = result.device_prefix_len
         runtime = self.backend.runtime
         if runtime.inflight is not None:
@@ -65,7 +70,8 @@ class TokenLakeRadixCache(UnifiedRadixCache):
                     return False
             prefix = self.path_device_indices(result.last_device_node)[:have]
             self.backend.load_prefix(token_ids, have, pool_len, slots)
-            # prev_prefix_len: the first ``have`` values are the tree's own, not duplicates
+            # prev_prefix_len: the first ``have`` values are the tree's own, not duplicates;
+            # the tree frees any of ``slots`` it already holds (a value per key token)
             value = torch.cat([prefix.to(torch.int64), slots.to(prefix.device, torch.int64)])
             self.insert(InsertParams(key=key[:pool_len], value=value, prev_prefix_len=have))
         finally:

@@ -15,44 +15,28 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import zmq
 
-from tokenlake import errors, wire
+from tokenlake import errors, plan_wire, wire
 from tokenlake.config import ModelShape
-from tokenlake.engines.auth import AuthError, ClusterSecret, FrameAuth
-from tokenlake.engines.compute_worker import ComputeClients
-from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
-from tokenlake.engines.driver import Driver
-from tokenlake.engines.peers import LinkMonitor
-from tokenlake.engines.shared_buffers import InstanceBuffers, Layout
-from tokenlake.engines.transport import Requester
+from tokenlake.engines.client.driver import Driver
+from tokenlake.engines.clusters.compute_worker import ComputeClients
+from tokenlake.engines.dataplane_config import PeerFailedError
+from tokenlake.engines.transport.auth import AuthError, ClusterSecret, FrameAuth
+from tokenlake.engines.transport.peers import LinkMonitor
+from tokenlake.engines.transport.sockets import Requester
 from tokenlake.errors import InvalidArgumentError, IterationStateError, TokenLakeError
-from tokenlake.planning import wire as plan_wire
 from tokenlake.plans import Chunk, Plans
 
+from .attach import WorkerAttachment, attachment_from
 from .control_ops import request_prefix
 from .pool_runtime import BoundIteration
 
 _MAX_REPLY_BYTES = 1 << 28
 _LOCATE_TRIES = 4
-
-
-@dataclass(frozen=True)
-class WorkerAttachment:
-    """What a worker process needs to join a shared pool (handed over at spawn, one host)."""
-
-    instance_id: int
-    control_endpoint: str
-    secret_path: str
-    dataplane: DataPlaneConfig
-    layout: Layout
-    backend: str | None
-    buffers: tuple[InstanceBuffers, ...]
-    endpoints: dict[tuple[str, int], str]
 
 
 class ControlClient:
@@ -103,8 +87,6 @@ class SharedPoolRuntime:
     ) -> SharedPoolRuntime:  # fmt: skip
         """Join a running host knowing only its service's endpoint, the cluster secret's file
         and this worker's instance: the rest comes from the service (:mod:`.attach`)."""
-        from .attach import attachment_from
-
         ctx = zmq.Context()
         try:
             client = ControlClient(ctx, endpoint, FrameAuth(ClusterSecret.from_file(secret_path)),

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from tokenlake.config import ModelShape
-from tokenlake.engines.shared_buffers import Layout
+from tokenlake.engines.core.shared_buffers import Layout
 
 from .config import SGLangPoolConfig
 

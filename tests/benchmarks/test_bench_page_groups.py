@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tokenlake.benchmarks import bench_page_groups
+from tokenlake.benchmarks.micro import page_groups as bench_page_groups
 
 
 def test_quick_run_reports_reads_and_agreement(capsys):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tokenlake.benchmarks import bench_plans
+from tokenlake.benchmarks.micro import plans as bench_plans
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,6 @@
 """The simulator's step times stay within 25% of the published single-GPU measurements."""
 
-from tokenlake.benchmarks.sim_crosscheck import REFERENCE, TOLERANCE, crosscheck
+from tokenlake.benchmarks.calibrate.crosscheck import REFERENCE, TOLERANCE, crosscheck
 
 
 def test_step_times_match_published_measurements():
@@ -15,8 +15,8 @@ def test_distributed_attention_case_against_the_papers_analytic_figures():
     and layer (32 heads x 128 x bf16 = 8 KiB) each way over NVLink at 300 GB/s per
     direction, after two profile latencies; the break-even segment is that time over one
     layer's read of one token's K and V (16 KiB) at the calibrated HBM bandwidth."""
+    from tokenlake.benchmarks.calibrate.crosscheck import dist_attention
     from tokenlake.benchmarks.sim.step_timer import ClusterSpec, make_timer
-    from tokenlake.benchmarks.sim_crosscheck import dist_attention
 
     spec = ClusterSpec("A100-80G", "LWM-Text-1M", num_instances=2, tp=1)
     hw = make_timer(spec).hardware

@@ -8,7 +8,7 @@ import json
 import pytest
 from test_goodput_traces import ROWS, write
 
-from tokenlake.benchmarks.goodput import main
+from tokenlake.benchmarks.goodput.harness import main
 
 
 def test_cli_eviction_reaches_the_pool_and_is_validated(tmp_path, capsys):

@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from tokenlake.benchmarks.goodput import main, make_workload, parse_args
-from tokenlake.benchmarks.goodput_runs import RunKey, simulate_key
+from tokenlake.benchmarks.goodput.harness import main, make_workload, parse_args
+from tokenlake.benchmarks.goodput.runs import RunKey, simulate_key
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec
 from tokenlake.benchmarks.workloads import GeneratorConfig, TraceConfig, trace_workload
 from tokenlake.benchmarks.workloads.generators import agentic
@@ -127,7 +127,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigterm_ends_the_jobs_workers(tmp_path):
-    cmd = [sys.executable, "-m", "tokenlake.benchmarks.goodput", "--workload", "sharegpt"]
+    cmd = [sys.executable, "-m", "tokenlake.benchmarks.goodput.harness", "--workload", "sharegpt"]
     cmd += ["--requests", "4000", "--systems", "tokenlake,router", "--prefill-tokens", "2048"]
     cmd += ["--seeds", "1", "--goodput", "--jobs", "2", "--lo", "1", "--hi", "2"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -7,11 +7,11 @@ import functools
 
 import pytest
 
-from tokenlake.benchmarks.goodput_report import GoodputReport
+from tokenlake.benchmarks.goodput.report import GoodputReport
 from tokenlake.benchmarks.sim import runner
 from tokenlake.benchmarks.sim.runner import RunConfig, simulate
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec, make_timer
-from tokenlake.benchmarks.sim.tokenlake_system import TokenLakeConfig, TokenLakeSystem
+from tokenlake.benchmarks.sim.systems.tokenlake_system import TokenLakeConfig, TokenLakeSystem
 from tokenlake.benchmarks.workloads.request import SimRequest, Workload
 
 B = 512

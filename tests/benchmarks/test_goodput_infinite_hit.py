@@ -9,8 +9,8 @@ import pytest
 
 from tokenlake.benchmarks.sim.runner import RunConfig, simulate
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec, make_timer
-from tokenlake.benchmarks.traces import conversation_trace
 from tokenlake.benchmarks.workloads import TraceConfig, trace_workload
+from tokenlake.benchmarks.workloads.traces import conversation_trace
 
 NUM = 150
 B = 512

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from tokenlake.benchmarks.goodput import main
+from tokenlake.benchmarks.goodput.harness import main
 from tokenlake.benchmarks.sim.metrics import bisect_goodput
 
 
@@ -100,8 +100,8 @@ def test_a_run_in_flight_is_shared_not_repeated():
     does not answer a request for the full run, and a full run answers one that may stop."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tokenlake.benchmarks.goodput import make_workload, parse_args
-    from tokenlake.benchmarks.goodput_runs import RunKey, Runs
+    from tokenlake.benchmarks.goodput.harness import make_workload, parse_args
+    from tokenlake.benchmarks.goodput.runs import RunKey, Runs
     from tokenlake.benchmarks.sim.step_timer import ClusterSpec
 
     args = parse_args(["--workload", "sharegpt", "--requests", "30", "--jobs", "2"])
@@ -153,8 +153,8 @@ def test_waiting_runs_start_lowest_rate_first():
     from concurrent.futures import ThreadPoolExecutor
     from types import SimpleNamespace
 
-    from tokenlake.benchmarks.goodput import make_workload, parse_args
-    from tokenlake.benchmarks.goodput_runs import RunKey, Runs
+    from tokenlake.benchmarks.goodput.harness import make_workload, parse_args
+    from tokenlake.benchmarks.goodput.runs import RunKey, Runs
     from tokenlake.benchmarks.sim.step_timer import ClusterSpec
 
     args = parse_args(["--workload", "sharegpt", "--requests", "30"])
@@ -224,8 +224,8 @@ def test_an_idle_worker_starts_the_next_run_ahead():
     from concurrent.futures import ThreadPoolExecutor
     from types import SimpleNamespace
 
-    from tokenlake.benchmarks.goodput import make_workload, parse_args
-    from tokenlake.benchmarks.goodput_runs import RunKey, Runs
+    from tokenlake.benchmarks.goodput.harness import make_workload, parse_args
+    from tokenlake.benchmarks.goodput.runs import RunKey, Runs
     from tokenlake.benchmarks.sim.step_timer import ClusterSpec
 
     args = parse_args(["--workload", "sharegpt", "--requests", "30"])

@@ -9,10 +9,10 @@ from tokenlake.benchmarks.sim.engine import Engine, EngineConfig
 from tokenlake.benchmarks.sim.events import EventLoop
 from tokenlake.benchmarks.sim.job import Job
 from tokenlake.benchmarks.sim.metrics import LoadTimeline, RequestRecord
-from tokenlake.benchmarks.sim.mooncake import Conductor, ConductorConfig
-from tokenlake.benchmarks.sim.radix_cache import LocalPrefixCache
 from tokenlake.benchmarks.sim.runner import RunConfig, simulate
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec
+from tokenlake.benchmarks.sim.systems.mooncake import Conductor, ConductorConfig
+from tokenlake.benchmarks.sim.systems.radix_cache import LocalPrefixCache
 from tokenlake.benchmarks.workloads.request import SimRequest, Workload
 
 B = 512

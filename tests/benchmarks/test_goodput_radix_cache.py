@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from tokenlake.benchmarks.sim.radix_cache import LocalPrefixCache
+from tokenlake.benchmarks.sim.systems.radix_cache import LocalPrefixCache
 
 
 def test_match_insert_share_and_lru_eviction():

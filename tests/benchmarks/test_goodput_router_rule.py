@@ -4,8 +4,8 @@ by branch, on constructed cases; its approximate tree keeps sgl-router's ``Tree`
 import numpy as np
 import pytest
 
-from tokenlake.benchmarks.sim.approx_tree import ApproxTree
-from tokenlake.benchmarks.sim.router import CacheAwareRouter, RouterConfig
+from tokenlake.benchmarks.sim.systems.approx_tree import ApproxTree
+from tokenlake.benchmarks.sim.systems.router import CacheAwareRouter, RouterConfig
 
 B = 512
 

@@ -3,10 +3,10 @@ documented defaults, and bad values are refused by name."""
 
 import pytest
 
-from tokenlake.benchmarks.goodput_args import parse_args
-from tokenlake.benchmarks.goodput_sim_options import pricing_of, store_of
-from tokenlake.benchmarks.sim.layered import PricingConfig
-from tokenlake.benchmarks.sim.mooncake_store import MooncakeStoreConfig
+from tokenlake.benchmarks.goodput.args import parse_args
+from tokenlake.benchmarks.goodput.sim_options import pricing_of, store_of
+from tokenlake.benchmarks.sim.systems.layered import PricingConfig
+from tokenlake.benchmarks.sim.systems.mooncake_store import MooncakeStoreConfig
 
 
 def test_defaults_are_layered_pricing_and_the_store_on():

@@ -8,10 +8,10 @@ import lzma
 import numpy as np
 import pytest
 
-from tokenlake.benchmarks.goodput import main
-from tokenlake.benchmarks.traces import TokenSynth, TraceError, load_trace, read_trace
+from tokenlake.benchmarks.goodput.harness import main
 from tokenlake.benchmarks.workloads import TraceConfig, trace_workload
 from tokenlake.benchmarks.workloads.request import prompt_tokens
+from tokenlake.benchmarks.workloads.traces import TokenSynth, TraceError, load_trace, read_trace
 
 
 def row(t, n, ids, out=4, **extra):

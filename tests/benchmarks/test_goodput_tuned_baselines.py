@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-from tokenlake.benchmarks.sim.cascade import (
-    MIN_BATCH,
-    cascade_read_tokens,
-    common_prefix_tokens,
-)
 from tokenlake.benchmarks.sim.engine import Engine, EngineConfig
 from tokenlake.benchmarks.sim.events import EventLoop
 from tokenlake.benchmarks.sim.job import Job
 from tokenlake.benchmarks.sim.metrics import LoadTimeline
-from tokenlake.benchmarks.sim.radix_cache import LocalPrefixCache
 from tokenlake.benchmarks.sim.runner import make_record
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec, make_timer
-from tokenlake.benchmarks.sim.systems import split_system
+from tokenlake.benchmarks.sim.systems.cascade import (
+    MIN_BATCH,
+    cascade_read_tokens,
+    common_prefix_tokens,
+)
+from tokenlake.benchmarks.sim.systems.radix_cache import LocalPrefixCache
+from tokenlake.benchmarks.sim.systems.systems import split_system
 from tokenlake.benchmarks.sim.tbt_chunk import (
     CHUNK_GRANULE,
     fill_chunk,
@@ -155,7 +155,7 @@ def test_system_variants_parse_and_refuse():
 def test_page_groups_off_reads_every_rows_pages():
     import numpy as np
 
-    from tokenlake.benchmarks.sim.tokenlake_timing import TokenLakeTiming
+    from tokenlake.benchmarks.sim.systems.tokenlake_timing import TokenLakeTiming
 
     spec = ClusterSpec(num_instances=2)
     timer = make_timer(spec)

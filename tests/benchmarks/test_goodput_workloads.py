@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec
-from tokenlake.benchmarks.traces import conversation_trace
 from tokenlake.benchmarks.workloads import GENERATORS, GeneratorConfig, TraceConfig, trace_workload
 from tokenlake.benchmarks.workloads.request import prompt_tokens
+from tokenlake.benchmarks.workloads.traces import conversation_trace
 
 CONVERSATION_TRACE = conversation_trace(1000)  # the shared trace, or the bundled excerpt
 
@@ -81,7 +81,7 @@ def test_think_scale_scales_only_the_think_time(name):
 
 
 def test_cli_think_scale_reaches_the_workload_and_is_validated(capsys):
-    from tokenlake.benchmarks.goodput import make_workload, parse_args
+    from tokenlake.benchmarks.goodput.harness import make_workload, parse_args
 
     args = parse_args(["--workload", "scbench", "--requests", "40", "--think-scale", "0"])
     w = make_workload(args, 0.5, 0)

@@ -11,11 +11,11 @@ import pytest
 
 from tokenlake.benchmarks.sim.events import EventLoop
 from tokenlake.benchmarks.sim.job import Job
-from tokenlake.benchmarks.sim.layered import PricingConfig
 from tokenlake.benchmarks.sim.metrics import LoadTimeline, RequestRecord
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec, make_timer
-from tokenlake.benchmarks.sim.tokenlake_system import TokenLakeConfig, TokenLakeSystem
-from tokenlake.benchmarks.sim.tokenlake_timing import TokenLakeTiming
+from tokenlake.benchmarks.sim.systems.layered import PricingConfig
+from tokenlake.benchmarks.sim.systems.tokenlake_system import TokenLakeConfig, TokenLakeSystem
+from tokenlake.benchmarks.sim.systems.tokenlake_timing import TokenLakeTiming
 from tokenlake.benchmarks.workloads.request import SimRequest
 
 SPEC = ClusterSpec(num_instances=4)  # one 8-GPU node: every pair on NVLink

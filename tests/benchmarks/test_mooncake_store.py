@@ -5,9 +5,9 @@ DRAM loaded at PCIe bandwidth instead of recomputed, and the load counted as a c
 import pytest
 
 from tokenlake.benchmarks.sim.metrics import hit_rate
-from tokenlake.benchmarks.sim.mooncake_store import GiB, MooncakeStore, MooncakeStoreConfig
 from tokenlake.benchmarks.sim.runner import RunConfig, simulate
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec
+from tokenlake.benchmarks.sim.systems.mooncake_store import GiB, MooncakeStore, MooncakeStoreConfig
 from tokenlake.benchmarks.workloads.request import SimRequest, Workload
 
 B = 512

@@ -1,4 +1,4 @@
-"""The real mini-cluster's replay (benchmarks/real_cluster.py): both systems serve every request of
+"""The real mini-cluster's replay (benchmarks/real/cluster.py): both systems serve every request of
 a small workload through the real model, in virtual time that only moves forward, and the
 shared documents hit the caches."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenlake.benchmarks.real_cluster_replay import Solo, run
-from tokenlake.benchmarks.real_cluster_systems import (
+from tokenlake.benchmarks.real.replay import Solo, run
+from tokenlake.benchmarks.real.systems import (
     LATENCY,
     SYSTEMS,
     Env,

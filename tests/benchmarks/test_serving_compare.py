@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenlake.benchmarks import serving_compare as sc
+from tokenlake.benchmarks.wallclock import serving_compare as sc
 
 CAPTURED = Path(__file__).parent / "data" / "bench_serving_output.txt"
 

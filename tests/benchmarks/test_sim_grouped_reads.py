@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec, make_timer
-from tokenlake.benchmarks.sim.tokenlake_timing import TokenLakeTiming
-from tokenlake.engines.page_groups import group_shared_pages, read_tokens
+from tokenlake.benchmarks.sim.systems.tokenlake_timing import TokenLakeTiming
+from tokenlake.engines.core.page_groups import group_shared_pages, read_tokens
 
 PAGE_LEN = 8
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tokenlake.benchmarks.calibrate.vs_real import goodput, read_real
 from tokenlake.benchmarks.sim.cpu_profile import (
     DECODE,
     PREFILL,
@@ -27,8 +28,7 @@ from tokenlake.benchmarks.sim.served_cpu import (
     simulate_served,
     to_requests,
 )
-from tokenlake.benchmarks.sim.shared_servers import SharedHost
-from tokenlake.benchmarks.sim_vs_real import goodput, read_real
+from tokenlake.benchmarks.sim.systems.shared_servers import SharedHost
 from tokenlake.cluster.profiles import ModelProfile
 
 DATA = Path(__file__).parent / "data"
@@ -232,7 +232,7 @@ def test_goodput_and_reading_real_lines(tmp_path):
     f.write_text(json.dumps({**point, "slo": {}}) + "\n")
     with pytest.raises(ValueError, match="real.jsonl:1"):
         read_real(f)
-    from tokenlake.benchmarks.sim_vs_real import main
+    from tokenlake.benchmarks.calibrate.vs_real import main
 
     for bad in (f, tmp_path / "missing.jsonl"):  # a usage error naming the file, nothing run
         with pytest.raises(SystemExit) as e:
@@ -244,8 +244,8 @@ def test_calibration_times_every_case_on_the_real_engine():
     """On a clock that ticks once per reading, every timed run is one tick: each case is
     timed alone, once per repeat, and the hop (remote minus local) is 0."""
     pytest.importorskip("torch")
-    from tokenlake.benchmarks.real_cluster import load_model
-    from tokenlake.benchmarks.sim_calibrate import QUICK_DECODE, QUICK_PREFILL, measure
+    from tokenlake.benchmarks.calibrate.hardware import QUICK_DECODE, QUICK_PREFILL, measure
+    from tokenlake.benchmarks.real.cluster import load_model
 
     ticks = iter(range(10**6))
     rows, hop = measure(
@@ -277,7 +277,7 @@ def test_sim_vs_real_command_end_to_end(tmp_path, capsys):
     """``tokenlake bench sim-vs-real`` on wall-clock lines (made up here, with the real
     schema) and a stored profile: a table row per model x workload x system, a point line
     per real point with the real figure carried over, a goodput line per sweep."""
-    from tokenlake.benchmarks.sim_vs_real import main
+    from tokenlake.benchmarks.calibrate.vs_real import main
 
     base = {"bench": "wallclock-router", "model": "tiny-random", "workload": "long-document",
             "seed": 0, "num_instances": 4, "num_requests": 12,
@@ -332,7 +332,7 @@ def test_serving_costs_are_read_on_a_real_server():
     """Against a real ``tokenlake serve`` (tiny-random, one instance): a single stream takes
     one iteration per token, the costs solved for are finite and not negative."""
     pytest.importorskip("httpx")
-    from tokenlake.benchmarks.sim_calibrate_serving import measure_serving
+    from tokenlake.benchmarks.calibrate.serving import measure_serving
 
     profile = load_cpu_profile(DATA / "cpu_profile_tiny-random.json")
     got = measure_serving(
@@ -349,7 +349,7 @@ def test_serving_costs_are_read_on_a_real_server():
 def test_goodput_harness_runs_on_a_measured_profile(tmp_path, capsys):
     """``tokenlake goodput --hardware-profile FILE``: the cluster is the profile's (its
     hardware and model, one core per instance), and a bad file is an error naming it."""
-    from tokenlake.benchmarks.goodput import main
+    from tokenlake.benchmarks.goodput.harness import main
 
     profile = DATA / "cpu_profile_tiny-random.json"
     argv = ["--workload", "sharegpt", "--requests", "6", "--systems", "tokenlake,router",

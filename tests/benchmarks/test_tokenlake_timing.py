@@ -7,7 +7,7 @@ import pytest
 
 from tokenlake import Chunk, Pool, PoolConfig
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec, make_timer
-from tokenlake.benchmarks.sim.tokenlake_timing import SharedGPU, TokenLakeTiming
+from tokenlake.benchmarks.sim.systems.tokenlake_timing import SharedGPU, TokenLakeTiming
 
 SPEC = ClusterSpec(num_instances=4)
 

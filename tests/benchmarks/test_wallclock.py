@@ -227,9 +227,9 @@ def test_arguments_are_checked():
     importlib.util.find_spec("sglang_router") is None, reason="sglang-router is not installed"
 )
 def test_the_real_router_serves_text_prompts_and_every_process_stops(tmp_path):
-    from tokenlake.benchmarks.serving_compare import prepare_model
     from tokenlake.benchmarks.wallclock.client import drive
     from tokenlake.benchmarks.wallclock.processes import Fleet, ServerSettings
+    from tokenlake.benchmarks.wallclock.serving_compare import prepare_model
 
     settings = ServerSettings(prepare_model("tiny-random", tmp_path, 0), "tiny-random")
     reqs = build_workload("long-document", seed=0, num_requests=4, vocab_size=V)

@@ -12,7 +12,7 @@ import lzma
 import numpy as np
 import pytest
 
-from tokenlake.benchmarks.traces import read_trace
+from tokenlake.benchmarks.workloads.traces import read_trace
 from tokenlake.cli.main import main
 
 BLOCK = 512

@@ -18,7 +18,7 @@ from engine_helpers import CAPACITY, CONFIG  # noqa: E402
 from harness import Harness  # noqa: E402
 
 import tokenlake as tl  # noqa: E402
-from tokenlake.engines.mp_cluster import MPCluster  # noqa: E402
+from tokenlake.engines.clusters.mp import MPCluster  # noqa: E402
 
 WATCHDOG_S = 240  # a hung test dumps every thread's stack and ends the run
 

@@ -52,7 +52,7 @@ def child_pids() -> set[int]:
     so that they are never counted as leaks."""
     from multiprocessing import forkserver
 
-    from tokenlake.engines.launcher import process_context
+    from tokenlake.engines.clusters.launcher import process_context
 
     resource_tracker.ensure_running()
     process_context()  # the fork server's preload, before it starts

@@ -11,8 +11,8 @@ import pytest
 import zmq
 
 from tokenlake import wire
-from tokenlake.engines.auth import SECRET_ENV, AuthError, ClusterSecret, FrameAuth
-from tokenlake.engines.auth_store import AuthStore, StoreServer
+from tokenlake.engines.transport.auth import SECRET_ENV, AuthError, ClusterSecret, FrameAuth
+from tokenlake.engines.transport.auth_store import AuthStore, StoreServer
 from tokenlake.errors import InvalidArgumentError
 
 

@@ -14,10 +14,10 @@ from engine_helpers import SHAPE, child_pids
 from harness import program_error, tokens
 
 import tokenlake as tl
-from tokenlake.engines.compute_process import ComputeProcesses
+from tokenlake.engines.client.synthetic import SyntheticModel, SyntheticProgram
+from tokenlake.engines.clusters.compute_process import ComputeProcesses
+from tokenlake.engines.clusters.mp import MPCluster
 from tokenlake.engines.dataplane_config import DataPlaneConfig
-from tokenlake.engines.mp_cluster import MPCluster
-from tokenlake.engines.synthetic import SyntheticModel, SyntheticProgram
 
 C = 16
 

@@ -11,8 +11,8 @@ from engine_helpers import CAPACITY, CONFIG
 from harness import Harness, dop_split_and_spread, prefill_decode_dedup_multiturn, tokens
 
 import tokenlake as tl
-from tokenlake.engines.mp_cluster import MPCluster
-from tokenlake.engines.synthetic import SyntheticModel
+from tokenlake.engines.client.synthetic import SyntheticModel
+from tokenlake.engines.clusters.mp import MPCluster
 
 CAP = 1.5  # the synthetic model's scores have std 1: a cap of 1.5 bends them strongly
 

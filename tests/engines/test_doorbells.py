@@ -1,4 +1,4 @@
-"""Per-layer doorbells (:mod:`tokenlake.engines.doorbell`): inside one host a query's layer
+"""Per-layer doorbells (:mod:`tokenlake.engines.transport.doorbell`): inside one host a query's layer
 reaches each holder as a few words in shared memory, not a message. Exact results, every
 word checked by the holder against its own geometry, and a holder that never answers (dead
 or stopped) gives the origin an error in bounded time, never a hang."""
@@ -13,8 +13,8 @@ import torch
 from engine_helpers import CONFIG, decode_batch, warm_up
 
 import tokenlake as tl
-from tokenlake.engines import doorbell
 from tokenlake.engines.dataplane_config import PeerFailedError, RemoteEngineError
+from tokenlake.engines.transport import doorbell
 
 WAIT_BOUND_S = 5.0  # far above any answer on an idle holder; far below the watchdog
 
@@ -137,8 +137,8 @@ def test_hostile_doorbell_words_are_refused_and_the_holder_serves_on(shared_clus
 def test_cuda_doorbells_match_messages():
     """On a GPU the doorbell is rung after the origin's interprocess CUDA event is
     recorded; the holder's stream waits on that event before reading q."""
+    from tokenlake.engines.clusters.mp import MPCluster
     from tokenlake.engines.dataplane_config import DataPlaneConfig
-    from tokenlake.engines.mp_cluster import MPCluster
 
     shape = tl.ModelShape(num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=64)
     ids = np.arange(16 * 6 + 3, dtype=np.int32)

@@ -18,9 +18,9 @@ from engine_helpers import SHAPE, child_pids, shm_entries
 from harness import Harness, tokens
 
 import tokenlake as tl
+from tokenlake.engines.client.synthetic import run_iteration
+from tokenlake.engines.clusters.mp import MPCluster
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
-from tokenlake.engines.mp_cluster import MPCluster
-from tokenlake.engines.synthetic import run_iteration
 
 NUM_KILLS = int(os.environ.get("TOKENLAKE_SOAK_KILLS", "50"))
 NUM_INSTANCES, C = 4, 16

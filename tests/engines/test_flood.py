@@ -17,9 +17,9 @@ from engine_helpers import SHAPE
 from harness import Harness, tokens
 
 import tokenlake as tl
-from tokenlake.engines.auth import ClusterSecret, FrameAuth
+from tokenlake.engines.clusters.mp import MPCluster
 from tokenlake.engines.dataplane_config import DataPlaneConfig
-from tokenlake.engines.mp_cluster import MPCluster
+from tokenlake.engines.transport.auth import ClusterSecret, FrameAuth
 
 C = 16
 MIB = 1 << 20

@@ -86,8 +86,8 @@ def test_cuda_data_plane_query_matches_dense_attention(separate_hosts):
     between "hosts"), then query it from the other instance; compare with dense attention."""
     pytest.importorskip("flashinfer")
     import tokenlake as tl
+    from tokenlake.engines.clusters.mp import MPCluster
     from tokenlake.engines.dataplane_config import DataPlaneConfig
-    from tokenlake.engines.mp_cluster import MPCluster
 
     shape = tl.ModelShape(
         num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype="bfloat16"

@@ -15,10 +15,10 @@ from engine_helpers import SHAPE, child_pids, shm_entries
 from harness import Harness, tokens
 
 import tokenlake as tl
-from tokenlake.engines import messages
-from tokenlake.engines.auth import ClusterSecret, FrameAuth
+from tokenlake.engines.clusters.mp import MPCluster
 from tokenlake.engines.dataplane_config import DataPlaneConfig
-from tokenlake.engines.mp_cluster import MPCluster
+from tokenlake.engines.transport import messages
+from tokenlake.engines.transport.auth import ClusterSecret, FrameAuth
 
 NUM_FRAMES = 72
 SLOTS, C = 32, 16

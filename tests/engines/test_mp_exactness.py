@@ -1,5 +1,5 @@
 """The foundation's exactness grid against the multi-process data plane: query + local
-self-attention, merged, equals monolithic causal attention (DESIGN §3.1), with the engines
+self-attention, merged, equals monolithic causal attention (docs/architecture.md#one-iterations-life), with the engines
 running as separate processes sharing buffers."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from harness import dop_split_and_spread, prefill_decode_dedup_multiturn, tokens
 
 import tokenlake as tl
-from tokenlake.engines.engine_client import EngineClient
+from tokenlake.engines.client.engine_client import EngineClient
 from tokenlake.errors import InvalidArgumentError, StalePlanError
 
 GRID = [

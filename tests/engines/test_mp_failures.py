@@ -14,8 +14,8 @@ import pytest
 from engine_helpers import CONFIG, decode_batch, warm_up
 
 import tokenlake as tl
+from tokenlake.engines.client.synthetic import run_iteration
 from tokenlake.engines.dataplane_config import PeerFailedError
-from tokenlake.engines.synthetic import run_iteration
 
 KILL_AFTER_S = 0.5
 DEATH_BOUND_S = 5.0  # a dead peer is noticed by its exit, long before the timeout

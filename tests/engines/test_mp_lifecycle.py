@@ -11,10 +11,10 @@ from engine_helpers import SHAPE, child_pids, shm_entries
 from harness import tokens
 
 import tokenlake as tl
-from tokenlake.engines import launcher
+from tokenlake.engines.client.synthetic import SyntheticModel, run_iteration
+from tokenlake.engines.clusters import launcher
+from tokenlake.engines.clusters.mp import MPCluster
 from tokenlake.engines.dataplane_config import DataPlaneConfig
-from tokenlake.engines.mp_cluster import MPCluster
-from tokenlake.engines.synthetic import SyntheticModel, run_iteration
 
 
 def _alive(pid: int) -> bool:

@@ -11,8 +11,8 @@ from harness import Harness, tokens
 
 import tokenlake as tl
 from tokenlake.cluster.balancer import BalancerConfig
+from tokenlake.engines.clusters.mp import MPCluster
 from tokenlake.engines.dataplane_config import DataPlaneConfig
-from tokenlake.engines.mp_cluster import MPCluster
 
 CONFIG = DataPlaneConfig(max_q_rows=512, max_kv_rows=512, timeout_s=8.0, separate_hosts=True)
 NUM_INSTANCES = 2

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import tokenlake as tl
-from tokenlake.engines import messages, puts
-from tokenlake.engines.kv_pool import KVPool
-from tokenlake.engines.shared_buffers import InstanceBuffers, Layout
+from tokenlake.engines.core import puts
+from tokenlake.engines.core.kv_pool import KVPool
+from tokenlake.engines.core.shared_buffers import InstanceBuffers, Layout
+from tokenlake.engines.transport import messages
 
 SHAPE = tl.ModelShape(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8)
 
@@ -148,7 +149,7 @@ def test_copy_segment_copies_the_first_tokens_of_every_layer():
 
 def test_pool_config_accepts_exactly_the_kernels_dtypes_of_its_device():
     from tokenlake.config import KERNEL_DTYPES
-    from tokenlake.engines.local_cluster import LocalCluster
+    from tokenlake.engines.clusters.local import LocalCluster
 
     for device, dtypes in KERNEL_DTYPES.items():
         for dtype in ("float32", "bfloat16", "float16"):

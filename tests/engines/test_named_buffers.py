@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tokenlake.config import ModelShape
-from tokenlake.engines.shared_buffers import InstanceBuffers, Layout
+from tokenlake.engines.core.shared_buffers import InstanceBuffers, Layout
 from tokenlake.errors import InvalidArgumentError
 
 LAYOUT = Layout(ModelShape(2, 4, 2, 8, "float32"), 2, 6, 4, 16, 16)

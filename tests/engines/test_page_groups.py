@@ -1,4 +1,4 @@
-"""Shared-page groups (engines/page_groups.py, BoundPart): every row still attends to
+"""Shared-page groups (engines/core/page_groups.py, BoundPart): every row still attends to
 exactly its own pages, each shared page is read once, and the merged result equals the
 monolithic reference (the torch backend over the part as it was)."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tokenlake.engines import kernels
-from tokenlake.engines.executor import BoundPart, merge_states
-from tokenlake.engines.page_groups import group_shared_pages, read_tokens
+from tokenlake.engines.core.executor import BoundPart, merge_states
+from tokenlake.engines.core.page_groups import group_shared_pages, read_tokens
 from tokenlake.plans import HolderPart
 
 PAGE_LEN = 8

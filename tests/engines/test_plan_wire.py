@@ -13,8 +13,8 @@ import pytest
 from harness import tokens
 
 import tokenlake as tl
-from tokenlake.planning import wire as plan_wire
-from tokenlake.planning.wire import PlanLimits
+from tokenlake import plan_wire
+from tokenlake.plan_wire import PlanLimits
 from tokenlake.wire import WireError
 
 SHAPE = tl.ModelShape(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import tokenlake as tl
-from tokenlake.engines import puts
+from tokenlake.engines.core import puts
+from tokenlake.engines.core.kv_pool import KVPool
 from tokenlake.engines.kernels import cpu
-from tokenlake.engines.kv_pool import KVPool
 
 ALWAYS, NEVER = 0, 1 << 62  # min_parallel_bytes: split every put / none
 
@@ -145,8 +145,8 @@ def test_hostile_runs_are_rejected_before_any_write(threshold):
 def test_engine_put_splits_by_the_configured_threshold():
     """Through the engine clients, a put split on every call (threshold 0) and one never split
     store the same bytes, which are the planned rows of every destination."""
+    from tokenlake.engines.clusters.local import LocalCluster
     from tokenlake.engines.dataplane_config import DataPlaneConfig
-    from tokenlake.engines.local_cluster import LocalCluster
 
     shape = tl.ModelShape(2, 4, 2, 8, "float32")
     cfg = tl.PoolConfig(shape, 2, num_slots=16, segment_len=8)

@@ -23,12 +23,12 @@ from engine_helpers import SHAPE
 from harness import Harness, program_error, tokens
 
 import tokenlake as tl
-from tokenlake.engines.compute_process import ComputeProcesses
+from tokenlake.engines.client.synthetic import SyntheticProgram
+from tokenlake.engines.clusters.compute_process import ComputeProcesses
+from tokenlake.engines.clusters.launcher import process_context
+from tokenlake.engines.clusters.mp import MPCluster
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
-from tokenlake.engines.launcher import process_context
-from tokenlake.engines.mp_cluster import MPCluster
-from tokenlake.engines.peers import LauncherId
-from tokenlake.engines.synthetic import SyntheticProgram
+from tokenlake.engines.transport.peers import LauncherId
 
 N, C, SLOTS = 4, 16, 64
 MAX_STEPS = 60  # per kill: the loop is bounded, a kill never seen fails the test

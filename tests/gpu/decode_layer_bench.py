@@ -16,10 +16,10 @@ import time
 import numpy as np
 import torch
 
+from tokenlake.engines.client.prefix_attention import PrefixAttention
+from tokenlake.engines.core.puts import scatter_indices, scatter_rows
 from tokenlake.engines.kernels.cpu import CpuPart
 from tokenlake.engines.kernels.op_count import OpCounter
-from tokenlake.engines.prefix_attention import PrefixAttention
-from tokenlake.engines.puts import scatter_indices, scatter_rows
 
 
 def _flashinfer():

@@ -123,7 +123,7 @@ def run_valid(tally: Tally, case: Case, rng: random.Random) -> None:
 
 
 def check_merge_semantics(tally: Tally, kw: dict, results: list) -> None:
-    """DESIGN §2.2: an empty side (lse -inf) merges to the other side exactly; two empty sides
+    """docs/architecture.md#the-floors: an empty side (lse -inf) merges to the other side exactly; two empty sides
     give zeros with lse -inf."""
     lse_a, lse_b = kw["lse_a"], kw["lse_b"]
     only_a = torch.isneginf(lse_b) & ~torch.isneginf(lse_a)

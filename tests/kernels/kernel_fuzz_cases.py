@@ -1,7 +1,7 @@
 """Random kernel calls for the fuzzer: valid cases, and hostile mutations of them.
 
 A case is ``(kernel, kwargs)``; a hostile case also names the argument its error must name.
-Every mutation makes the call invalid by the documented contract (DESIGN §2.2, the kernels'
+Every mutation makes the call invalid by the documented contract (docs/architecture.md#the-floors, the kernels'
 docstrings), whatever the case it starts from; one that does not apply to a case returns None.
 """
 

@@ -1,4 +1,4 @@
-"""benchmarks/bench_attention.py runs end to end on tiny cases (its timings are not checked:
+"""benchmarks/micro/attention.py runs end to end on tiny cases (its timings are not checked:
 performance lives in the benchmark's own output), including the soft-cap timing and a
 baseline core loaded next to this build's -- here this build's own file, so outputs match."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from tokenlake import _C
-from tokenlake.benchmarks import bench_attention
+from tokenlake.benchmarks.micro import attention as bench_attention
 
 
 def test_tiny_run_prints_one_json_line_per_case(capsys):

@@ -1,4 +1,4 @@
-"""DESIGN §2.2 at the boundary, for every backend: a row that sees no key (a request without
+"""docs/architecture.md#the-floors at the boundary, for every backend: a row that sees no key (a request without
 pages, or a causal row before all of its keys) gets ``o = 0`` and ``lse = -inf``, never NaN; an
 empty side merges to the other side exactly; two empty sides merge to zeros with ``-inf``. The
 states come from the kernels themselves, not from hand-made tensors."""

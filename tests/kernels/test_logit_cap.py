@@ -11,8 +11,8 @@ import torch
 from test_partial_attention import make_case
 
 import tokenlake as tl
+from tokenlake.engines.client.prefix_attention import attend_with_prefix
 from tokenlake.engines.kernels import cpu, merge, partial_attention, self_attention
-from tokenlake.engines.prefix_attention import attend_with_prefix
 from tokenlake.errors import InvalidArgumentError
 
 BACKENDS = ["torch", "cpu"]

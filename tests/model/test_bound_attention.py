@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tokenlake.engines import kernels
+from tokenlake.engines.client.prefix_attention import PrefixAttention
 from tokenlake.engines.kernels.cpu import CpuPart
 from tokenlake.engines.kernels.reference import attend
-from tokenlake.engines.prefix_attention import PrefixAttention
 from tokenlake.errors import InvalidArgumentError
 
 I32 = dict(dtype=torch.int32)

@@ -11,7 +11,7 @@ from driver import generate
 
 import tokenlake as tl
 from tokenlake.cluster.balancer import BalancerConfig
-from tokenlake.engines.local_cluster import LocalCluster
+from tokenlake.engines.clusters.local import LocalCluster
 from tokenlake.engines.model.engine import ModelEngine
 from tokenlake.engines.model.llama import LlamaModel
 

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 import tokenlake as tl
-from tokenlake.engines import messages
-from tokenlake.engines.forward import run_forward
+from tokenlake.engines.client.forward import run_forward
+from tokenlake.engines.clusters.local import LocalCluster
 from tokenlake.engines.kernels.op_count import OpCounter
-from tokenlake.engines.local_cluster import LocalCluster
 from tokenlake.engines.model.llama import LlamaModel
+from tokenlake.engines.transport import messages
 
 VOCAB = 97
 PROMPT_LEN = 40

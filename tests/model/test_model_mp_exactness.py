@@ -8,10 +8,10 @@ from driver import generate
 from test_model_exactness import check, prompts_with_shared_prefix
 
 import tokenlake as tl
+from tokenlake.engines.clusters.mp import MPCluster
 from tokenlake.engines.dataplane_config import DataPlaneConfig
 from tokenlake.engines.model.engine import ModelEngine
 from tokenlake.engines.model.llama import LlamaModel
-from tokenlake.engines.mp_cluster import MPCluster
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenlake.engines.client.prefix_attention import attend_with_prefix
 from tokenlake.engines.kernels.reference import attend
-from tokenlake.engines.prefix_attention import attend_with_prefix
 from tokenlake.errors import InvalidArgumentError
 
 

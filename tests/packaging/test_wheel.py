@@ -31,8 +31,8 @@ TINY_POOL = textwrap.dedent(
     import sys
     import numpy as np
     import tokenlake as tl
-    from tokenlake.engines.local_cluster import LocalCluster
-    from tokenlake.engines.synthetic import SyntheticModel, run_iteration
+    from tokenlake.engines.clusters.local import LocalCluster
+    from tokenlake.engines.client.synthetic import SyntheticModel, run_iteration
 
     shape = tl.ModelShape(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
     pool = tl.Pool(tl.PoolConfig(shape, num_instances=2, num_slots=32, segment_len=8))
@@ -88,10 +88,10 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
         entry_points = z.read(meta.replace("METADATA", "entry_points.txt")).decode()
     assert any(n.startswith("tokenlake/_C") and n.endswith((".so", ".pyd")) for n in names)
     for module in (
-        "engines/mp_cluster.py",
+        "engines/clusters/mp.py",
         "scheduler/scheduler.py",
-        "serve/api.py",
-        "benchmarks/goodput.py",
+        "serve/api/app.py",
+        "benchmarks/goodput/harness.py",
         "cli/main.py",
         "benchmarks/data/conversation_trace_head1000.jsonl.gz",
     ):

@@ -1,5 +1,5 @@
 """Helpers of the Ray launch tests: waiting for processes and conditions, one completion
-request, the ``tokenlake.serve.launch`` command line, and what a launch leaves on the machine
+request, the ``tokenlake.serve.ray.cli`` command line, and what a launch leaves on the machine
 (its shared memory and secret directories, its processes), found by its own launch id or pid
 so that other runs on the machine are never counted."""
 
@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from tokenlake.serve import ray_buffers
+from tokenlake.serve.ray import buffers as ray_buffers
 
 C = 16  # segment length of every launch here
 ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -45,7 +45,7 @@ def complete(url: str, prompt, n: int) -> dict:
 
 
 def launch_command(name: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "tokenlake.serve.launch", "--name", name, "--instances", "1",
+    return [sys.executable, "-m", "tokenlake.serve.ray.cli", "--name", name, "--instances", "1",
             "--cpus-per-instance", "0.5", "--segment-len", str(C), "--num-slots", "64",
             "--chunk-len", "64", "--no-profile", "--port", "0", "--host", "127.0.0.1",
             *extra]  # fmt: skip

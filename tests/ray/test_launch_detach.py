@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.serve import launch
+from tokenlake.serve.ray import cli as launch
 
 
 class NoLaunch:
@@ -23,7 +23,7 @@ class NoLaunch:
 
 @pytest.fixture
 def no_ray_start(monkeypatch):
-    ray_launch = pytest.importorskip("tokenlake.serve.ray_launch")
+    ray_launch = pytest.importorskip("tokenlake.serve.ray.launch")
     monkeypatch.setattr(ray_launch, "Launch", NoLaunch)
     monkeypatch.setattr(ray_launch, "connect", NoLaunch)
     monkeypatch.setattr(ray_launch, "stop_detached", NoLaunch)
@@ -53,7 +53,7 @@ def test_run_refuses_a_parsed_detach_without_address(no_ray_start, capsys):
 
 
 def test_launch_options_refuse_detach_without_address():
-    ray_launch = pytest.importorskip("tokenlake.serve.ray_launch")
+    ray_launch = pytest.importorskip("tokenlake.serve.ray.launch")
     layout = launch.layout_of(launch.build_parser().parse_args(["--instances", "2"]))
     args = launch.build_parser().parse_args(["--instances", "2", "--detach"])
     with pytest.raises(InvalidArgumentError, match="^detach: needs an address"):
@@ -77,7 +77,7 @@ def test_the_refused_command_starts_no_ray():
     assert out.stdout.strip() == "exit 2 False", (out.stdout, out.stderr[-2000:])
     assert_names_the_fix(out.stderr)
     cmd = subprocess.run(
-        [sys.executable, "-m", "tokenlake.serve.launch", "--detach"],
+        [sys.executable, "-m", "tokenlake.serve.ray.cli", "--detach"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert cmd.returncode == 2 and "serving" not in cmd.stdout

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.serve import launch
-from tokenlake.serve.launch_config import (
+from tokenlake.serve.ray import cli as launch
+from tokenlake.serve.ray.config import (
     LaunchLayout,
     layout_from,
     parse_nodes,

@@ -30,16 +30,17 @@ from harness import program_error
 from ray_helpers import ENV, C, complete, gone, launch_command, launch_files, wait_until
 
 import tokenlake as tl
-from tokenlake.engines import messages
-from tokenlake.engines.auth import ClusterSecret, FrameAuth
-from tokenlake.engines.cluster_base import layout_for
+from tokenlake.engines.client.synthetic import SyntheticModel, SyntheticProgram
+from tokenlake.engines.clusters.base import layout_for
 from tokenlake.engines.dataplane_config import DataPlaneConfig
-from tokenlake.engines.synthetic import SyntheticModel, SyntheticProgram
-from tokenlake.serve import ray_buffers, ray_placement
+from tokenlake.engines.transport import messages
+from tokenlake.engines.transport.auth import ClusterSecret, FrameAuth
 from tokenlake.serve.config import ServeConfig
-from tokenlake.serve.launch_config import LaunchLayout
-from tokenlake.serve.ray_dataplane import DataPlaneSetup, RayDataPlane
-from tokenlake.serve.ray_launch import Launch, LaunchOptions
+from tokenlake.serve.ray import buffers as ray_buffers
+from tokenlake.serve.ray import placement as ray_placement
+from tokenlake.serve.ray.config import LaunchLayout
+from tokenlake.serve.ray.dataplane import DataPlaneSetup, RayDataPlane
+from tokenlake.serve.ray.launch import Launch, LaunchOptions
 
 ray = pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
@@ -257,7 +258,7 @@ def test_cli_detached_launch_serves_and_stops_by_name(ray_cluster, reference):
     assert launch_files(launch_id)
     prompt = list(range(60, 60 + 2 * C))
     assert complete(url, prompt, 6)["token_ids"] == reference(prompt, 6)
-    stop = [sys.executable, "-m", "tokenlake.serve.launch", "--address", ray_cluster.address,
+    stop = [sys.executable, "-m", "tokenlake.serve.ray.cli", "--address", ray_cluster.address,
             "--name", "tlcli", "--stop"]  # fmt: skip
     out = subprocess.run(stop, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]

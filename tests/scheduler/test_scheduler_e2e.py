@@ -11,8 +11,8 @@ from scheduler_cases import LATENCY, SHAPE, C
 import tokenlake as tl
 from tokenlake.cluster.load_model import LoadModel
 from tokenlake.cluster.profiles import A100_80G, LLAMA2_7B
-from tokenlake.engines.local_cluster import LocalCluster
-from tokenlake.engines.synthetic import SyntheticModel, run_iteration
+from tokenlake.engines.client.synthetic import SyntheticModel, run_iteration
+from tokenlake.engines.clusters.local import LocalCluster
 from tokenlake.scheduler import (
     DECODE,
     PREFILL,

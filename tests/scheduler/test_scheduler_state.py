@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import tokenlake as tl
-from tokenlake.engines.local_cluster import LocalCluster
-from tokenlake.engines.synthetic import SyntheticModel, run_iteration
+from tokenlake.engines.client.synthetic import SyntheticModel, run_iteration
+from tokenlake.engines.clusters.local import LocalCluster
 from tokenlake.scheduler import Coeffs, ElasticScheduler, LatencyModel, SchedulerConfig
 from tokenlake.scheduler.request import Phase
 

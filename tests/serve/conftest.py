@@ -7,9 +7,9 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
+from tokenlake.serve.api.http_server import HTTPServer  # noqa: E402
 from tokenlake.serve.build import build  # noqa: E402
 from tokenlake.serve.config import ServeConfig  # noqa: E402
-from tokenlake.serve.http_server import HTTPServer  # noqa: E402
 
 CONFIG = ServeConfig(
     num_instances=2, segment_len=8, num_slots=256, chunk_len=32, max_num_seqs=16,

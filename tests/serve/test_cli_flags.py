@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tokenlake.serve import cli, launch
+from tokenlake.serve import cli
 from tokenlake.serve.cli_flags import add_config_flags, config_from_namespace
 from tokenlake.serve.config import DATA_PLANES, DTYPES, SCHEDULER_MODES, ServeConfig
+from tokenlake.serve.ray import cli as launch
 
 # the flags users, docs and scripts already use (written out, not derived from the config)
 EXISTING_FLAGS = [

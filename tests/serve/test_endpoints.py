@@ -11,10 +11,10 @@ import httpx
 import pytest
 
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.serve.api_auth import load_api_key
+from tokenlake.serve.api.auth import load_api_key
+from tokenlake.serve.api.http_server import HTTPServer
 from tokenlake.serve.build import build
 from tokenlake.serve.config import ServeConfig
-from tokenlake.serve.http_server import HTTPServer
 
 openai = pytest.importorskip("openai")
 KEY = "sk-test-4f2a9c"

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 import tokenlake as tl  # noqa: E402
 from tokenlake.cluster.balancer import BalancerConfig  # noqa: E402
-from tokenlake.serve.metrics import EngineCollector, PoolCollector  # noqa: E402
+from tokenlake.serve.metrics.collector import EngineCollector, PoolCollector  # noqa: E402
 
 C = 16
 
@@ -86,8 +86,8 @@ def test_a_plain_program_exports_pool_and_engine_metrics():
 
 
 def test_engine_processes_report_calls_latency_and_errors():
+    from tokenlake.engines.clusters.mp import MPCluster
     from tokenlake.engines.dataplane_config import DataPlaneConfig
-    from tokenlake.engines.mp_cluster import MPCluster
 
     h = Harness(num_instances=2, segment_len=C, num_slots=64, backend="cpu")
     with MPCluster(h.pool.config, DataPlaneConfig(separate_hosts=True), backend="cpu") as cluster:

@@ -16,8 +16,8 @@ pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from tokenlake.serve.metrics_engines import EngineCollector  # noqa: E402
-from tokenlake.serve.metrics_requests import RequestMetrics  # noqa: E402
+from tokenlake.serve.metrics.engines import EngineCollector  # noqa: E402
+from tokenlake.serve.metrics.requests import RequestMetrics  # noqa: E402
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
 MODEL = {"model_name": "tiny-random"}

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from tokenlake.serve.build import build  # noqa: E402
 from tokenlake.serve.config import ServeConfig  # noqa: E402
-from tokenlake.serve.metrics import server_registry  # noqa: E402
+from tokenlake.serve.metrics.collector import server_registry  # noqa: E402
 from tokenlake.serve.request import GenerationRequest  # noqa: E402
 
 NUM_STREAMS = 6

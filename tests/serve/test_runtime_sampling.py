@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tokenlake as tl
-from tokenlake.engines.local_cluster import LocalCluster
+from tokenlake.engines.clusters.local import LocalCluster
 from tokenlake.engines.model.engine import ModelEngine
 from tokenlake.engines.model.llama import LlamaModel
 from tokenlake.engines.model.sampling import SamplingParams, sample

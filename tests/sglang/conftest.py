@@ -2,9 +2,15 @@
 
 SGLang's attention modules import ``torchvision`` (through its multimodal configs), which
 cannot be installed next to CPU torch (pip swaps torch for a CUDA build); nothing these tests
-run uses it, so a stub stands in for it here, and only here.
+run uses it, so a stand-in for it is installed here, from the CPU-test support folder
+(``cpu_support/``, which also serves the real SGLang servers these tests start).
 """
 
 from __future__ import annotations
 
-import torchvision_stub  # noqa: F401  (installs the stub before any sglang import)
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent / "cpu_support"))
+
+import torchvision_stub  # noqa: E402, F401  (installs the stand-in before any sglang import)

@@ -113,8 +113,8 @@ class Workers:
     ) -> None:
         """``join``: each worker gets only strings (the service's endpoint, the secret's file,
         its instance id) and joins by name, as a separate SGLang server would."""
-        from tokenlake.engines.launcher import Started, process_context
-        from tokenlake.engines.sglang.shared_runtime import WorkerAttachment
+        from tokenlake.engines.clusters.launcher import Started, process_context
+        from tokenlake.engines.sglang.attach import WorkerAttachment
 
         ctx = process_context()
         self.timeout_s = timeout_s
@@ -152,7 +152,7 @@ class Workers:
         self.procs[i].kill()
 
     def close(self) -> None:
-        from tokenlake.engines.launcher import stop_processes
+        from tokenlake.engines.clusters.launcher import stop_processes
 
         for i, conn in enumerate(self.conns):
             if self.procs[i].alive():
@@ -172,8 +172,8 @@ def shared_pool(
     joins knowing only the endpoint, the secret's file and its instance id. Yields
     ``(pool, cluster, service, workers)``; stops everything on the way out."""
     from tokenlake.config import ModelShape, PoolConfig
+    from tokenlake.engines.clusters.mp import MPCluster
     from tokenlake.engines.dataplane_config import DataPlaneConfig
-    from tokenlake.engines.mp_cluster import MPCluster
     from tokenlake.engines.sglang.control_service import ControlService
     from tokenlake.pool import Pool
 

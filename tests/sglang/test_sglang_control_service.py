@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 import zmq
 
-from tokenlake import wire
+from tokenlake import plan_wire, wire
 from tokenlake.config import ModelShape, PoolConfig
-from tokenlake.engines.auth import ClusterSecret, FrameAuth
 from tokenlake.engines.dataplane_config import PeerFailedError
 from tokenlake.engines.sglang.control_service import ControlService
 from tokenlake.engines.sglang.shared_runtime import ControlClient
+from tokenlake.engines.transport.auth import ClusterSecret, FrameAuth
 from tokenlake.errors import InvalidArgumentError, TokenLakeError
-from tokenlake.planning import wire as plan_wire
 from tokenlake.plans import Chunk
 from tokenlake.pool import Pool
 

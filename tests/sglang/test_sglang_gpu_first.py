@@ -83,8 +83,8 @@ def test_float16_passes_the_kernels_checks_on_cuda_only() -> None:
     on CUDA (FlashInfer's paths do; not run on a GPU here) and refuse it by name on the CPU."""
     import numpy as np
 
+    from tokenlake.engines.client.prefix_attention import PrefixAttention
     from tokenlake.engines.kernels.inputs import check_dtype_on
-    from tokenlake.engines.prefix_attention import PrefixAttention
     from tokenlake.errors import InvalidArgumentError
 
     check_dtype_on("q", torch.float16, torch.device("cuda"))

@@ -141,8 +141,8 @@ def _segments_of(host) -> list[str]:
     """The host's shared memory segments, from its ``attach`` answer."""
     import zmq
 
-    from tokenlake.engines.auth import ClusterSecret, FrameAuth
     from tokenlake.engines.sglang.shared_runtime import ControlClient
+    from tokenlake.engines.transport.auth import ClusterSecret, FrameAuth
 
     ctx = zmq.Context()
     try:

@@ -15,9 +15,9 @@ import pytest
 
 sgl_world = pytest.importorskip("sgl_world", reason="sglang is not installed")
 
-from tokenlake.engines import messages  # noqa: E402
 from tokenlake.engines.kernels.op_count import OpCounter  # noqa: E402
 from tokenlake.engines.sglang.config import SGLangPoolConfig  # noqa: E402
+from tokenlake.engines.transport import messages  # noqa: E402
 
 PROMPT_LEN = 40
 SEGMENT_LEN = 4

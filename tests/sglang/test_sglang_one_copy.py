@@ -17,8 +17,8 @@ mp_world = pytest.importorskip("mp_world")
 import torch  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 
-from tokenlake.serve.metrics import render  # noqa: E402
-from tokenlake.serve.sglang_metrics import shared_pool_registry  # noqa: E402
+from tokenlake.serve.metrics.collector import render  # noqa: E402
+from tokenlake.serve.metrics.sglang import shared_pool_registry  # noqa: E402
 
 TOL = sgl_world.TOLERANCE
 tokens = sgl_world.tokens

@@ -96,3 +96,23 @@ def test_only_what_sglang_lacks_is_loaded() -> None:
     assert torch.equal(path[:10], owned.to(path.dtype))
     w.add("q", ids + [5, 6], prefix_slots=path.tolist())
     assert w.step({"q": 4}) <= TOL
+
+
+def test_a_capped_match_loads_only_up_to_the_cap_and_leaks_no_slot() -> None:
+    """SGLang caps a request's match below its length (``RadixKey.limit``: input_len - 1)
+    without slicing the key's tokens. Loading past the cap took slots the tree never kept:
+    SGLang's idle check then failed with ``pool memory leak detected``."""
+    w, cache = setup(1, 8)
+    ids = sgl_world.tokens(5, 21)
+    w.add("p", ids + [1])
+    assert w.step({"p": 21}) <= TOL  # the pool holds all 21 (two segments and a tail)
+    w.release("p")
+    w.add("z", sgl_world.tokens(6, 2))
+    assert w.step({"z": 2}) <= TOL  # finishes "p" in the pool
+    free_before, evictable_before = w.allocator.available_size(), cache.evictable_size()
+    capped = RadixKey(array("q", ids), limit=len(ids) - 1)  # as the scheduler asks
+    m = cache.match_prefix(MatchPrefixParams(key=capped))
+    assert m.device_prefix_len == 20 == cache.num_loaded_tokens
+    # SGLang's invariant: every slot is free, or in the tree (nothing is running)
+    assert w.allocator.available_size() == free_before - 20
+    assert cache.evictable_size() == evictable_before + 20

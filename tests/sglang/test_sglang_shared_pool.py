@@ -11,8 +11,8 @@ import pytest
 sgl_world = pytest.importorskip("sgl_world", reason="sglang is not installed")
 mp_world = pytest.importorskip("mp_world")
 
-from tokenlake.serve.metrics import render  # noqa: E402
-from tokenlake.serve.sglang_metrics import shared_pool_registry  # noqa: E402
+from tokenlake.serve.metrics.collector import render  # noqa: E402
+from tokenlake.serve.metrics.sglang import shared_pool_registry  # noqa: E402
 
 TOL = sgl_world.TOLERANCE
 tokens = sgl_world.tokens

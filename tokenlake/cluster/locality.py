@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tokenlake.cluster.balancer import BalancerConfig
-from tokenlake.iteration.chunk_set import ChunkSet
+from tokenlake.planning.chunk_set import ChunkSet
 from tokenlake.tree.segment_table import SegmentTable
 
 # below any real load (between -1e300 and -2e300, finite): the replica choice's lower-load

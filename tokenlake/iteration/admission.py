@@ -10,8 +10,8 @@ from operator import attrgetter, is_not
 import numpy as np
 
 from tokenlake.errors import InvalidArgumentError, IterationStateError
-from tokenlake.iteration.chunk_set import ChunkSet
 from tokenlake.iteration.requests import PlannedChunk, RequestState
+from tokenlake.planning.chunk_set import ChunkSet
 from tokenlake.planning.dispatch import hungarian_dispatch
 from tokenlake.plans import Chunk
 from tokenlake.tree.prefix_tree import PrefixMatch, PrefixTree

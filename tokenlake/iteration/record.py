@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tokenlake.iteration.chunk_set import ChunkSet
 from tokenlake.iteration.requests import PlannedChunk
 from tokenlake.planning.builder import Traffic
+from tokenlake.planning.chunk_set import ChunkSet
 from tokenlake.planning.page_gather import Reads
 from tokenlake.plans import Plans
 from tokenlake.tree.prefix_tree import Evicted, Location, Node

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenlake import _C
-from tokenlake.iteration.chunk_set import ChunkSet
+from tokenlake.planning.chunk_set import ChunkSet
 from tokenlake.planning.dispatch import hungarian_dispatch, traffic_cost
 from tokenlake.planning.page_gather import PageGatherer, PagePlan, Reads
 from tokenlake.plans import Plans, QueryPlan, TransferPlan, read_only

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 
 from tokenlake import _C
-from tokenlake.iteration.chunk_set import ChunkSet, Pieces
+from tokenlake.planning.chunk_set import ChunkSet, Pieces
 from tokenlake.plans import read_only
 from tokenlake.tree.segment_table import SegmentTable
 

@@ -6,28 +6,16 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.tree.node import Location, Node
+from tokenlake.tree import host_tier
+from tokenlake.tree.node import REPLICA, Evicted, Location, Node
 
 if TYPE_CHECKING:
     from tokenlake.tree.index import TreeIndex
-
-
-class Evicted(NamedTuple):
-    """Undo record of one eviction: enough to put the replica (and, for a last copy, the
-    node) back exactly where it was, LRU position and access count included."""
-
-    node: Node
-    location: Location
-    stamp: int  # the replica's LRU stamp
-    parent: Node | None  # the node's parent when this was its last copy, else None
-    access: float  # raw (scaled) access count of a node that left the tree
-    access_scale: float  # the table's access scale then
-    position: int  # the replica's index among the node's replicas
 
 
 def evict_lru(
@@ -86,7 +74,7 @@ class EvictionScan:
     replicas less evictable, except that a node whose last child left may now go. So the
     walk resumes after the last victim, and such a parent, if it lies behind the walk, is
     tried first (in the order's own order): the victims are the ones a search from the
-    head would choose (tests/control/test_eviction_scan.py checks this against it)."""
+    head would choose (tests/tokenlake/test_eviction_scan.py checks this against it)."""
 
     def __init__(self) -> None:
         self._journal: list[Evicted] | None = None

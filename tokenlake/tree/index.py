@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from tokenlake.keys import SegmentHasher
+    from tokenlake.tree.host_tier import HostTier
     from tokenlake.tree.node import Location, Node, PendingInserts
     from tokenlake.tree.policy import EvictionPolicy
     from tokenlake.tree.replica_lru import ReplicaLRU
@@ -25,6 +26,7 @@ class TreeIndex(Protocol):
     lru: ReplicaLRU
     pending: PendingInserts
     policy: EvictionPolicy
+    tier: HostTier
 
     @property
     def num_nodes(self) -> int: ...
@@ -45,6 +47,8 @@ class TreeIndex(Protocol):
         self, node: Node, location: Location, stamp: int | None = None, position: int = -1
     ) -> None: ...
 
-    def remove_replica(self, node: Node, instance_id: int) -> Location: ...
+    def remove_replica(self, node: Node, instance_id: int, keep: bool = False) -> Location: ...
+
+    def detach(self, node: Node) -> None: ...
 
     def reattach(self, node: Node, parent: Node, access: float) -> None: ...

@@ -12,6 +12,11 @@ It is exact because "pinned or read" is closed under ancestors (a request pins a
 its whole prefix, a copy-on-extend source is pinned with its path, a replication source is
 read with its whole path), so a row neither pinned nor read never has a pinned or read
 descendant, and its whole subtree can go leaf by leaf.
+
+**The host tier.** ``tier_block[idx]`` is the host-tier block of a segment evicted from the
+pool into the tier (``-1``: none), ``tier_ready[idx]`` whether its copy there is complete
+(a demotion's copy runs with the iteration that evicted it). Such a row has no replica; see
+:mod:`tokenlake.tree.host_tier`.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class SegmentTable:
         self.in_tree = np.zeros(capacity, dtype=bool)  # private rows never count as evictable
         self.evictable = np.zeros(capacity, dtype=np.int32)  # this row's share of num_evictable
         self.access = np.zeros(capacity, dtype=np.float64)
+        self.tier_block = np.full(capacity, -1, dtype=np.int32)
+        self.tier_ready = np.zeros(capacity, dtype=bool)
         self.access_scale = 1.0
         self.num_evictable = 0
         self._free = list(range(capacity - 1, -1, -1))
@@ -69,6 +76,8 @@ class SegmentTable:
         self.readers[idx] = 0
         self.evictable[idx] = 0
         self.access[idx] = 0.0
+        self.tier_block[idx] = -1
+        self.tier_ready[idx] = False
         self.rep_inst[idx] = -1
         self.rep_slot[idx] = -1
         return idx
@@ -78,6 +87,8 @@ class SegmentTable:
             raise InvalidArgumentError(f"idx: segment {idx} is not allocated")
         if self.pins[idx] or self.readers[idx]:
             raise InvalidArgumentError(f"idx: segment {idx} is pinned or read")
+        if self.tier_block[idx] >= 0:
+            raise InvalidArgumentError(f"idx: segment {idx} still holds a host-tier block")
         self.num_evictable -= int(self.evictable[idx])
         self._live[idx] = False
         self.in_tree[idx] = False
@@ -128,10 +139,11 @@ class SegmentTable:
     def _grow(self) -> None:
         old = self.capacity
         new = old * 2
-        for name in ("rep_inst", "rep_slot"):
+        for name in ("rep_inst", "rep_slot", "tier_block"):
             arr = getattr(self, name)
             setattr(self, name, np.concatenate([arr, np.full_like(arr, -1)]))
-        for name in ("num_replicas", "pins", "readers", "in_tree", "evictable", "access", "_live"):
+        for name in ("num_replicas", "pins", "readers", "in_tree", "evictable", "access",
+                     "tier_ready", "_live"):  # fmt: skip
             arr = getattr(self, name)
             setattr(self, name, np.concatenate([arr, np.zeros_like(arr)]))
         self._free.extend(range(new - 1, old - 1, -1))

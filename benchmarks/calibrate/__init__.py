@@ -1,0 +1,1 @@
+"""Measuring the real system to set and check the simulator: the hardware profile, the serving path's cost, the step-time cross-check and the simulator against the real cluster. Imports benchmarks.sim, benchmarks.real and benchmarks.wallclock; nothing below imports it."""

@@ -1,0 +1,1 @@
+"""The goodput harness (`tokenlake goodput`): its options, runs, reports and plots. Imports benchmarks.sim and benchmarks.workloads."""

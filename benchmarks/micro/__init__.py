@@ -1,0 +1,1 @@
+"""Micro-benchmarks (`tokenlake bench NAME`): kernels, data plane, model engine, plans, scheduler. Imports product code only."""

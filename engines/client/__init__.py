@@ -1,0 +1,1 @@
+"""What a compute engine uses: the engine client of one instance, its driver, the iteration forward and the shared prefix-attention step. Imports engines.core, engines.transport, engines.kernels; never engines.clusters."""

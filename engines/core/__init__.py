@@ -1,0 +1,1 @@
+"""The engines themselves (the query and transfer engine, the executor of plans, puts, plan checks, the merge of states, an instance's shared buffers and slots). Imports tokenlake's public face, engines.transport and engines.kernels; never engines.clusters, engines.client or engines.sglang."""

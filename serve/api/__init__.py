@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API: the app, its routes, request bodies, auth, limits, errors, log-probabilities, detokenization and the uvicorn runner. Imports serve's runtime modules and serve.metrics; nothing imports it but serve.cli and serve.build."""

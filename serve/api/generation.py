@@ -1,0 +1,260 @@
+"""Running one HTTP request's prompts through the runtime: checks of the body, tokenization
+(on a worker thread, so a large prompt never blocks the event loop), submission (``best_of``
+or ``n`` runtime requests per prompt), the stream of text deltas as tokens arrive
+(detokenized on a worker thread too), and the choice of the ``n`` best by cumulative
+log-probability."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from tokenlake.engines.model.sampling import SamplingParams
+from tokenlake.errors import InvalidArgumentError
+from tokenlake.serve.api.errors import APIError, shown
+from tokenlake.serve.api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from tokenlake.serve.api.state import APIState
+from tokenlake.serve.api.text import TextStream
+from tokenlake.serve.request import GenerationRequest, TokenEvent
+
+DISCONNECT_POLL_S = 0.5
+MAX_SAMPLED_SEQUENCES = 1024  # prompts x best_of of one request, when best_of or n > 1
+
+Body = CompletionRequest | ChatCompletionRequest
+
+
+@dataclass(eq=False)
+class Choice:
+    """One generation inside an HTTP request: ``prompt_index`` of its prompt, ``sample`` of
+    that prompt's ``best_of``. ``logprobs``: ``(token_id, logprob, top)`` per generated
+    token when asked for; ``num_sent``: how many of them a stream has sent."""
+
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    text: TextStream
+    prompt_index: int = 0
+    sample: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached: int = 0
+    logprobs: list[tuple[int, float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
+    num_sent: int = 0
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp for _, lp, _ in self.logprobs)
+
+
+def check_body(state: APIState, body: Body) -> None:
+    """What the runtime cannot serve: another model's name; ``best_of`` below ``n`` or
+    over it while streaming; what is not implemented, refused by name."""
+    check_model(state, body.model)
+    if body.best_of is not None and body.best_of < body.n:
+        raise APIError(400, f"best_of: expected >= n={body.n}, got {body.best_of}", param="best_of")
+    if body.stream and num_samples(body) > body.n:
+        raise APIError(400, "best_of: must equal n when streaming", param="best_of")
+    if body.response_format is not None and body.response_format != {"type": "text"}:
+        raise APIError(400, "response_format: not implemented (only {'type': 'text'})",
+                       param="response_format")  # fmt: skip
+    if isinstance(body, CompletionRequest):
+        if body.suffix is not None:
+            raise APIError(400, "suffix: not implemented", param="suffix")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo: prompt logprobs are not implemented; send echo or "
+                           "logprobs, not both", param="echo")  # fmt: skip
+        return
+    if body.tools and body.tool_choice not in (None, "none"):
+        raise APIError(400, "tools: tool calling is not implemented (tool_choice 'none' only)",
+                       param="tools")  # fmt: skip
+    if body.tool_choice not in (None, "none") and not body.tools:
+        raise APIError(400, f"tool_choice: not implemented, got {shown(body.tool_choice)}",
+                       param="tool_choice")  # fmt: skip
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs: needs logprobs true", param="top_logprobs")
+
+
+def check_model(state: APIState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"The model `{shown(model)}` does not exist.", "NotFoundError",
+                       param="model")  # fmt: skip
+
+
+def num_samples(body: Body) -> int:
+    """Generations per prompt: ``best_of`` when given, else ``n``."""
+    return body.best_of if body.best_of is not None else body.n
+
+
+def num_logprobs(body: Body) -> int | None:
+    """Top log-probabilities per token the runtime computes: what the client asked for;
+    0 when it asked for none but ``best_of`` must rank by cumulative log-probability."""
+    if isinstance(body, CompletionRequest):
+        asked = body.logprobs
+    else:
+        asked = (body.top_logprobs or 0) if body.logprobs else None
+    if asked is None and num_samples(body) > body.n:
+        return 0
+    return asked
+
+
+def sampling_params(body: Body, sample: int) -> SamplingParams:
+    """The runtime's parameters for generation ``sample`` of a prompt (a seeded request's
+    samples use seed + sample, as vLLM's parallel sampling does)."""
+    seed = body.seed if body.seed is None or sample == 0 else body.seed + sample
+    return SamplingParams(
+        body.temperature, body.top_p, body.top_k, seed, body.presence_penalty,
+        body.frequency_penalty, body.repetition_penalty, body.logit_bias_pairs,
+        body.min_tokens, num_logprobs(body),
+    )  # fmt: skip
+
+
+def best(choices: list[Choice], n: int) -> list[Choice]:
+    """Per prompt, the ``n`` generations of highest cumulative log-probability (ties in
+    generation order), renumbered ``prompt_index * n + rank``."""
+    chosen = []
+    for i in sorted({c.prompt_index for c in choices}):
+        group = [c for c in choices if c.prompt_index == i]
+        group.sort(key=lambda c: (-c.cumulative_logprob, c.sample))
+        for rank, c in enumerate(group[:n]):
+            c.index = i * n + rank
+            chosen.append(c)
+    return chosen
+
+
+async def encode(
+    state: APIState, prompt: str | list[int], add_special_tokens: bool = True
+) -> list[int]:
+    """The token ids of one prompt (text is tokenized on a worker thread)."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    if state.tokenizer is None:
+        raise APIError(400, "prompt: this model has no tokenizer; send token ids", param="prompt")
+    return await run_in_threadpool(state.tokenizer.encode, prompt, add_special_tokens)
+
+
+async def encode_chat(state: APIState, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+    """The chat's prompt ids: the template rendered and tokenized on a worker thread."""
+    tokenizer = state.tokenizer
+    if tokenizer is None:
+        raise APIError(400, "messages: this model has no tokenizer; use /v1/completions")
+    messages = [m.as_dict() for m in body.messages]
+
+    def render_and_encode() -> list[int]:
+        text = tokenizer.render_chat(messages, body.add_generation_prompt)
+        # the template writes the special tokens itself (as transformers' apply_chat_template)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    return await run_in_threadpool(render_and_encode)
+
+
+async def decode(state: APIState, ids: list[int]) -> str:
+    if state.tokenizer is None:
+        return ""
+    return await run_in_threadpool(state.tokenizer.decode, ids)
+
+
+def start(
+    state: APIState, body: Body, prompts: list[list[int]], max_tokens: int | None, prefix: str
+) -> tuple[str, list[Choice], asyncio.Queue[TokenEvent]]:
+    """Submit one runtime request per prompt; returns the id, the choices and their queue.
+    Nothing stays submitted when one prompt is refused."""
+    runtime = state.runtime
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+    def sink(event: TokenEvent) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    base = f"{prefix}-{uuid.uuid4().hex}"
+    choices: list[Choice] = []
+    per_prompt = num_samples(body)
+    if per_prompt > 1 and len(prompts) * per_prompt > MAX_SAMPLED_SEQUENCES:
+        raise APIError(400, f"n: {len(prompts)} prompts x {per_prompt} samples exceed "
+                       f"{MAX_SAMPLED_SEQUENCES} sequences per request", param="n")  # fmt: skip
+    params = [sampling_params(body, j) for j in range(per_prompt)]
+    for i, ids in enumerate(prompts):
+        budget = max_tokens if max_tokens is not None else runtime.max_model_len - len(ids)
+        for j in range(per_prompt):
+            index = i * per_prompt + j
+            rid = f"{base}-{index}"
+            req = GenerationRequest(
+                rid, tuple(ids), budget, params[j], frozenset(body.stop_token_ids or ()),
+                body.ignore_eos,
+            )  # fmt: skip
+            try:
+                runtime.submit(req, sink)
+            except (InvalidArgumentError, RuntimeError) as e:
+                for c in choices:
+                    runtime.cancel(c.request_id)
+                if isinstance(e, InvalidArgumentError):
+                    raise
+                raise APIError(503, str(e), "ServiceUnavailableError") from None
+            text = TextStream(state.tokenizer, body.stop_strings, body.min_tokens)
+            choices.append(Choice(index, rid, ids, text, i, j))
+    return base, choices, queue
+
+
+async def events(
+    state: APIState, choices: list[Choice], queue: asyncio.Queue[TokenEvent], request: Request
+) -> AsyncIterator[tuple[Choice, str]]:
+    """``(choice, text delta)`` as tokens arrive, until every choice finished; cancels
+    whatever is unfinished if the client goes away or the caller stops early."""
+    runtime = state.runtime
+    by_id = {c.request_id: c for c in choices}
+    loop = asyncio.get_running_loop()
+    next_check = loop.time() + DISCONNECT_POLL_S
+    try:
+        while any(c.finish_reason is None for c in choices):
+            try:
+                event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                event = None
+            if loop.time() >= next_check:  # tokens may never pause: check on a clock
+                next_check = loop.time() + DISCONNECT_POLL_S
+                if await request.is_disconnected():
+                    return
+            if event is None:
+                continue
+            c = by_id[event.request_id]
+            if c.finish_reason is not None:
+                continue
+            c.num_cached = event.num_cached_tokens
+            final = event.finish_reason is not None
+            num_tokens = len(c.text.token_ids)
+            if state.tokenizer is None:
+                delta = c.text.add(event.token_id, final=final)
+            else:  # detokenizing re-decodes the output so far: off the event loop
+                delta = await run_in_threadpool(c.text.add, event.token_id, final)
+            if len(c.text.token_ids) > num_tokens and event.logprob is not None:
+                c.logprobs.append((event.token_id, event.logprob, event.top_logprobs))
+            if final:
+                c.finish_reason = event.finish_reason
+                c.stop_reason = event.stop_reason
+            elif c.text.stopped:
+                c.finish_reason, c.stop_reason = "stop", c.text.stop_string
+                runtime.cancel(c.request_id)
+            if event.finish_reason == "error":
+                raise APIError(500, event.error or "generation failed", "InternalServerError")
+            yield c, delta
+    finally:
+        for c in choices:
+            if c.finish_reason is None:
+                runtime.cancel(c.request_id)
+
+
+def usage(choices: list[Choice]) -> dict:
+    """Token counts of a request: each prompt once, every generation (``best_of`` too)."""
+    prompt = sum(len(c.prompt_ids) for c in choices if c.sample == 0)
+    completion = sum(len(c.text.token_ids) for c in choices)
+    cached = sum(c.num_cached for c in choices if c.sample == 0)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
