@@ -20,6 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from tokenlake.benchmarks.progress import Progress
+from tokenlake.benchmarks.sim.context import SimContext
 from tokenlake.benchmarks.sim.engine import EngineConfig
 from tokenlake.benchmarks.sim.events import EventLoop
 from tokenlake.benchmarks.sim.job import Job
@@ -151,8 +152,9 @@ def _num_prefill(system: str, n: int) -> int:
     return 0
 
 
-def build_system(cfg: RunConfig, loop, timer, spec, on_finished, on_rejected, load, slos):
+def build_system(cfg: RunConfig, ctx: SimContext, slos):
     base, variants = split_system(cfg.system)
+    spec = ctx.spec
     n, p = spec.num_instances, _num_prefill(base, spec.num_instances)
     tbt_slo = slos[0] if "tbt" in variants else math.inf
     engine = EngineConfig(
@@ -177,7 +179,7 @@ def build_system(cfg: RunConfig, loop, timer, spec, on_finished, on_rejected, lo
             page_groups=cfg.page_groups and "no-groups" not in variants,
             pricing=cfg.pricing,
         )
-        return TokenLakeSystem(loop, timer, spec, on_finished, load, tl, on_rejected)
+        return TokenLakeSystem(ctx, tl)
     if base == "router":
         rule = "min_load" if "min-load" in variants else "smallest_tree"
         router = RouterConfig(miss_rule=rule, seed=cfg.seed)
@@ -185,16 +187,14 @@ def build_system(cfg: RunConfig, loop, timer, spec, on_finished, on_rejected, lo
             router = replace(
                 router, balance_abs_threshold=cfg.balance[0], balance_rel_threshold=cfg.balance[1]
             )
-        return RouterSystem(loop, timer, spec, on_finished, load, engine, router, on_rejected)
+        return RouterSystem(ctx, engine, router)
     if n < 2:
         raise ValueError(f"{cfg.system}: xPyD needs at least 2 instances, got {n}")
     conductor = ConductorConfig(slo_scale=cfg.slo_scale)
     store = cfg.mooncake_store
     if "no-store" in variants:
         store = replace(store, gb_per_node=0.0)
-    return MooncakeSystem(
-        loop, timer, spec, on_finished, load, p, engine, conductor, on_rejected, store
-    )
+    return MooncakeSystem(ctx, p, engine, conductor, store)
 
 
 def make_record(req: SimRequest, arrival_s: float, timer: CostModelTimer) -> RequestRecord:
@@ -241,7 +241,7 @@ def simulate(
         cfg.slo_scale * timer.decode_time([shortest]),
         cfg.slo_scale * timer.prefill_time([chunk], [0]) / chunk,
     )
-    system = build_system(cfg, loop, timer, spec, on_finished, on_rejected, load, slos)
+    system = build_system(cfg, SimContext(loop, timer, spec, load, on_finished, on_rejected), slos)
 
     def submit(req: SimRequest) -> None:
         rec = records[req.rid] = make_record(req, loop.now, timer)

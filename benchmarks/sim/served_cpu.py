@@ -25,6 +25,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenlake.benchmarks.sim.context import SimContext
 from tokenlake.benchmarks.sim.cpu_profile import CpuProfile
 from tokenlake.benchmarks.sim.events import EventLoop
 from tokenlake.benchmarks.sim.job import Job
@@ -95,10 +96,8 @@ class _Pool:
     def __init__(self, loop, profile, settings, load, on_done, host) -> None:
         n, seg = settings.num_instances, settings.segment_len
         timer = profile.step_timer(n, settings.num_slots * seg)
-        self.system = TokenLakeSystem(
-            loop, timer, timer.spec, on_done, load, _config(settings, profile, n), None,
-            host=host,
-        )  # fmt: skip
+        ctx = SimContext(loop, timer, timer.spec, load, on_done)
+        self.system = TokenLakeSystem(ctx, _config(settings, profile, n), host=host)
 
     def submit(self, job: Job) -> None:
         self.system.submit(job)
@@ -117,16 +116,11 @@ class _Router:
         self.loop, self.worker_of = loop, {}
         self.workers = [
             TokenLakeSystem(
-                loop,
-                timer,
-                timer.spec,
-                on_done,
-                load,
+                SimContext(loop, timer, timer.spec, load, on_done),
                 _config(settings, profile, 1),
-                None,
                 host=host,
                 load_offset=i,
-            )  # fmt: skip
+            )
             for i in range(n)
         ]
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from tokenlake.benchmarks.sim.context import SimContext
 from tokenlake.benchmarks.sim.events import EventLoop
 from tokenlake.benchmarks.sim.job import Job
 from tokenlake.benchmarks.sim.metrics import LoadTimeline, RequestRecord
@@ -153,11 +154,7 @@ def first_token_s(pricing: PricingConfig, tick: float) -> float:
     req = SimRequest(0, 0.0, 600, 4, (1, 2))
     rec = RequestRecord(0, 0.0, 600, 4, 1.0, (0.01, 0.0))
     system = TokenLakeSystem(
-        loop,
-        timer,
-        SPEC,
-        lambda job, t: None,
-        LoadTimeline(4, 1.0),
+        SimContext(loop, timer, SPEC, LoadTimeline(4, 1.0), lambda job, t: None),
         TokenLakeConfig(chunk_len=1024, max_prefill_tokens=1024, pricing=pricing),
         cpu_clock=TickingClock(tick),
     )

@@ -43,11 +43,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from tokenlake.benchmarks.sim.context import SimContext
 from tokenlake.benchmarks.sim.engine import Engine, EngineConfig
-from tokenlake.benchmarks.sim.events import EventLoop
 from tokenlake.benchmarks.sim.job import Job
-from tokenlake.benchmarks.sim.metrics import LoadTimeline
-from tokenlake.benchmarks.sim.step_timer import ClusterSpec, StepTimer
+from tokenlake.benchmarks.sim.step_timer import StepTimer
 from tokenlake.benchmarks.sim.systems.mooncake_store import MooncakeStore, MooncakeStoreConfig
 from tokenlake.benchmarks.sim.systems.radix_cache import LocalPrefixCache
 
@@ -146,25 +145,21 @@ class Conductor:
 class MooncakeSystem:
     def __init__(
         self,
-        loop: EventLoop,
-        timer: StepTimer,
-        spec: ClusterSpec,
-        on_finished: Callable[[Job, float], None],
-        load: LoadTimeline,
+        ctx: SimContext,
         num_prefill: int,
         engine_config: EngineConfig | None = None,
         conductor_config: ConductorConfig | None = None,
-        on_rejected: Callable[[Job, float, str], None] | None = None,
         store_config: MooncakeStoreConfig | None = None,
     ) -> None:
         """``store_config``: Mooncake Store's DRAM pool (default: on, 1 TiB per node; 0 GB:
         none, the cache is the prefill GPUs only)."""
+        loop, timer, spec, load = ctx.loop, ctx.timer, ctx.spec, ctx.load
         if not 0 < num_prefill < spec.num_instances:
             raise ValueError(
                 f"num_prefill: expected 1..{spec.num_instances - 1}, got {num_prefill}"
             )
         self.loop, self.timer, self.spec = loop, timer, spec
-        self.on_finished_cb, self.on_rejected_cb = on_finished, on_rejected
+        self.on_finished_cb, self.on_rejected_cb = ctx.on_finished, ctx.on_rejected
         base = engine_config or EngineConfig()
 
         def make(i: int, role: str) -> Engine:

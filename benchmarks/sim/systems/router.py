@@ -26,14 +26,12 @@ to the least-loaded worker, ties broken by fewer processed requests, then index.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from tokenlake.benchmarks.sim.context import SimContext
 from tokenlake.benchmarks.sim.engine import Engine, EngineConfig
-from tokenlake.benchmarks.sim.events import EventLoop
 from tokenlake.benchmarks.sim.job import Job
-from tokenlake.benchmarks.sim.metrics import LoadTimeline
-from tokenlake.benchmarks.sim.step_timer import ClusterSpec, StepTimer
 from tokenlake.benchmarks.sim.systems.approx_tree import ApproxTree
 from tokenlake.benchmarks.sim.systems.radix_cache import LocalPrefixCache
 
@@ -101,15 +99,12 @@ class RouterSystem:
 
     def __init__(
         self,
-        loop: EventLoop,
-        timer: StepTimer,
-        spec: ClusterSpec,
-        on_finished: Callable[[Job, float], None],
-        load: LoadTimeline,
+        ctx: SimContext,
         engine_config: EngineConfig | None = None,
         router_config: RouterConfig | None = None,
-        on_rejected: Callable[[Job, float, str], None] | None = None,
     ) -> None:
+        loop, timer, spec, load = ctx.loop, ctx.timer, ctx.spec, ctx.load
+        on_finished, on_rejected = ctx.on_finished, ctx.on_rejected
         engine_config = engine_config or EngineConfig()
         router_config = router_config or RouterConfig()
         self.loop, self.on_finished_cb, self.on_rejected_cb = loop, on_finished, on_rejected

@@ -23,10 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenlake import EvictionConfig, InvalidArgumentError, Pool, PoolConfig, PoolFullError
-from tokenlake.benchmarks.sim.events import EventLoop
+from tokenlake.benchmarks.sim.context import SimContext
 from tokenlake.benchmarks.sim.job import Job
-from tokenlake.benchmarks.sim.metrics import LoadTimeline
-from tokenlake.benchmarks.sim.step_timer import ClusterSpec, CostModelTimer
 from tokenlake.benchmarks.sim.systems.layered import PricingConfig
 from tokenlake.benchmarks.sim.systems.tokenlake_timing import Flight, SharedHost, TokenLakeTiming
 from tokenlake.benchmarks.workloads.request import prompt_tokens
@@ -67,13 +65,8 @@ class TokenLakeConfig:
 class TokenLakeSystem:
     def __init__(
         self,
-        loop: EventLoop,
-        timer: CostModelTimer,
-        spec: ClusterSpec,
-        on_finished: Callable[[Job, float], None],
-        load: LoadTimeline,
+        ctx: SimContext,
         config: TokenLakeConfig | None = None,
-        on_rejected: Callable[[Job, float, str], None] | None = None,
         cpu_clock: Callable[[], float] = time.thread_time,
         host: SharedHost | None = None,
         load_offset: int = 0,
@@ -84,8 +77,9 @@ class TokenLakeSystem:
         :class:`TokenLakeTiming`). ``load_offset``: this system's first instance in
         ``load`` (a router's workers share one timeline)."""
         config = config or TokenLakeConfig()
+        loop, timer, spec, load = ctx.loop, ctx.timer, ctx.spec, ctx.load
         self.loop, self.timer, self.spec, self.load = loop, timer, spec, load
-        self.on_finished_cb, self.on_rejected_cb = on_finished, on_rejected
+        self.on_finished_cb, self.on_rejected_cb = ctx.on_finished, ctx.on_rejected
         n, seg = spec.num_instances, config.segment_len
         num_slots = max(1, spec.capacity_tokens // seg)
         self.pool = Pool(
