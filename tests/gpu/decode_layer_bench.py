@@ -116,7 +116,7 @@ def _time(fn, device: torch.device, iters: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, nargs="+", default=[64])
-    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--context", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--num-q-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -126,8 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     device = torch.device(args.device)
     fi = _flashinfer() if device.type == "cuda" else None
-    for batch in args.batch:
-        print(json.dumps(bench_one(batch, args.context, args, device, fi)), flush=True)
+    for context in args.context:
+        for batch in args.batch:
+            print(json.dumps(bench_one(batch, context, args, device, fi)), flush=True)
 
 
 if __name__ == "__main__":
