@@ -37,6 +37,16 @@ $(VENV)/.sglang: $(VENV)/.deps-model
 	$(PY) -m pip install -q --no-warn-conflicts -c $(VENV)/torch-pin.txt $(SGLANG_IMPORT_DEPS)
 	touch $@
 
+# What SGLang's own server (python -m sglang.launch_server) imports on top, for the tests that
+# start real servers on CPU (tests/sglang/cpu_support); same torch pin. A separate stamp, so
+# existing venvs pick them up.
+SGLANG_SERVER_DEPS := uvloop python-multipart interegular xgrammar soundfile openai-harmony \
+	tiktoken llguidance blobfile pycryptodomex zstandard watchfiles distro easydict anthropic ninja
+
+$(VENV)/.sglang-server: $(VENV)/.sglang
+	$(PY) -m pip install -q --no-warn-conflicts -c $(VENV)/torch-pin.txt $(SGLANG_SERVER_DEPS)
+	touch $@
+
 # FlashInfer's Python API only (imports on CPU with --no-deps): its released signatures are
 # checked against every call the engines make (tests/engines/test_flashinfer_calls.py)
 $(VENV)/.deps-flashinfer: $(VENV)/.deps
@@ -65,7 +75,7 @@ $(STAMP): $(VENV)/.deps $(VENV)/.deps-model $(VENV)/.deps-flashinfer $(VENV)/.de
 demo: $(STAMP)
 	$(VENV)/bin/tokenlake demo $(ARGS)
 
-test: $(STAMP) $(VENV)/.sglang $(GPU_WHEELS_DIR)/.downloaded
+test: $(STAMP) $(VENV)/.sglang $(VENV)/.sglang-server $(GPU_WHEELS_DIR)/.downloaded
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q $(ARGS)
