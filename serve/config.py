@@ -92,6 +92,28 @@ class ServeConfig:
         "Bearer <key>'; a key is never taken on the command line, where other users' ps shows "
         "it, nor from an environment variable (default: no key)", HTTP,
     )  # fmt: skip
+    metrics_require_key: bool = _flag(
+        False, "with --api-key-file, /metrics requires the key too (/health, /ping and "
+        "/version stay open; default: /metrics open, as in vLLM)", HTTP,
+    )  # fmt: skip
+    max_text_chars: int = _flag(
+        1 << 20, "most characters of text in one request (prompts, messages, stop strings and "
+        "the like, in all); more is a 400 naming the field, before any of it is tokenized "
+        "(default: %(default)s)", HTTP,
+    )  # fmt: skip
+    shutdown_timeout: float = _flag(
+        10.0, "seconds running requests get to finish after SIGTERM (new connections are "
+        "refused meanwhile); then each ends with finish_reason 'abort' (default: %(default)s)",
+        HTTP,
+    )  # fmt: skip
+    limit_concurrency: int = _flag(
+        1024, "most open HTTP connections and requests at once (uvicorn's limit_concurrency): "
+        "a request past it gets a 503 (default: %(default)s)", HTTP,
+    )  # fmt: skip
+    timeout_keep_alive: int = _flag(
+        5, "seconds an idle keep-alive connection stays open (uvicorn's timeout_keep_alive; "
+        "default: %(default)s)", HTTP,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         for name in ("num_instances", "segment_len", "num_slots", "chunk_len", "max_num_seqs"):
@@ -99,6 +121,14 @@ class ServeConfig:
         _check_int("max_model_len", self.max_model_len, 0)
         _check_int("torch_threads", self.torch_threads, 0)
         _check_int("max_body_bytes", self.max_body_bytes, 1, MAX_BODY_BYTES_LIMIT)
+        _check_int("max_text_chars", self.max_text_chars, 1)
+        _check_int("limit_concurrency", self.limit_concurrency, 1)
+        _check_int("timeout_keep_alive", self.timeout_keep_alive, 1)
+        grace = self.shutdown_timeout
+        if isinstance(grace, bool) or not isinstance(grace, int | float) or not 0 <= grace <= 3600:
+            raise InvalidArgumentError(
+                f"shutdown_timeout: expected seconds in [0, 3600], got {grace!r}"
+            )
         tbt = self.tbt_slo_ms
         if isinstance(tbt, bool) or not isinstance(tbt, (int, float)) or not 0 <= tbt < 1e7:
             raise InvalidArgumentError(
