@@ -137,6 +137,22 @@ def check_sequence(name: str, value: object, *, min_len: int = 0, length: int | 
     return value
 
 
+def canonical_device(device: torch.device | str) -> torch.device:
+    """``device`` named as a tensor on it names its own, so that two names of one device
+    compare equal (``torch.device("cuda") == torch.device("cuda:0")`` is False): ``cuda``
+    becomes ``cuda:N`` of the current CUDA device (``cuda:0`` where CUDA is not available),
+    ``cpu:N`` becomes ``cpu`` (CPU tensors carry no index); others stay as they are. Compare
+    devices only through it."""
+    import torch
+
+    d = torch.device(device)
+    if d.type == "cpu":
+        return torch.device("cpu")
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return d
+
+
 def check_tensor(
     name: str,
     tensor: object,
@@ -168,9 +184,9 @@ def check_tensor(
         if tensor.dtype not in allowed:
             want = " or ".join(str(d) for d in allowed)
             raise InvalidArgumentError(f"{name}: expected dtype {want}, got {tensor.dtype}")
-    if device is not None and tensor.device != torch.device(device):
+    if device is not None and canonical_device(tensor.device) != canonical_device(device):
         raise InvalidArgumentError(
-            f"{name}: expected a tensor on {torch.device(device)}, got one on {tensor.device}"
+            f"{name}: expected a tensor on {canonical_device(device)}, got one on {tensor.device}"
         )
     if contiguous and not tensor.is_contiguous():
         raise InvalidArgumentError(f"{name}: expected a contiguous tensor")

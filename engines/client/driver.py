@@ -16,7 +16,6 @@ import time
 from collections import Counter, defaultdict
 
 import numpy as np
-import torch
 
 from tokenlake.engines.core import puts
 from tokenlake.engines.core.shared_buffers import InstanceViews, Layout
@@ -25,6 +24,7 @@ from tokenlake.engines.kernels.flashinfer_attention import make_planner
 from tokenlake.engines.transport import messages, process_group
 from tokenlake.latency import observe
 from tokenlake.plans import TransferPlan
+from tokenlake.validate import canonical_device
 
 _TAG_SPACE = 1 << 30
 # counter keys of the client calls, built once (a put is a few microseconds)
@@ -128,7 +128,7 @@ class Driver:
         """This process's side of a layout: the backend and, on CUDA, the FlashInfer planner
         of the clients' own parts."""
         self.layout, self.backend = layout, backend
-        self.planner = make_planner(layout, backend, torch.device(self.config.device))
+        self.planner = make_planner(layout, backend, canonical_device(self.config.device))
 
     # ---- the put ledger ------------------------------------------------------------------
     def record_put(self, layer: int, ticket, work=None, peer: int = -1, tensor=None) -> None:

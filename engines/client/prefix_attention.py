@@ -18,7 +18,7 @@ from tokenlake.engines.kernels.causal_plan import CausalPlan
 from tokenlake.engines.kernels.inputs import KV_DTYPES, check_dtype_on
 from tokenlake.engines.kernels.reference import merge_pair
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.validate import check_tensor
+from tokenlake.validate import canonical_device, check_tensor
 
 _DTYPES = KV_DTYPES  # float16 on CUDA only (check_dtype_on)
 
@@ -65,7 +65,7 @@ class PrefixAttention:
         :func:`attend_with_prefix`, int32 tensors or host arrays (a tensor on a GPU is
         read to the host here: the batch's one small host read). ``planner``: a FlashInfer
         planner of this shape, which plans the causal part (CUDA)."""
-        device = torch.device(device)
+        device = canonical_device(device)  # `cuda` and tensors' `cuda:N` compare equal
         t_q, h_q, d = q_shape
         t_kv = t_q if num_kv_rows is None else num_kv_rows
         if dtype not in _DTYPES:

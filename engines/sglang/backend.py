@@ -23,6 +23,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from tokenlake.engines.client.prefix_attention import PrefixAttention
 from tokenlake.engines.kernels.flashinfer_attention import make_causal_planner
 from tokenlake.errors import IterationStateError, PoolFullError
+from tokenlake.validate import canonical_device
 
 from .batch_map import BatchMap, RequestTable, SeqInfo, engine_slots, map_batch
 from .config import SGLangPoolConfig, config_from_env
@@ -48,7 +49,7 @@ class TokenLakeAttnBackend(AttentionBackend):
         layers = [m for m in model_runner.model.modules() if isinstance(m, RadixAttention)]
         shape = check_model(model_runner, layers)
         config = config if config is not None else config_from_env()
-        self.device = torch.device(model_runner.device)
+        self.device = canonical_device(model_runner.device)  # `cuda` -> `cuda:N`, as tensors
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         kv = self.token_to_kv_pool

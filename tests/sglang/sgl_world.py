@@ -39,17 +39,19 @@ def make_runner(
     scaling: float | None = None,
     dtype: torch.dtype = torch.float32,
     kv_pool=None,
+    device: str = "cpu",
     **layer_kwargs,
 ) -> SimpleNamespace:
     """A stand-in ``ModelRunner`` holding real SGLang pools and attention layers
-    (``kv_pool``: an SGLang KV pool built by the caller, e.g. over a pool instance's slots)."""
+    (``kv_pool``: an SGLang KV pool built by the caller, e.g. over a pool instance's slots;
+    ``device``: the runner's name for its device, e.g. ``cpu:0`` as SGLang says ``cuda``)."""
     scaling = head_dim**-0.5 if scaling is None else scaling
     layers = torch.nn.ModuleList(
         RadixAttention(num_q_heads, head_dim, scaling, num_kv_heads, i, **layer_kwargs)
         for i in range(num_layers)
     )
     return SimpleNamespace(
-        device="cpu",
+        device=device,
         model=layers,
         model_config=SimpleNamespace(is_encoder_decoder=False, model_path="tiny-test-model"),
         req_to_token_pool=ReqToTokenPool(max_reqs, max_context_len, "cpu", False),
