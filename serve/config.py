@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenlake.config import DEFAULT_SEGMENT_LEN
 from tokenlake.errors import InvalidArgumentError
 
 DATA_PLANES = ("local", "mp", "compute")
@@ -41,7 +42,9 @@ class ServeConfig:
         MODEL, DTYPES,
     )  # fmt: skip
     num_instances: int = _flag(4, "TokenLake instances (default: %(default)s)", POOL)
-    segment_len: int = _flag(32, "tokens per KV segment (default: %(default)s)", POOL)
+    segment_len: int = _flag(
+        DEFAULT_SEGMENT_LEN, "tokens per KV segment (default: %(default)s)", POOL
+    )
     num_slots: int = _flag(512, "segment slots per instance (default: %(default)s)", POOL)
     max_model_len: int = _flag(
         0, "longest prompt + output in tokens; 0 = the model's, capped by the pool", MODEL

@@ -116,6 +116,11 @@ class ModelShape:
         return self.num_q_heads * self.head_dim * self.dtype_bytes
 
 
+# tokens per segment unless a config says otherwise: the pool's, the server's and the SGLang
+# backend's one default (a segment is the unit of sharing, placement and eviction)
+DEFAULT_SEGMENT_LEN = 64
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     """Control-plane configuration of a pool of ``num_instances`` instances.
@@ -133,7 +138,7 @@ class PoolConfig:
     model: ModelShape
     num_instances: int
     num_slots: int
-    segment_len: int = 512
+    segment_len: int = DEFAULT_SEGMENT_LEN
     namespace: str = "default"
     device: str = "cpu"
 

@@ -17,6 +17,7 @@ from tokenlake.engines import kernels
 from tokenlake.engines.core.page_groups import group_shared_pages
 from tokenlake.engines.core.state_merge import StateMerge
 from tokenlake.engines.kernels.cpu import CpuPart
+from tokenlake.engines.kernels.inputs import PagedCSR
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.plans import HolderPart
 
@@ -72,23 +73,23 @@ class BoundPart:
         pool's segment length) turns on shared-page groups; ``None`` runs the part as it is."""
         n = len(part.rows)
         rows = np.arange(n) if packed else np.asarray(part.rows, dtype=np.int64)
-        csr = (part.q_indptr, part.kv_indptr, part.kv_indices, part.last_len)
+        csr = PagedCSR(part.q_indptr, part.kv_indptr, part.kv_indices, part.last_len)
         groups = None
         if page_len is not None:
             groups = group_shared_pages(*csr, page_len)
         q_index, state_rows, group_merge, host_state_rows = rows, None, None, rows
         if groups is not None:
-            csr = (groups.q_indptr, groups.kv_indptr, groups.kv_indices, groups.last_len)
+            csr = PagedCSR(groups.q_indptr, groups.kv_indptr, groups.kv_indices, groups.last_len)
             q_index = rows[groups.state_rows]
             state_rows = torch.tensor(groups.state_rows, dtype=torch.int64, device=device)
             group_merge = StateMerge.build(groups.state_rows, n, device)
             host_state_rows = rows[groups.state_rows]
         num_kernel_rows = int(csr[0][-1]) if groups is not None else n  # on the host here
-        csr = tuple(_i32(a, device) for a in csr)
-        planned = planner.plan(*csr) if planner is not None else None
+        csr = csr.map(lambda a: _i32(a, device))
+        planned = planner.plan(csr) if planner is not None else None
         cpu_part = None
         if planned is None and torch.device(device).type == "cpu":
-            cpu_part = CpuPart(*csr, causal=False, logit_cap=logit_cap)
+            cpu_part = CpuPart(csr, causal=False, logit_cap=logit_cap)
         return cls(
             part.instance_id,
             torch.tensor(rows, dtype=torch.int64, device=device),

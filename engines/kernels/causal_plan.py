@@ -18,6 +18,7 @@ import torch
 
 from tokenlake.engines import kernels
 from tokenlake.engines.kernels.cpu import CpuPart
+from tokenlake.engines.kernels.inputs import PagedCSR
 
 PAGE_LEN = 16
 """Tokens per page of the causal layout: at most ``PAGE_LEN - 1`` padding rows per request."""
@@ -67,7 +68,7 @@ class CausalPlan:
         scatter = np.concatenate([k_row, k_row + page_len])
         last_len = np.where(num_pages > 0, kv_lens - (num_pages - 1) * page_len, 1)
         i32 = dict(dtype=torch.int32, device=device)
-        csr = (
+        csr = PagedCSR(
             torch.tensor(q_offsets, **i32),
             torch.tensor(first_page, **i32),
             torch.arange(total_pages, **i32),
@@ -78,9 +79,9 @@ class CausalPlan:
         )
         planned = None
         if planner is not None:
-            planned = planner.plan(*csr, causal=True)
+            planned = planner.plan(csr, causal=True)
         elif device.type == "cpu" and backend in (None, "cpu"):
-            planned = CpuPart(*csr, causal=True, sm_scale=sm_scale, logit_cap=logit_cap)
+            planned = CpuPart(csr, causal=True, sm_scale=sm_scale, logit_cap=logit_cap)
         return cls(
             torch.from_numpy(scatter).to(device), pages, csr, page_len, backend, sm_scale,
             logit_cap, planned,

@@ -15,6 +15,7 @@ from tokenlake import _C
 from tokenlake.engines.kernels.inputs import (
     MergeInputs,
     PagedAttentionInputs,
+    PagedCSR,
     call_core,
     core_array,
 )
@@ -30,23 +31,21 @@ def partial_attention(args: PagedAttentionInputs) -> tuple[torch.Tensor, torch.T
     Returns ``o`` ``[num_rows, H_q, D]`` float32 and ``lse`` ``[num_rows, H_q]`` float32 (natural
     log), newly allocated.
     """
-    csr = (args.q_indptr, args.kv_indptr, args.kv_indices, args.last_len)
     return _run_partial(
-        core_array(args.q), core_array(args.pool_layer), tuple(core_array(t) for t in csr),
+        core_array(args.q), core_array(args.pool_layer), args.csr.map(core_array),
         args.causal, args.sm_scale, args.logit_cap,
     )  # fmt: skip
 
 
 def _run_partial(
-    q: np.ndarray, pool: np.ndarray, csr: tuple, causal: bool, scale: float, cap: float
+    q: np.ndarray, pool: np.ndarray, csr: PagedCSR, causal: bool, scale: float, cap: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate ``o``/``lse`` and run the kernel on arrays it reads directly."""
     o = np.empty(q.shape, dtype=np.float32)
     lse = np.empty(q.shape[:2], dtype=np.float32)
-    q_indptr, kv_indptr, kv_indices, last_len = csr
     call_core(
-        _C.partial_attention, q, q_indptr, pool, kv_indptr, kv_indices, last_len,
-        o, lse, causal, scale, cap,
+        _C.partial_attention, q, csr.q_indptr, pool, csr.kv_indptr, csr.kv_indices,
+        csr.last_len, o, lse, causal, scale, cap,
     )  # fmt: skip
     return torch.from_numpy(o), torch.from_numpy(lse)
 
@@ -64,15 +63,12 @@ class CpuPart:
 
     def __init__(
         self,
-        q_indptr: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        kv_indices: torch.Tensor,
-        last_len: torch.Tensor,
+        csr: PagedCSR,
         causal: bool = False,
         sm_scale: float | None = None,
         logit_cap: float = 0.0,
     ) -> None:
-        self._csr = (q_indptr, kv_indptr, kv_indices, last_len)
+        self._csr = PagedCSR(*csr)
         self._options = (causal, sm_scale, logit_cap)
         self._checked: tuple | None = None  # (geometry, kernel arrays, causal, scale, cap)
 
@@ -82,15 +78,15 @@ class CpuPart:
         geometry = _geometry(q, pool_layer)
         checked = self._checked
         if checked is None or checked[0] != geometry:
-            q_indptr, kv_indptr, kv_indices, last_len = self._csr
+            c = self._csr
             args = PagedAttentionInputs(
-                q, q_indptr, pool_layer, kv_indptr, kv_indices, last_len, *self._options
+                q, c.q_indptr, pool_layer, c.kv_indptr, c.kv_indices, c.last_len, *self._options
             )
             if pool_layer.device.type != "cpu":
                 raise InvalidArgumentError(
                     f"pool_layer: the CPU kernel needs CPU tensors, got {pool_layer.device}"
                 )
-            arrays = tuple(core_array(t) for t in self._csr)
+            arrays = self._csr.map(core_array)
             # float32, contiguous, no grad: the tensors' own NumPy views are what the kernel reads
             direct = (
                 geometry[1] == torch.float32

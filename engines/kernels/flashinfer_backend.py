@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenlake.engines.kernels import reference
-from tokenlake.engines.kernels.inputs import PagedAttentionInputs
+from tokenlake.engines.kernels.inputs import PagedAttentionInputs, PagedCSR
 
 __all__ = [
     "FlashInferPlanner",
@@ -51,31 +51,23 @@ class _Batch:
     """The requests that have pages, renumbered (host tensors, int32 unless noted)."""
 
     rows: torch.Tensor  # int64 [num_sub_rows]: their rows of q
-    q_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    last_len: torch.Tensor
+    csr: PagedCSR
     visible: torch.Tensor  # bool [num_sub_rows]: the row sees at least one key
 
 
-def nonempty_batch(
-    q_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    last_len: torch.Tensor,
-    page_size: int,
-    causal: bool,
-) -> _Batch:
+def nonempty_batch(csr: PagedCSR, page_size: int, causal: bool) -> _Batch:
     """Drop requests with no pages or no rows (FlashInfer needs ``last_len`` in ``1..C`` and at
     least one page per request); for causal attention (bottom-right aligned) also mark the
     rows that see no key. All inputs on the host."""
+    q_indptr, kv_indptr, kv_indices, last_len = csr
     q_lens = (q_indptr[1:] - q_indptr[:-1]).long()
     pages = (kv_indptr[1:] - kv_indptr[:-1]).long()
     keep = torch.nonzero((pages > 0) & (q_lens > 0)).flatten()
     zero = torch.zeros(1, dtype=torch.int32)
     if keep.numel() == 0:
         empty = torch.zeros(0, dtype=torch.int32)
-        return _Batch(empty.long(), zero, zero, empty, empty, torch.zeros(0, dtype=torch.bool))
+        none = PagedCSR(zero, zero, empty, empty)
+        return _Batch(empty.long(), none, torch.zeros(0, dtype=torch.bool))
     rows, indices, visible = [], [], []
     for b in keep.tolist():
         lo, n = int(q_indptr[b]), int(q_lens[b])
@@ -87,10 +79,12 @@ def nonempty_batch(
     sub_q, sub_pages = q_lens[keep], pages[keep]
     return _Batch(
         rows=torch.cat(rows),
-        q_indptr=torch.cat([zero, torch.cumsum(sub_q, 0).int()]),
-        kv_indptr=torch.cat([zero, torch.cumsum(sub_pages, 0).int()]),
-        kv_indices=torch.cat(indices).int(),
-        last_len=last_len[keep].int(),
+        csr=PagedCSR(
+            torch.cat([zero, torch.cumsum(sub_q, 0).int()]),
+            torch.cat([zero, torch.cumsum(sub_pages, 0).int()]),
+            torch.cat(indices).int(),
+            last_len[keep].int(),
+        ),
         visible=torch.cat(visible),
     )
 
@@ -122,17 +116,10 @@ class FlashInferPlanner:
         self.logit_cap = float(logit_cap)
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
 
-    def plan(
-        self,
-        q_indptr: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        kv_indices: torch.Tensor,
-        last_len: torch.Tensor,
-        causal: bool = False,
-    ) -> FlashInferPart:
+    def plan(self, csr: PagedCSR, causal: bool = False) -> FlashInferPart:
         """Plan one batch (int32 CSR as in :func:`tokenlake.engines.kernels.partial_attention`, any
         device): the CSR goes to the device once, here."""
-        return FlashInferPart(self, q_indptr, kv_indptr, kv_indices, last_len, causal)
+        return FlashInferPart(self, PagedCSR(*csr), causal)
 
 
 class FlashInferPart:
@@ -144,26 +131,22 @@ class FlashInferPart:
     def __init__(
         self,
         planner: FlashInferPlanner,
-        q_indptr: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        kv_indices: torch.Tensor,
-        last_len: torch.Tensor,
+        csr: PagedCSR,
         causal: bool,
     ) -> None:
         num_q_heads, num_kv_heads, head_dim, page_size = planner.shape
         workspace = planner.workspace
         device = workspace.device
-        self.num_rows, self.shape = int(q_indptr[-1]), planner.shape
-        batch = nonempty_batch(
-            q_indptr.cpu(), kv_indptr.cpu(), kv_indices.cpu(), last_len.cpu(), page_size, causal
-        )
+        self.num_rows, self.shape = int(csr.q_indptr[-1]), planner.shape
+        batch = nonempty_batch(csr.map(torch.Tensor.cpu), page_size, causal)
         self.rows = batch.rows.to(device)
         hidden = ~batch.visible
         self.hidden = hidden.to(device) if bool(hidden.any()) else None
         self.wrapper = None
         if batch.rows.numel() == 0:
             return
-        kv = (batch.kv_indptr.to(device), batch.kv_indices.to(device), batch.last_len.to(device))
+        on_device = batch.csr.map(lambda t: t.to(device))
+        kv = on_device[1:]
         common = dict(
             sm_scale=planner.sm_scale,
             logits_soft_cap=planner.logit_cap,
@@ -171,7 +154,8 @@ class FlashInferPart:
             kv_data_type=planner.dtype,
         )
         fi = planner.flashinfer
-        self.decode = bool((batch.q_indptr[1:] - batch.q_indptr[:-1]).eq(1).all())
+        q_indptr = batch.csr.q_indptr
+        self.decode = bool((q_indptr[1:] - q_indptr[:-1]).eq(1).all())
         if self.decode:
             # the CUDA-core decode kernels cover only some GQA group sizes (5 and 7 are not
             # among them: Qwen2.5-0.5B is 14/2); the tensor-core path takes any, and is the
@@ -185,7 +169,7 @@ class FlashInferPart:
         else:
             self.wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
             self.wrapper.plan(
-                batch.q_indptr.to(device), *kv, num_q_heads, num_kv_heads, head_dim, page_size,
+                on_device.q_indptr, *kv, num_q_heads, num_kv_heads, head_dim, page_size,
                 causal=causal, **common,
             )  # fmt: skip
 
@@ -228,5 +212,5 @@ def partial_attention(args: PagedAttentionInputs) -> tuple[torch.Tensor, torch.T
     planner = FlashInferPlanner(
         flashinfer, args.q.device, shape, args.q.dtype, args.sm_scale, args.logit_cap
     )
-    part = planner.plan(args.q_indptr, args.kv_indptr, args.kv_indices, args.last_len, args.causal)
+    part = planner.plan(args.csr, args.causal)
     return part.run(args.q, args.pool_layer)

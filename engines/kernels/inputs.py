@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -45,6 +46,22 @@ CPU_DTYPES = (torch.float32, torch.bfloat16)
 SCALE_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
 
 
+class PagedCSR(NamedTuple):
+    """One paged batch, the four arrays every paged kernel reads: request ``b``'s query rows
+    are ``q_indptr[b]:q_indptr[b + 1]``, its pages ``kv_indices[kv_indptr[b]:kv_indptr[b +
+    1]]``, the last of them ``last_len[b]`` tokens full. int32 ``[B + 1]``, ``[B + 1]``,
+    ``[P]``, ``[B]`` (tensors, or the arrays the C++ kernel reads)."""
+
+    q_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    last_len: torch.Tensor
+
+    def map(self, fn: Callable) -> PagedCSR:
+        """The same batch with ``fn`` applied to each array (a device move, a conversion)."""
+        return PagedCSR(*(fn(a) for a in self))
+
+
 @dataclass(frozen=True)
 class PagedAttentionInputs:
     """The arguments of one :func:`tokenlake.engines.kernels.partial_attention` call (shapes there),
@@ -60,6 +77,10 @@ class PagedAttentionInputs:
     causal: bool = False
     sm_scale: float | None = None
     logit_cap: float = 0.0
+
+    @property
+    def csr(self) -> PagedCSR:
+        return PagedCSR(self.q_indptr, self.kv_indptr, self.kv_indices, self.last_len)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "causal", check_bool("causal", self.causal))

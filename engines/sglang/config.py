@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from tokenlake.config import DEFAULT_SEGMENT_LEN
 from tokenlake.errors import InvalidArgumentError
 
 ENV_VAR = "TOKENLAKE_CONFIG"
@@ -47,7 +48,7 @@ class SGLangPoolConfig:
 
     num_instances: int = 1
     num_slots: int = 4096
-    segment_len: int = 64
+    segment_len: int = DEFAULT_SEGMENT_LEN
     namespace: str | None = None
     kernel_backend: str | None = None
     max_forward_rows: int = 16384

@@ -34,6 +34,8 @@ def create_app(served: Served) -> FastAPI:
     app.add_middleware(BodyLimit, max_body_bytes=served.config.max_body_bytes)
     api_key = load_api_key(served.config.api_key_file)
     if api_key is not None:  # added last: it runs first, before any body is read
-        app.add_middleware(APIKeyAuth, api_key=api_key)
+        app.add_middleware(
+            APIKeyAuth, api_key=api_key, protect_metrics=served.config.metrics_require_key
+        )
     app.include_router(router)
     return app

@@ -14,6 +14,7 @@ import torch
 
 from tokenlake.engines.kernels import PagedAttentionInputs, flashinfer_backend
 from tokenlake.engines.kernels.flashinfer_backend import FlashInferPlanner
+from tokenlake.engines.kernels.inputs import PagedCSR
 
 flashinfer = pytest.importorskip("flashinfer")
 SHAPE = (8, 2, 64, 16)  # H_q, H_kv, D, page size
@@ -52,10 +53,16 @@ def test_every_flashinfer_call_matches_the_released_signatures(monkeypatch):
     planner = FlashInferPlanner(recorder, torch.device("cpu"), SHAPE, torch.bfloat16)
     capped = FlashInferPlanner(recorder, torch.device("cpu"), SHAPE, torch.bfloat16, 0.3, 30.0)
     pool_layer = torch.zeros((4, 2, SHAPE[3], SHAPE[1], SHAPE[2]), dtype=torch.bfloat16)
-    decode = planner.plan(_i32([0, 1, 2, 3]), _i32([0, 0, 2, 3]), _i32([1, 3, 2]), _i32([1, 5, 16]))
-    prefill = planner.plan(_i32([0, 3, 5]), _i32([0, 1, 3]), _i32([0, 2, 1]), _i32([4, 16]))
-    empty = planner.plan(_i32([0, 2]), _i32([0, 0]), _i32([]), _i32([1]))
-    causal = capped.plan(_i32([0, 3, 5]), _i32([0, 1, 3]), _i32([0, 2, 1]), _i32([2, 16]), True)
+    decode = planner.plan(
+        PagedCSR(_i32([0, 1, 2, 3]), _i32([0, 0, 2, 3]), _i32([1, 3, 2]), _i32([1, 5, 16]))
+    )
+    prefill = planner.plan(
+        PagedCSR(_i32([0, 3, 5]), _i32([0, 1, 3]), _i32([0, 2, 1]), _i32([4, 16]))
+    )
+    empty = planner.plan(PagedCSR(_i32([0, 2]), _i32([0, 0]), _i32([]), _i32([1])))
+    causal = capped.plan(
+        PagedCSR(_i32([0, 3, 5]), _i32([0, 1, 3]), _i32([0, 2, 1]), _i32([2, 16])), True
+    )
     for part, rows in ((decode, 3), (prefill, 5), (empty, 2), (causal, 5)):
         o, lse = part.run(torch.zeros((rows, SHAPE[0], SHAPE[2]), dtype=torch.bfloat16), pool_layer)
         assert o.shape == (rows, SHAPE[0], SHAPE[2]) and lse.dtype == torch.float32

@@ -12,6 +12,7 @@ import torch
 
 from tokenlake.engines.kernels import flashinfer_backend as fb
 from tokenlake.engines.kernels import partial_attention, reference
+from tokenlake.engines.kernels.inputs import PagedCSR
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -27,15 +28,16 @@ def test_nonempty_batch_drops_empty_requests_and_hides_causal_rows():
     kv_indptr = i32([0, 0, 2, 3, 4])
     kv_indices = i32([7, 3, 9, 5])
     last_len = i32([1, 1, 4, 2])
-    b = fb.nonempty_batch(q_indptr, kv_indptr, kv_indices, last_len, page_size=4, causal=True)
+    csr = PagedCSR(q_indptr, kv_indptr, kv_indices, last_len)
+    b = fb.nonempty_batch(csr, page_size=4, causal=True)
     assert b.rows.tolist() == [2, 3, 4, 5, 6, 7, 8]
-    assert b.q_indptr.tolist() == [0, 3, 7]
-    assert b.kv_indptr.tolist() == [0, 2, 3] and b.kv_indices.tolist() == [7, 3, 5]
-    assert b.last_len.tolist() == [1, 2]
+    assert b.csr.q_indptr.tolist() == [0, 3, 7]
+    assert b.csr.kv_indptr.tolist() == [0, 2, 3] and b.csr.kv_indices.tolist() == [7, 3, 5]
+    assert b.csr.last_len.tolist() == [1, 2]
     assert b.visible.tolist() == [True, True, True, False, False, True, True]
-    flat = fb.nonempty_batch(q_indptr, kv_indptr, kv_indices, last_len, 4, causal=False)
+    flat = fb.nonempty_batch(csr, 4, causal=False)
     assert flat.visible.all()
-    none = fb.nonempty_batch(i32([0, 1]), i32([0, 0]), i32([]), i32([1]), 4, causal=False)
+    none = fb.nonempty_batch(PagedCSR(i32([0, 1]), i32([0, 0]), i32([]), i32([1])), 4, False)
     assert none.rows.numel() == 0
 
 

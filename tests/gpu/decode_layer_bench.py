@@ -19,6 +19,7 @@ import torch
 from tokenlake.engines.client.prefix_attention import PrefixAttention
 from tokenlake.engines.core.puts import scatter_indices, scatter_rows
 from tokenlake.engines.kernels.cpu import CpuPart
+from tokenlake.engines.kernels.inputs import PagedCSR
 from tokenlake.engines.kernels.op_count import OpCounter
 
 
@@ -61,9 +62,9 @@ def bench_one(batch: int, ctx: int, args, device: torch.device, fi) -> dict:
         from tokenlake.engines.kernels.flashinfer_backend import FlashInferPlanner
 
         planner = FlashInferPlanner(fi, device, (h_q, h_kv, d, page), dtype)
-        part = planner.plan(*csr)
+        part = planner.plan(PagedCSR(*csr))
     else:
-        part = CpuPart(*csr) if device.type == "cpu" else None
+        part = CpuPart(PagedCSR(*csr)) if device.type == "cpu" else None
     attention = PrefixAttention.bind(
         np.arange(batch + 1), (batch, h_q, d), h_kv, dtype, device=device,
         backend=None if part is not None else "torch",

@@ -49,15 +49,18 @@ def build_one(module: tuple) -> dict:
                                s[:, 1].contiguous())  # fmt: skip
     else:
         from tokenlake.engines.kernels.flashinfer_backend import FlashInferPlanner
+        from tokenlake.engines.kernels.inputs import PagedCSR
 
         batch, pages_each = 2, 3
         i32 = dict(dtype=torch.int32, device=dev)
         planner = FlashInferPlanner(flashinfer, dev, (h_q, h_kv, d, page), dtype, logit_cap=cap)
         part = planner.plan(
-            torch.arange(batch + 1, **i32) * rows_each,
-            torch.arange(batch + 1, **i32) * pages_each,
-            torch.arange(batch * pages_each, **i32),
-            torch.full((batch,), page, **i32),
+            PagedCSR(
+                torch.arange(batch + 1, **i32) * rows_each,
+                torch.arange(batch + 1, **i32) * pages_each,
+                torch.arange(batch * pages_each, **i32),
+                torch.full((batch,), page, **i32),
+            ),
             causal=rows_each > 1,
         )
         pool = torch.randn((batch * pages_each, 2, page, h_kv, d), device=dev, dtype=dtype)

@@ -11,6 +11,7 @@ import torch
 from tokenlake.engines import kernels
 from tokenlake.engines.client.prefix_attention import PrefixAttention
 from tokenlake.engines.kernels.cpu import CpuPart
+from tokenlake.engines.kernels.inputs import PagedCSR
 from tokenlake.engines.kernels.reference import attend
 from tokenlake.errors import InvalidArgumentError
 
@@ -34,7 +35,7 @@ def paged_case(dtype=torch.float32, num_slots=6, seed=0):
 @pytest.mark.parametrize("logit_cap", [0.0, 3.0])
 def test_cpu_part_equals_checked_kernel_layer_after_layer(dtype, logit_cap):
     q, pool, csr = paged_case(dtype)
-    part = CpuPart(*csr, logit_cap=logit_cap)
+    part = CpuPart(PagedCSR(*csr), logit_cap=logit_cap)
     for layer_pool in (pool, pool.flip(0).contiguous(), pool * 2):  # three "layers"
         o, lse = part.run(q, layer_pool)
         ref_o, ref_lse = kernels.partial_attention(
@@ -49,18 +50,18 @@ def test_cpu_part_equals_checked_kernel_layer_after_layer(dtype, logit_cap):
 
 def test_cpu_part_checks_its_csr_at_the_first_run():
     q, pool, (q_indptr, kv_indptr, kv_indices, last_len) = paged_case()
-    bad = CpuPart(q_indptr, kv_indptr, torch.tensor([5, 1, 6], **I32), last_len)
+    bad = CpuPart(PagedCSR(q_indptr, kv_indptr, torch.tensor([5, 1, 6], **I32), last_len))
     with pytest.raises(InvalidArgumentError, match="kv_indices"):
         bad.run(q, pool)
     with pytest.raises(InvalidArgumentError, match="last_len"):
-        CpuPart(q_indptr, kv_indptr, kv_indices, torch.tensor([3, 5], **I32)).run(q, pool)
+        CpuPart(PagedCSR(q_indptr, kv_indptr, kv_indices, torch.tensor([3, 5], **I32))).run(q, pool)
 
 
 def test_cpu_part_rechecks_when_the_geometry_changes():
     """Once checked, a call with other shapes/dtypes/contiguity is checked in full again:
     a smaller pool (slot 5 out of range), other heads, a non-contiguous pool, another dtype."""
     q, pool, csr = paged_case()
-    part = CpuPart(*csr)
+    part = CpuPart(PagedCSR(*csr))
     part.run(q, pool)
     with pytest.raises(InvalidArgumentError, match="kv_indices"):
         part.run(q, pool[:5].contiguous())

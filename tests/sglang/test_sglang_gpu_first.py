@@ -16,6 +16,7 @@ flashinfer = pytest.importorskip("flashinfer")
 from sglang.srt.layers.attention.flashinfer_backend import should_use_tensor_core  # noqa: E402
 
 from tokenlake.engines.kernels.flashinfer_backend import FlashInferPlanner  # noqa: E402
+from tokenlake.engines.kernels.inputs import PagedCSR  # noqa: E402
 from tokenlake.engines.sglang.config import SGLangPoolConfig  # noqa: E402
 from tokenlake.engines.sglang.model_check import UnsupportedFeatureError, check_model  # noqa: E402
 from tokenlake.engines.sglang.pool_runtime import pool_config_for  # noqa: E402
@@ -42,8 +43,8 @@ def test_decode_uses_tensor_cores_where_sglang_does(num_q_heads: int, num_kv_hea
     for dtype in (torch.bfloat16, torch.float16):
         planner = FlashInferPlanner(recorder, torch.device("cpu"), shape, dtype)
         i32 = dict(dtype=torch.int32)
-        planner.plan(torch.tensor([0, 1, 2], **i32), torch.tensor([0, 1, 3], **i32),
-                     torch.tensor([0, 1, 2], **i32), torch.tensor([5, 16], **i32))  # fmt: skip
+        planner.plan(PagedCSR(torch.tensor([0, 1, 2], **i32), torch.tensor([0, 1, 3], **i32),
+                              torch.tensor([0, 1, 2], **i32), torch.tensor([5, 16], **i32)))  # fmt: skip
         (name, args, kwargs), *_ = recorder.made[-1:]
         assert name == "BatchDecodeWithPagedKVCacheWrapper"
         assert kwargs["use_tensor_cores"] == should_use_tensor_core(

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import tokenlake
 from tokenlake.cluster.slots import SlotAllocator
-from tokenlake.config import ModelShape, PoolConfig
+from tokenlake.config import DEFAULT_SEGMENT_LEN, ModelShape, PoolConfig
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.keys import SegmentHasher, as_tokens
 
@@ -282,4 +282,16 @@ def test_configs_are_frozen():
         shape.head_dim = 32
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.num_slots = 8
-    assert cfg.segment_len == 512 and shape.dtype == "float32"
+    assert cfg.segment_len == DEFAULT_SEGMENT_LEN == 64 and shape.dtype == "float32"
+
+
+def test_one_segment_len_default_for_the_pool_the_server_and_sglang():
+    from tokenlake.engines.sglang.config import SGLangPoolConfig
+    from tokenlake.serve.config import ServeConfig
+
+    defaults = {
+        "pool": PoolConfig(ModelShape(**SHAPE), 1, 1).segment_len,
+        "sglang": SGLangPoolConfig().segment_len,
+        "serve": {f.name: f.default for f in dataclasses.fields(ServeConfig)}["segment_len"],
+    }
+    assert set(defaults.values()) == {DEFAULT_SEGMENT_LEN}, defaults
