@@ -51,6 +51,24 @@ class AuthError(TokenLakeError):
     """A frame that is not authentic (bad tag, replayed, malformed)."""
 
 
+def read_private_file(path: str, what: str, max_bytes: int) -> bytes:
+    """The first ``max_bytes`` of the file at ``path`` (a secret). Raises
+    ``InvalidArgumentError`` naming ``what`` unless it is a regular file of this user that
+    nobody else may read or write (mode 0600 or stricter; a symbolic link is refused)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise InvalidArgumentError(f"{what}: cannot open {path!r} ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077 or st.st_uid != os.getuid():
+            raise InvalidArgumentError(
+                f"{what}: {path!r} must be a regular file of this user with mode 0600, "
+                f"got mode {oct(st.st_mode & 0o777)}"
+            )
+        return f.read(max_bytes)
+
+
 class ClusterSecret:
     """The cluster's shared key. Never printed; stored only in 0600 files."""
 
@@ -79,20 +97,7 @@ class ClusterSecret:
     @classmethod
     def from_file(cls, path: str) -> ClusterSecret:
         """Read a key file; refuses one that others can read or that another user owns."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as e:
-            raise InvalidArgumentError(
-                f"secret file: cannot open {path!r} ({e.strerror})"
-            ) from None
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077 or st.st_uid != os.getuid():
-                raise InvalidArgumentError(
-                    f"secret file: {path!r} must be a regular file of this user with mode 0600, "
-                    f"got mode {oct(st.st_mode & 0o777)}"
-                )
-            text = f.read(1024).strip()
+        text = read_private_file(path, "secret file", 1024).strip()
         try:
             return cls(bytes.fromhex(text.decode()))
         except (ValueError, UnicodeDecodeError):
