@@ -73,7 +73,25 @@ def apply_cli_args(server_args, cls, args: argparse.Namespace, *rest, **kwargs):
 
 
 def register() -> None:
-    """Entry point of the ``tokenlake`` SGLang plugin (idempotent)."""
+    """Entry point of the ``tokenlake`` SGLang plugin (idempotent).
+
+    SGLang catches a plugin's exception and goes on; the user would see only ``invalid
+    choice: 'tokenlake'``. A module that fails to import is named in a log line and in the
+    error raised."""
+    try:
+        _register()
+    except ImportError as e:
+        missing = e.name or str(e)
+        message = (
+            f"tokenlake SGLang plugin not loaded: cannot import {missing!r} ({e}). "
+            "SGLang's attention registry needs it; see docs/sglang.md (on a CPU machine "
+            "without torchvision: the CPU-test support in tests/sglang/cpu_support)"
+        )
+        logger.error(message)
+        raise ImportError(message, name=e.name) from e
+
+
+def _register() -> None:
     from sglang.srt.arg_groups.choices import (
         ATTENTION_BACKEND_CHOICES,
         add_attention_backend_choices,

@@ -5,6 +5,7 @@ the backend refuses at construction."""
 from __future__ import annotations
 
 import json
+import sys
 from importlib.metadata import entry_points
 from types import SimpleNamespace
 
@@ -138,3 +139,14 @@ def test_other_refusals() -> None:
     fp8.token_to_kv_pool.dtype = torch.float8_e4m3fn
     with pytest.raises(UnsupportedFeatureError, match="float8_e4m3fn KV cache"):
         TokenLakeAttnBackend(fp8, SGLangPoolConfig())
+
+
+def test_a_plugin_that_cannot_import_names_the_missing_module(monkeypatch, caplog) -> None:
+    """SGLang swallows a plugin's error (the user saw only ``invalid choice: 'tokenlake'``):
+    the plugin logs and raises naming what failed to import (here, as when torchvision is
+    missing, SGLang's attention registry)."""
+    missing = "sglang.srt.layers.attention.attention_registry"
+    monkeypatch.setitem(sys.modules, missing, None)  # importing it now fails
+    with pytest.raises(ImportError, match=f"cannot import {missing!r}"):
+        plugin.register()
+    assert f"tokenlake SGLang plugin not loaded: cannot import {missing!r}" in caplog.text
