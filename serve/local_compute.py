@@ -18,8 +18,7 @@ from functools import partial
 import torch
 
 from tokenlake.plans import Chunk, Plans
-
-from .ray_engine import ModelProgram, ModelSource, logits_of
+from tokenlake.serve.ray.engine import ModelProgram, ModelSource, logits_of
 
 
 def _program(source: ModelSource, torch_threads: int) -> ModelProgram:
@@ -45,6 +44,19 @@ class LocalComputeEngine:
 
     def mark_lost(self, instance_id: int) -> None:
         self.cluster.mark_lost(instance_id)
+
+    def membership_changes(self) -> list[tuple[int, bool]]:
+        """``(instance_id, False)`` for each instance still in use one of whose processes
+        died: a query or transfer engine (``MPCluster.failures``) or its compute process."""
+        lost = self.cluster.lost
+        dead = set(self.cluster.failures()) | set(self.compute.failures())
+        return [(i, False) for i in sorted(dead - lost)]
+
+    def restart_instance(self, instance_id: int) -> None:
+        """Fresh engines and a fresh compute process for a lost instance; the other compute
+        processes reconnect to its new engines."""
+        self.cluster.restart(instance_id)
+        self.compute.restart(self.cluster, instance_id)
 
 
 def make_engine(

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenlake.engines.dataplane_config import PeerFailedError
 from tokenlake.engines.model.engine import ModelEngine
 from tokenlake.engines.model.grammar import GrammarMasks, new_matcher
 from tokenlake.engines.model.logits_processors import Pick, pick
@@ -219,16 +218,13 @@ class Runtime:
         chunks = {c.request_id: c for c in it.decision.chunks}
         try:
             logits = self.engine.run(it.plans, chunks)
-        except PeerFailedError as e:  # recomputed on the instances left (see Membership.fail_over)
-            log.warning("runtime: iteration %d: %s", it.plans.epoch, e)
-            self.scheduler.abort(it)
-            self.engine.retire(it.plans)
-            self.membership.fail_over(e.instance_id)
-            return
         except Exception as e:
-            log.exception("runtime: iteration %d failed", it.plans.epoch)
             self.scheduler.abort(it)
-            self.engine.retire(it.plans)
+            self._retire(it.plans)
+            if self.membership.after_error(e):  # recomputed on the instances left
+                log.warning("runtime: iteration %d: %s", it.plans.epoch, e)
+                return
+            log.exception("runtime: iteration %d failed", it.plans.epoch)
             for rid in chunks:
                 self._end(rid, None, "error", f"engine error: {e}")
             return
@@ -252,7 +248,7 @@ class Runtime:
                 live.num_cached = chunk.start
             self.request_metrics.scheduled(live.times, started_s)
         finished = {r.request_id for r in self.scheduler.complete(it, tokens)}
-        self.engine.retire(it.plans)
+        self._retire(it.plans)
         self.counters["iterations"] += 1
         num_computed = sum(c.num_new_tokens for c in chunks.values())
         self.counters["computed_tokens"] += num_computed
@@ -275,6 +271,15 @@ class Runtime:
         matchers = [self._live[rid].matcher for rid in constrained]
         masked = self._grammar_masks.apply([logits[rid] for rid in constrained], matchers)
         return {**logits, **{rid: masked[i] for i, rid in enumerate(constrained)}}
+
+    def _retire(self, plans) -> None:
+        """Tell the engine the control plane is done with ``plans``; a process that died
+        meanwhile is failed over, any other error only logged (the epoch is stale anyway)."""
+        try:
+            self.engine.retire(plans)
+        except Exception as e:
+            if not self.membership.after_error(e):
+                log.exception("runtime: retiring iteration %d failed", plans.epoch)
 
     def _end_all(self, error: str) -> None:
         for rid in list(self._live):

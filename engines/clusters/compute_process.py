@@ -21,7 +21,9 @@ in one process). One host only: the processes map the instances' shared buffers.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
+import numpy as np
 import zmq
 
 from tokenlake import plan_wire, wire
@@ -95,62 +97,95 @@ class ComputeProcesses:
         if not groups or sorted(flat) != sorted(set(flat)) or not all(groups):
             raise InvalidArgumentError(f"groups: expected disjoint non-empty groups, got {groups}")
         self._owner = {i: k for k, g in enumerate(groups) for i in g}
+        self._groups, self._make_program = groups, make_program
         self._ctx = zmq.Context()
-        self._procs: list[Started] = []
+        self._procs: list[Started | None] = [None] * len(groups)
         self._closed = False
         self.config = cfg
-        try:
-            self._spawn(cluster, groups, make_program)
-        except BaseException:
-            self.close()
-            raise
-
-    def _spawn(self, cluster, groups, make_program) -> None:
-        cfg = self.config
-        ready = self._ctx.socket(zmq.PULL)
-        ready.setsockopt(zmq.LINGER, 0)
-        endpoint = bind_random(ready, cfg.host)
-        spawn = process_context()
-        for g in groups:
-            spec = ComputeSpec(
-                g, cfg, cluster.layout, cluster.backend, tuple(cluster.buffers),
-                cluster.endpoints, frozenset(cluster.lost), cluster.secret_path, make_program,
-                endpoint, LauncherId.this_process(),
-            )  # fmt: skip
-            p = spawn.Process(target=main, args=(spec,), name=f"tokenlake-compute-{g[0]}")
-            p.daemon = True
-            p.start()
-            self._procs.append(Started(p))
         self._auth = FrameAuth(cluster.secret)
         self._requester = Requester(
             self._ctx, cfg.timeout_s, cfg.poll_interval_s, self._alive, self._auth
         )
         try:
-            found = 0
-            while found < len(groups):
-                for k, p in enumerate(self._procs):
-                    if not p.alive():
-                        code = p.process.exitcode
-                        raise PeerFailedError(groups[k][0], "compute", f"exited ({code})")
+            self._spawn(cluster, range(len(groups)))
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, cluster, ks) -> None:
+        """Start the processes of groups ``ks`` over ``cluster``'s engines as they are now,
+        and connect to each once it reported ready."""
+        cfg = self.config
+        ready = self._ctx.socket(zmq.PULL)
+        ready.setsockopt(zmq.LINGER, 0)
+        endpoint = bind_random(ready, cfg.host)
+        spawn = process_context()
+        for k in ks:
+            g = self._groups[k]
+            spec = ComputeSpec(
+                g, cfg, cluster.layout, cluster.backend, tuple(cluster.buffers),
+                cluster.endpoints, frozenset(cluster.lost), cluster.secret_path,
+                self._make_program, endpoint, LauncherId.this_process(),
+            )  # fmt: skip
+            p = spawn.Process(target=main, args=(spec,), name=f"tokenlake-compute-{g[0]}")
+            p.daemon = True
+            p.start()
+            self._procs[k] = Started(p)
+        try:
+            pending = set(ks)
+            while pending:
+                for k in pending:
+                    if not self._procs[k].alive():
+                        code = self._procs[k].process.exitcode
+                        raise PeerFailedError(self._groups[k][0], "compute", f"exited ({code})")
                 if ready.poll(int(cfg.startup_timeout_s * 1000)) == 0:
-                    raise PeerFailedError(groups[0][0], "compute", "not ready in time")
+                    k = min(pending)
+                    raise PeerFailedError(self._groups[k][0], "compute", "not ready in time")
                 try:
                     msg = messages.decode(self._auth.open(ready.recv(), endpoint.encode()))
                 except (AuthError, WireError):
                     continue
                 k = self._owner[msg.instance_id]
-                self._requester.connect(("compute", k), msg.endpoint)
-                found += 1
+                if k in pending:
+                    self._requester.connect(("compute", k), msg.endpoint)
+                    pending.discard(k)
         finally:
             ready.close(linger=0)
 
+    def restart(self, cluster, instance_id: int) -> None:
+        """After ``cluster.restart(instance_id)``: a fresh process for the group holding
+        ``instance_id`` (the old one, if still running, is killed), and every other process
+        reconnects to that group's new engines (``Regroup``)."""
+        k = self._owner.get(instance_id)
+        if k is None:
+            raise InvalidArgumentError(f"instance_id: {instance_id} has no compute process")
+        old = self._procs[k]
+        self._requester.disconnect(("compute", k))
+        if old is not None:
+            stop_processes([old], 0.0)
+        self._spawn(cluster, [k])
+        ids = self._groups[k]
+        endpoints = cluster.endpoints
+        regroup = partial(
+            messages.Regroup, generation=0, instance_ids=np.asarray(ids, dtype=np.int32),
+            query_endpoints=tuple(endpoints[("query", i)] for i in ids),
+            transfer_endpoints=tuple(endpoints[("transfer", i)] for i in ids),
+        )  # fmt: skip
+        tickets = [
+            self._requester.request(("compute", j), lambda seq: regroup(seq))
+            for j, p in enumerate(self._procs)
+            if j != k and p is not None and p.alive()
+        ]
+        self._requester.wait(tickets, f"regroup {list(ids)}")
+
     def _alive(self, key) -> bool:
-        return self._procs[key[1]].alive()
+        p = self._procs[key[1]]
+        return p is not None and p.alive()
 
     def failures(self) -> list[int]:
         """The instances whose compute process died (killed, crashed), seen also while no
         iteration runs."""
-        return sorted(i for i, k in self._owner.items() if not self._procs[k].alive())
+        return sorted(i for i, k in self._owner.items() if not self._alive(("compute", k)))
 
     @property
     def pids(self) -> list[int]:
@@ -166,7 +201,7 @@ class ComputeProcesses:
         tickets = [  # a dead process is reported by failures() instead
             self._requester.request(("compute", k), lambda seq: messages.Retire(seq, epoch))
             for k in range(len(self._procs))
-            if self._procs[k].alive()
+            if self._alive(("compute", k))
         ]
         self._requester.wait(tickets, f"retire {epoch}")
 
@@ -179,7 +214,7 @@ class ComputeProcesses:
             for key in requester.keys:
                 if self._alive(key):
                     requester.request(key, messages.Stop)
-        stop_processes(self._procs, 5.0)
+        stop_processes([p for p in self._procs if p is not None], 5.0)
         if requester is not None:
             requester.close()
         self._ctx.destroy(linger=0)

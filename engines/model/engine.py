@@ -8,6 +8,7 @@ import torch
 
 from tokenlake.engines.client.forward import run_forward
 from tokenlake.engines.model.llama import LlamaModel
+from tokenlake.errors import InvalidArgumentError
 from tokenlake.plans import Chunk, Plans
 
 
@@ -35,6 +36,14 @@ class ModelEngine:
         mark = getattr(self.cluster, "mark_lost", None)
         if mark is not None:
             mark(instance_id)
+
+    def restart_instance(self, instance_id: int) -> None:
+        """Fresh processes for a lost instance (``MPCluster.restart``), serving again with
+        empty slots. Raises ``InvalidArgumentError`` where the cluster cannot restart one."""
+        restart = getattr(self.cluster, "restart", None)
+        if restart is None:
+            raise InvalidArgumentError("instance_id: this cluster cannot restart an instance")
+        restart(instance_id)
 
     def membership_changes(self) -> list[tuple[int, bool]]:
         """The cluster's news of dead (``False``) and rejoined (``True``) instances, polled
