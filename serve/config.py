@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tokenlake.config import DEFAULT_SEGMENT_LEN
 from tokenlake.errors import InvalidArgumentError
+from tokenlake.serve.api.tool_parsers import TOOL_CALL_PARSERS
 
 DATA_PLANES = ("local", "mp", "compute")
 SCHEDULER_MODES = ("elastic", "colocated")
@@ -38,8 +39,9 @@ class ServeConfig:
         None, "the name clients pass as 'model' (default: --model)", MODEL
     )
     dtype: str = _flag(
-        "auto", "weights and KV dtype; auto keeps the checkpoint's (default: %(default)s)",
-        MODEL, DTYPES,
+        "auto", "weights and KV dtype; auto: the checkpoint's fp32 or bf16, and fp32 for an "
+        "fp16 checkpoint (its weights upcast exactly: the model computes in fp32 or bf16 "
+        "only) (default: %(default)s)", MODEL, DTYPES,
     )  # fmt: skip
     num_instances: int = _flag(4, "TokenLake instances (default: %(default)s)", POOL)
     segment_len: int = _flag(
@@ -118,6 +120,16 @@ class ServeConfig:
         "default: %(default)s)", HTTP,
     )  # fmt: skip
 
+    enable_auto_tool_choice: bool = _flag(
+        False, "tool_choice 'auto' (and tools without a tool_choice): the model's tool calls "
+        "are read from its output by --tool-call-parser (default: off; tools then need "
+        "tool_choice 'none', 'required' or a named function)", HTTP,
+    )  # fmt: skip
+    tool_call_parser: str | None = _flag(
+        None, "how tool calls are written in the model's output, as vLLM's parser of that "
+        "name reads them (needed by --enable-auto-tool-choice)", HTTP, TOOL_CALL_PARSERS,
+    )  # fmt: skip
+
     def __post_init__(self) -> None:
         for name in ("num_instances", "segment_len", "num_slots", "chunk_len", "max_num_seqs"):
             _check_int(name, getattr(self, name), 1)
@@ -147,6 +159,13 @@ class ServeConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         if self.kernel_backend is not None:
             _check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
+        if self.tool_call_parser is not None:
+            _check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise InvalidArgumentError(
+                "enable_auto_tool_choice: needs --tool-call-parser (one of "
+                f"{', '.join(TOOL_CALL_PARSERS)})"
+            )
         if isinstance(self.port, bool) or not isinstance(self.port, int):
             raise InvalidArgumentError(f"port: expected 0..65535, got {self.port!r}")
         if not 0 <= self.port < 65536:
@@ -155,6 +174,11 @@ class ServeConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser of tool_choice 'auto', or ``None`` when it is off."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:

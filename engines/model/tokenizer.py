@@ -52,10 +52,22 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text of a chat, by the checkpoint's template (as ``transformers``'
-        ``apply_chat_template`` renders it)."""
-        if not self.chat_template:
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        variables: dict | None = None,
+    ) -> str:
+        """The prompt text of a chat, by the checkpoint's template or ``chat_template``
+        (as ``transformers``' ``apply_chat_template`` renders it, ``variables`` such as
+        ``tools``, ``documents`` and a request's template kwargs passed to the template).
+        ``continue_final_message``: the text ends with the last message's content, open
+        for the model to continue (what ``transformers`` cuts after it is dropped)."""
+        template = chat_template or self.chat_template
+        if not template:
             raise InvalidArgumentError(
                 "messages: this model has no chat template (tokenizer_config.json "
                 "chat_template); use /v1/completions with a prompt instead"
@@ -68,15 +80,32 @@ class Tokenizer:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
+        context = {**(variables or {}), "messages": messages,
+                   "add_generation_prompt": add_generation_prompt,
+                   "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}  # fmt: skip
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
+            text = env.from_string(template).render(**context)
         except TemplateError as e:
             raise InvalidArgumentError(f"messages: the chat template refused them: {e}") from None
+        if not continue_final_message:
+            return text
+        final = messages[-1].get("content") or ""
+        for wanted in (final, final.strip()):  # some templates strip messages
+            at = text.rfind(wanted) if wanted else -1
+            if at >= 0:
+                return text[: at + len(wanted)]
+        raise InvalidArgumentError(
+            "continue_final_message: the chat template does not write the final message's "
+            "content as sent"
+        )
+
+    def for_transformers(self):
+        """This tokenizer as a ``transformers`` ``PreTrainedTokenizerFast`` (for xgrammar)."""
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast(
+            tokenizer_object=self._tok, bos_token=self.bos_token, eos_token=self.eos_token
+        )
 
 
 def _token_text(value) -> str | None:

@@ -14,10 +14,12 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from tokenlake.serve.api.auth import APIKeyAuth, load_api_key
+from tokenlake.serve.api.chat import router as chat_router
 from tokenlake.serve.api.errors import install_error_handlers
 from tokenlake.serve.api.limits import BodyLimit
 from tokenlake.serve.api.routes import router
 from tokenlake.serve.api.state import APIState
+from tokenlake.serve.api.structured import Grammars
 from tokenlake.serve.build import Served
 from tokenlake.serve.metrics import collector as metrics
 
@@ -26,9 +28,13 @@ def create_app(served: Served) -> FastAPI:
     """The app serving ``served`` (its runtime must be running)."""
     app = FastAPI(title="TokenLake", version="0.1.0")
     runtime, name = served.runtime, served.config.model_name
+    grammars = None
+    if served.tokenizer is not None:
+        vocab_size = runtime.engine.model.config.vocab_size
+        grammars = Grammars(served.tokenizer, vocab_size, sorted(runtime.eos_token_ids))
     app.state.api = APIState(
         runtime, served.tokenizer, name, served.model_path,
-        metrics.server_registry(runtime, name),
+        metrics.server_registry(runtime, name), grammars, served.config.auto_tool_parser,
     )  # fmt: skip
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=served.config.max_body_bytes)
@@ -38,4 +44,5 @@ def create_app(served: Served) -> FastAPI:
             APIKeyAuth, api_key=api_key, protect_metrics=served.config.metrics_require_key
         )
     app.include_router(router)
+    app.include_router(chat_router)
     return app

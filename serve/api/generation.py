@@ -16,9 +16,11 @@ from starlette.concurrency import run_in_threadpool
 
 from tokenlake.engines.model.sampling import SamplingParams
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.serve.api.errors import APIError, shown
+from tokenlake.serve.api.errors import APIError, shown, sse
+from tokenlake.serve.api.fields import bad_words_token_ids, check_fields, truncated
 from tokenlake.serve.api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from tokenlake.serve.api.state import APIState
+from tokenlake.serve.api.structured import grammar_spec
 from tokenlake.serve.api.text import TextStream
 from tokenlake.serve.request import GenerationRequest, TokenEvent
 
@@ -59,22 +61,12 @@ def check_body(state: APIState, body: Body) -> None:
         raise APIError(400, f"best_of: expected >= n={body.n}, got {body.best_of}", param="best_of")
     if body.stream and num_samples(body) > body.n:
         raise APIError(400, "best_of: must equal n when streaming", param="best_of")
-    if body.response_format is not None and body.response_format != {"type": "text"}:
-        raise APIError(400, "response_format: not implemented (only {'type': 'text'})",
-                       param="response_format")  # fmt: skip
+    check_fields(body, state.runtime.max_model_len, state.tool_parser)
     if isinstance(body, CompletionRequest):
-        if body.suffix is not None:
-            raise APIError(400, "suffix: not implemented", param="suffix")
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo: prompt logprobs are not implemented; send echo or "
                            "logprobs, not both", param="echo")  # fmt: skip
         return
-    if body.tools and body.tool_choice not in (None, "none"):
-        raise APIError(400, "tools: tool calling is not implemented (tool_choice 'none' only)",
-                       param="tools")  # fmt: skip
-    if body.tool_choice not in (None, "none") and not body.tools:
-        raise APIError(400, f"tool_choice: not implemented, got {shown(body.tool_choice)}",
-                       param="tool_choice")  # fmt: skip
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs true", param="top_logprobs")
 
@@ -102,14 +94,37 @@ def num_logprobs(body: Body) -> int | None:
     return asked
 
 
-def sampling_params(body: Body, sample: int) -> SamplingParams:
+@dataclass(frozen=True)
+class Prepared:
+    """What a request needs besides its prompts: its compiled grammar (or ``None``) and
+    the token ids of its ``bad_words``."""
+
+    grammar: object | None = None
+    bad_words: tuple[tuple[int, ...], ...] = ()
+
+
+async def prepare(state: APIState, body: Body) -> Prepared:
+    """Compile the request's grammar and tokenize its bad words (on worker threads)."""
+    spec = grammar_spec(body)
+    grammar = None
+    if spec is not None:
+        if state.grammars is None:
+            raise APIError(400, f"{spec.field}: this model has no tokenizer to build a grammar "
+                           "over", param=spec.field)  # fmt: skip
+        grammar = await run_in_threadpool(state.grammars.compile, spec)
+    bad_words = await run_in_threadpool(bad_words_token_ids, state.tokenizer, body.bad_words)
+    return Prepared(grammar, bad_words)
+
+
+def sampling_params(body: Body, sample: int, prepared: Prepared = Prepared()) -> SamplingParams:
     """The runtime's parameters for generation ``sample`` of a prompt (a seeded request's
     samples use seed + sample, as vLLM's parallel sampling does)."""
     seed = body.seed if body.seed is None or sample == 0 else body.seed + sample
+    allowed = tuple(body.allowed_token_ids) if body.allowed_token_ids else None
     return SamplingParams(
         body.temperature, body.top_p, body.top_k, seed, body.presence_penalty,
         body.frequency_penalty, body.repetition_penalty, body.logit_bias_pairs,
-        body.min_tokens, num_logprobs(body),
+        body.min_tokens, num_logprobs(body), body.min_p, allowed, prepared.bad_words,
     )  # fmt: skip
 
 
@@ -138,28 +153,49 @@ async def encode(
 
 
 async def encode_chat(state: APIState, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-    """The chat's prompt ids: the template rendered and tokenized on a worker thread."""
+    """The chat's prompt ids: the template (the request's ``chat_template`` or the
+    model's, given ``tools``, ``documents`` and ``chat_template_kwargs``) rendered and
+    tokenized on a worker thread."""
     tokenizer = state.tokenizer
     if tokenizer is None:
         raise APIError(400, "messages: this model has no tokenizer; use /v1/completions")
     messages = [m.as_dict() for m in body.messages]
+    variables = dict(getattr(body, "chat_template_kwargs", None) or {})
+    if getattr(body, "tools", None):
+        variables["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+    if getattr(body, "documents", None) is not None:
+        variables["documents"] = body.documents
 
     def render_and_encode() -> list[int]:
-        text = tokenizer.render_chat(messages, body.add_generation_prompt)
+        text = tokenizer.render_chat(
+            messages, body.add_generation_prompt,
+            continue_final_message=getattr(body, "continue_final_message", False),
+            chat_template=getattr(body, "chat_template", None), variables=variables,
+        )  # fmt: skip
         # the template writes the special tokens itself (as transformers' apply_chat_template)
-        return tokenizer.encode(text, add_special_tokens=False)
+        # unless the request asks for them on top (vLLM's add_special_tokens, default false)
+        special = isinstance(body, ChatCompletionRequest) and body.add_special_tokens
+        return tokenizer.encode(text, add_special_tokens=special)
 
-    return await run_in_threadpool(render_and_encode)
+    ids = await run_in_threadpool(render_and_encode)
+    if isinstance(body, ChatCompletionRequest):
+        ids = truncated(ids, body, state.runtime.max_model_len)
+    return ids
 
 
-async def decode(state: APIState, ids: list[int]) -> str:
+async def decode(state: APIState, ids: list[int], skip_special_tokens: bool = True) -> str:
     if state.tokenizer is None:
         return ""
-    return await run_in_threadpool(state.tokenizer.decode, ids)
+    return await run_in_threadpool(state.tokenizer.decode, ids, skip_special_tokens)
 
 
 def start(
-    state: APIState, body: Body, prompts: list[list[int]], max_tokens: int | None, prefix: str
+    state: APIState,
+    body: Body,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    prefix: str,
+    prepared: Prepared = Prepared(),
 ) -> tuple[str, list[Choice], asyncio.Queue[TokenEvent]]:
     """Submit one runtime request per prompt; returns the id, the choices and their queue.
     Nothing stays submitted when one prompt is refused."""
@@ -170,13 +206,13 @@ def start(
     def sink(event: TokenEvent) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, event)
 
-    base = f"{prefix}-{uuid.uuid4().hex}"
+    base = f"{prefix}-{body.request_id or uuid.uuid4().hex}"
     choices: list[Choice] = []
     per_prompt = num_samples(body)
     if per_prompt > 1 and len(prompts) * per_prompt > MAX_SAMPLED_SEQUENCES:
         raise APIError(400, f"n: {len(prompts)} prompts x {per_prompt} samples exceed "
                        f"{MAX_SAMPLED_SEQUENCES} sequences per request", param="n")  # fmt: skip
-    params = [sampling_params(body, j) for j in range(per_prompt)]
+    params = [sampling_params(body, j, prepared) for j in range(per_prompt)]
     for i, ids in enumerate(prompts):
         budget = max_tokens if max_tokens is not None else runtime.max_model_len - len(ids)
         for j in range(per_prompt):
@@ -184,7 +220,7 @@ def start(
             rid = f"{base}-{index}"
             req = GenerationRequest(
                 rid, tuple(ids), budget, params[j], frozenset(body.stop_token_ids or ()),
-                body.ignore_eos,
+                body.ignore_eos, prepared.grammar,
             )  # fmt: skip
             try:
                 runtime.submit(req, sink)
@@ -194,7 +230,10 @@ def start(
                 if isinstance(e, InvalidArgumentError):
                     raise
                 raise APIError(503, str(e), "ServiceUnavailableError") from None
-            text = TextStream(state.tokenizer, body.stop_strings, body.min_tokens)
+            text = TextStream(
+                state.tokenizer, body.stop_strings, body.min_tokens, body.skip_special_tokens,
+                body.include_stop_str_in_output,
+            )  # fmt: skip
             choices.append(Choice(index, rid, ids, text, i, j))
     return base, choices, queue
 
@@ -226,10 +265,11 @@ async def events(
             c.num_cached = event.num_cached_tokens
             final = event.finish_reason is not None
             num_tokens = len(c.text.token_ids)
+            stopped = event.finish_reason == "stop"  # at EOS or a stop token id
             if state.tokenizer is None:
-                delta = c.text.add(event.token_id, final=final)
+                delta = c.text.add(event.token_id, final, stopped)
             else:  # detokenizing re-decodes the output so far: off the event loop
-                delta = await run_in_threadpool(c.text.add, event.token_id, final)
+                delta = await run_in_threadpool(c.text.add, event.token_id, final, stopped)
             if len(c.text.token_ids) > num_tokens and event.logprob is not None:
                 c.logprobs.append((event.token_id, event.logprob, event.top_logprobs))
             if final:
@@ -258,3 +298,26 @@ def usage(choices: list[Choice]) -> dict:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+def returned(body: Body, choices: list[Choice]) -> list[Choice]:
+    """The choices a response carries: all of them, or the ``n`` best of ``best_of``."""
+    return best(choices, body.n) if num_samples(body) > body.n else choices
+
+
+def stream_usage(body: Body, choices: list[Choice]) -> dict:
+    """``{"usage": ...}`` so far for every chunk when the request asked for
+    ``stream_options.continuous_usage_stats`` (with ``include_usage``, as vLLM), else ``{}``."""
+    options = body.stream_options
+    if options is None or not options.include_usage or not options.continuous_usage_stats:
+        return {}
+    return {"usage": usage(choices)}
+
+
+def final_chunks(body: Body, head: dict, choices: list[Choice]) -> list[str]:
+    """The end of a stream: the usage chunk when ``stream_options.include_usage``, then
+    ``[DONE]``."""
+    chunks = []
+    if body.stream_options is not None and body.stream_options.include_usage:
+        chunks.append(sse({**head, "choices": [], "usage": usage(choices)}))
+    return [*chunks, "data: [DONE]\n\n"]

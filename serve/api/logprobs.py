@@ -4,7 +4,8 @@ dictionary holds the sampled token too, so it has ``logprobs`` or ``logprobs + 1
 entries) and chat's ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``.
 The values are the raw model log-probabilities (vLLM V1's default ``raw_logprobs``), before
 penalties, bias or temperature. Without a tokenizer a token is written ``token_id:<id>``,
-as vLLM's ``return_tokens_as_token_ids`` writes it."""
+as vLLM's ``return_tokens_as_token_ids`` writes it (and as it is written when a request
+asks for that)."""
 
 from __future__ import annotations
 
@@ -15,39 +16,46 @@ from tokenlake.engines.model.tokenizer import Tokenizer
 Entry = tuple[int, float, tuple[tuple[int, float], ...]]
 
 
-def token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
-    if tokenizer is None:
+def token_text(tokenizer: Tokenizer | None, token_id: int, as_id: bool = False) -> str:
+    """A token as logprobs write it: its own text, or ``token_id:<id>`` (without a
+    tokenizer, or when the request asked ``return_tokens_as_token_ids``)."""
+    if tokenizer is None or as_id:
         return f"token_id:{token_id}"
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def completion_logprobs(
-    tokenizer: Tokenizer | None, entries: Sequence[Entry], text_offset: int = 0
+    tokenizer: Tokenizer | None,
+    entries: Sequence[Entry],
+    text_offset: int = 0,
+    as_ids: bool = False,
 ) -> dict:
     """The ``logprobs`` of a completion choice (or of a stream chunk's tokens);
     ``text_offset`` is where the first token's text starts in the choice's text."""
     tokens, values, tops, offsets = [], [], [], []
     for token_id, logprob, top in entries:
-        text = token_text(tokenizer, token_id)
+        text = token_text(tokenizer, token_id, as_ids)
         tokens.append(text)
         values.append(logprob)
         offsets.append(text_offset)
         text_offset += len(text)
         ranked: dict[str, float] = {}
         for t, v in top:  # most likely first: a text shared by several tokens keeps its best
-            ranked.setdefault(token_text(tokenizer, t), v)
+            ranked.setdefault(token_text(tokenizer, t, as_ids), v)
         ranked.setdefault(text, logprob)
         tops.append(ranked)
     return {"text_offset": offsets, "token_logprobs": values, "tokens": tokens,
             "top_logprobs": tops}  # fmt: skip
 
 
-def chat_logprobs(tokenizer: Tokenizer | None, entries: Sequence[Entry]) -> dict:
+def chat_logprobs(
+    tokenizer: Tokenizer | None, entries: Sequence[Entry], as_ids: bool = False
+) -> dict:
     """The ``logprobs`` of a chat choice (or of a stream chunk's tokens)."""
     content = []
     for token_id, logprob, top in entries:
-        item = _chat_token(token_text(tokenizer, token_id), logprob)
-        item["top_logprobs"] = [_chat_token(token_text(tokenizer, t), v) for t, v in top]
+        item = _chat_token(token_text(tokenizer, token_id, as_ids), logprob)
+        item["top_logprobs"] = [_chat_token(token_text(tokenizer, t, as_ids), v) for t, v in top]
         content.append(item)
     return {"content": content}
 

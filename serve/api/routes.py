@@ -11,26 +11,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from tokenlake.serve.api.errors import APIError, error_response, guarded, sse
+from tokenlake.serve.api.fields import truncated
 from tokenlake.serve.api.generation import (
-    Choice,
-    best,
     check_body,
     check_model,
     decode,
     encode,
     encode_chat,
     events,
-    num_samples,
+    final_chunks,
+    prepare,
+    returned,
     start,
+    stream_usage,
     usage,
 )
-from tokenlake.serve.api.logprobs import chat_logprobs, completion_logprobs, token_text
-from tokenlake.serve.api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from tokenlake.serve.api.logprobs import completion_logprobs, token_text
+from tokenlake.serve.api.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tokenlake.serve.api.state import State
 from tokenlake.serve.metrics import collector as metrics
 
@@ -87,7 +84,8 @@ async def detokenize(body: DetokenizeRequest, state: State):
                        param="tokens")  # fmt: skip
     if state.tokenizer is None:
         raise APIError(400, "tokens: this model has no tokenizer", param="tokens")
-    return {"prompt": await decode(state, body.tokens)}
+    # special tokens are kept, as vLLM's /detokenize keeps them
+    return {"prompt": await decode(state, body.tokens, skip_special_tokens=False)}
 
 
 def _package_version() -> str:
@@ -120,8 +118,11 @@ async def completions(body: CompletionRequest, request: Request, state: State):
     check_body(state, body)
     raw = body.prompt
     batch = raw if isinstance(raw, list) and raw and isinstance(raw[0], str | list) else [raw]
-    prompts = [await encode(state, p) for p in batch]
-    base, choices, queue = start(state, body, prompts, body.max_tokens, "cmpl")
+    max_len = state.runtime.max_model_len
+    prompts = [truncated(await encode(state, p, body.add_special_tokens), body, max_len)
+               for p in batch]  # fmt: skip
+    prepared = await prepare(state, body)
+    base, choices, queue = start(state, body, prompts, body.max_tokens, "cmpl", prepared)
     head = {"id": base, "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}  # fmt: skip
     if body.stream:
@@ -132,14 +133,15 @@ async def completions(body: CompletionRequest, request: Request, state: State):
     async for _ in events(state, choices, queue, request):
         pass
     out = []
-    for c in _returned(body, choices):
+    for c in returned(body, choices):
         echo = await decode(state, c.prompt_ids) if body.echo else ""
         choice = {"index": c.index, "text": echo + c.text.text, "logprobs": None,
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
         if body.logprobs is not None:
             choice["logprobs"] = await run_in_threadpool(
-                completion_logprobs, state.tokenizer, c.logprobs
-            )
+                completion_logprobs, state.tokenizer, c.logprobs, 0,
+                bool(body.return_tokens_as_token_ids),
+            )  # fmt: skip
         if body.return_token_ids:
             choice["prompt_token_ids"] = c.prompt_ids
             choice["token_ids"] = list(c.text.token_ids)
@@ -153,7 +155,7 @@ async def _completion_chunks(state, body: CompletionRequest, request, head, choi
             text = await decode(state, c.prompt_ids)
             choice = {"index": c.index, "text": text, "logprobs": None, "finish_reason": None,
                       "stop_reason": None}  # fmt: skip
-            yield sse({**head, "choices": [choice]})
+            yield sse({**head, "choices": [choice], **stream_usage(body, choices)})
     text_offsets = dict.fromkeys(range(len(choices)), 0)
     async for c, delta in events(state, choices, queue, request):
         choice = {"index": c.index, "text": delta, "logprobs": None,
@@ -161,67 +163,13 @@ async def _completion_chunks(state, body: CompletionRequest, request, head, choi
         if body.logprobs is not None:
             new, c.num_sent = c.logprobs[c.num_sent :], len(c.logprobs)
             logprobs = await run_in_threadpool(
-                completion_logprobs, state.tokenizer, new, text_offsets[c.index]
-            )
+                completion_logprobs, state.tokenizer, new, text_offsets[c.index],
+                bool(body.return_tokens_as_token_ids),
+            )  # fmt: skip
             text_offsets[c.index] += sum(len(t) for t in logprobs["tokens"])
             choice["logprobs"] = logprobs
         if body.return_token_ids and c.text.token_ids:
             choice["token_ids"] = c.text.token_ids[-1:]
-        yield sse({**head, "choices": [choice]})
-    if body.stream_options and body.stream_options.include_usage:
-        yield sse({**head, "choices": [], "usage": usage(choices)})
-    yield "data: [DONE]\n\n"
-
-
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request, state: State):
-    check_body(state, body)
-    prompt = await encode_chat(state, body)
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    base, choices, queue = start(state, body, [prompt], max_tokens, "chatcmpl")
-    head = {"id": base, "object": "chat.completion", "created": int(time.time()),
-            "model": state.model_name}  # fmt: skip
-    if body.stream:
-        head["object"] = "chat.completion.chunk"
-        return StreamingResponse(
-            guarded(_chat_chunks(state, body, request, head, choices, queue)),
-            media_type="text/event-stream",
-        )
-    async for _ in events(state, choices, queue, request):
-        pass
-    out = []
-    for c in _returned(body, choices):
-        message = {"role": "assistant", "content": c.text.text}
-        choice = {"index": c.index, "message": message, "logprobs": None,
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
-        if body.logprobs:
-            choice["logprobs"] = await run_in_threadpool(chat_logprobs, state.tokenizer, c.logprobs)
-        if body.return_token_ids:
-            choice["prompt_token_ids"] = c.prompt_ids
-            choice["token_ids"] = list(c.text.token_ids)
-        out.append(choice)
-    return {**head, "choices": out, "usage": usage(choices)}
-
-
-async def _chat_chunks(state, body: ChatCompletionRequest, request, head, choices, queue):
-    for c in choices:
-        first = {"index": c.index, "delta": {"role": "assistant", "content": ""},
-                 "logprobs": None, "finish_reason": None}  # fmt: skip
-        yield sse({**head, "choices": [first]})
-    async for c, delta in events(state, choices, queue, request):
-        reason = c.finish_reason
-        content = {"content": delta} if delta or reason is None else {}
-        choice = {"index": c.index, "delta": content, "logprobs": None, "finish_reason": reason,
-                  "stop_reason": c.stop_reason}  # fmt: skip
-        if body.logprobs:
-            new, c.num_sent = c.logprobs[c.num_sent :], len(c.logprobs)
-            choice["logprobs"] = await run_in_threadpool(chat_logprobs, state.tokenizer, new)
-        yield sse({**head, "choices": [choice]})
-    if body.stream_options and body.stream_options.include_usage:
-        yield sse({**head, "choices": [], "usage": usage(choices)})
-    yield "data: [DONE]\n\n"
-
-
-def _returned(body, choices: list[Choice]) -> list[Choice]:
-    """The choices a response carries: all of them, or the ``n`` best of ``best_of``."""
-    return best(choices, body.n) if num_samples(body) > body.n else choices
+        yield sse({**head, "choices": [choice], **stream_usage(body, choices)})
+    for chunk in final_chunks(body, head, choices):
+        yield chunk

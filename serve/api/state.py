@@ -11,19 +11,24 @@ from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry
 
 from tokenlake.engines.model.tokenizer import Tokenizer
+from tokenlake.serve.api.structured import Grammars
 from tokenlake.serve.runtime import Runtime
 
 
 @dataclass(frozen=True)
 class APIState:
     """The running runtime, its tokenizer (``None``: clients send token ids), the name
-    clients pass as ``model``, where the checkpoint is and the ``/metrics`` registry."""
+    clients pass as ``model``, where the checkpoint is and the ``/metrics`` registry;
+    the grammar compiler of structured outputs (``None`` without a tokenizer) and the
+    parser of ``tool_choice`` ``auto`` (``None``: auto is refused)."""
 
     runtime: Runtime
     tokenizer: Tokenizer | None
     model_name: str
     model_path: Path
     registry: CollectorRegistry
+    grammars: Grammars | None = None
+    tool_parser: str | None = None
 
 
 def api_state(request: Request) -> APIState:
