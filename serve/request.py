@@ -50,13 +50,15 @@ class GenerationRequest:
 
     def _check_sampling(self, vocab_size: int) -> None:
         """Raise ``InvalidArgumentError`` for what only the model's geometry rules out: a
-        ``logit_bias`` token outside the vocabulary, ``min_tokens`` over ``max_tokens``."""
+        token outside the vocabulary (a ``stop_token_ids`` one too: it could never stop the
+        request), ``min_tokens`` over ``max_tokens``."""
         for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", [t for t, _ in self.sampling.logit_bias]),
             ("allowed_token_ids", self.sampling.allowed_token_ids or ()),
             ("bad_words", [t for w in self.sampling.bad_words_token_ids for t in w]),
         ):
-            bad = [t for t in ids if t >= vocab_size]
+            bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise InvalidArgumentError(
                     f"{name}: token ids must be in [0, {vocab_size}), got {bad[:3]}"
