@@ -1,6 +1,9 @@
 """Command-line flags made from a config dataclass's fields, so adding a field adds its
 flag: ``--field-name``, typed from the annotation, help text, group and choices from the
-field's metadata (``help``, ``group``, ``choices``), a bool as ``--x`` / ``--no-x``."""
+field's metadata (``help``, ``group``, ``choices``), a bool as ``--x`` / ``--no-x``.
+Optional metadata: ``parse`` (the argparse type of a field that is not a scalar, such as a
+comma list), ``aliases`` (more flag names), ``metavar``. ``tokenlake serve`` and
+``tokenlake goodput`` make their flags this way."""
 
 from __future__ import annotations
 
@@ -40,16 +43,17 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
         group = groups.get(meta["group"])
         if group is None:
             group = groups[meta["group"]] = parser.add_argument_group(meta["group"])
-        kind = _scalar_type(config_cls, hints[f.name])
+        kind = meta.get("parse") or _scalar_type(config_cls, hints[f.name])
+        names = (flag_name(f.name), *meta.get("aliases", ()))
         if kind is bool:
             group.add_argument(
-                flag_name(f.name), action=argparse.BooleanOptionalAction, default=f.default,
+                *names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                 help=meta["help"],
             )  # fmt: skip
             continue
         group.add_argument(
-            flag_name(f.name), type=kind, default=f.default, choices=meta.get("choices"),
-            help=meta["help"],
+            *names, dest=f.name, type=kind, default=f.default, choices=meta.get("choices"),
+            metavar=meta.get("metavar"), help=meta["help"],
         )  # fmt: skip
 
 

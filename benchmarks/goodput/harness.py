@@ -5,7 +5,6 @@ request rate, and report P90 goodput, hit rate and per-instance load CV per syst
     python -m tokenlake.benchmarks.goodput.harness --trace my_trace.jsonl.gz --goodput        # your own trace
     python -m tokenlake.benchmarks.goodput.harness --trace t.jsonl.xz --time-scale 0.5        # one replay, 2x speed
     python -m tokenlake.benchmarks.goodput.harness --workload loogle --rates 0.5,1,2          # latency vs rate
-    python -m tokenlake.benchmarks.goodput.harness --real [--quick]   # the real CPU mini-cluster (benchmarks/real/cluster.py)
 
 Workloads are named presets (real traces and generators) or any Mooncake-format trace
 (``--trace``; see ``benchmarks/workloads/traces.py`` for the schema). TokenLake runs through the real
@@ -232,10 +231,6 @@ def _run_phases(
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["--real"]:  # real model forwards instead of the simulator (its own options)
-        from tokenlake.benchmarks.real.cluster import main as real_main
-
-        return real_main(argv[1:])
     args = parse_args(argv)
 
     def stop(signum, frame):  # SIGTERM: unwind, so that run() ends its worker processes

@@ -78,7 +78,7 @@ class GoodputReport:
             f"{a.segment_len}; prefill knob {a.prefill_tokens}, baselines "
             f"{getattr(a, 'baseline_prefill_tokens', a.prefill_tokens)}; page groups "
             f"{getattr(a, 'page_groups', 'on')}; router mixed chunked prefill "
-            f"{'off' if a.no_mixed_chunk else 'on'}; seeds {seeds}; infinite-cache prefix hit "
+            f"{'on' if a.mixed_chunk else 'off'}; seeds {seeds}; infinite-cache prefix hit "
             f"rate {infinite_hit_rate(probe):.1%}; {describe(a)}",
             flush=True,
         )

@@ -90,7 +90,7 @@ def simulate_key(args: argparse.Namespace, make_workload: WorkloadFn, key: RunKe
         cfg = RunConfig(
             key.system,
             prefill_tokens=knob_prefill(key.knob),
-            mixed_chunk=not args.no_mixed_chunk,
+            mixed_chunk=args.mixed_chunk,
             segment_len=args.segment_len,
             wall_budget_s=budget * 2**attempt,
             horizon_s=args.horizon,

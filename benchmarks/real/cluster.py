@@ -8,7 +8,7 @@ The router runs at its best: its lanes alternate prefill and decode batches (``r
 SGLang's default) or mix decodes into chunked prefill batches (``router-mixed``, SGLang's
 ``--enable-mixed-chunk``); the better goodput is the ratio's base.
 
-    python -m tokenlake.benchmarks.real.cluster [--quick]        # or: python -m tokenlake.benchmarks.goodput.harness --real
+    python -m tokenlake.benchmarks.real.cluster [--quick]        # or: tokenlake bench real-cluster
 
 Workload: documents shared by many requests (Zipf popularity), each request a document plus a
 fresh question, Poisson arrivals. Every instance has the same slots, so the router's private

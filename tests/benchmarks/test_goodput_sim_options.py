@@ -48,3 +48,27 @@ def test_bad_values_exit_naming_the_option(argv, name, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv.split())
     assert name in capsys.readouterr().err
+
+
+def test_every_option_field_is_a_flag_and_nothing_sniffs_argv():
+    """``tokenlake goodput``'s flags are made from its option dataclasses (one field, one
+    flag), as ``tokenlake serve``'s; ``--real`` is not an option of the simulator (the real
+    mini-cluster is ``tokenlake bench real-cluster``)."""
+    import dataclasses
+
+    import pytest
+
+    from tokenlake.benchmarks.goodput.args import build_parser
+    from tokenlake.benchmarks.goodput.options import OPTION_CLASSES
+
+    parser = build_parser()
+    dests = {a.dest for a in parser._actions} - {"help"}
+    fields = {f.name for cls in OPTION_CLASSES for f in dataclasses.fields(cls)}
+    assert dests == fields
+    args = parse_args(["--requests", "7", "--no-mixed-chunk", "--prefill-tokens", "1024,2048"])
+    assert (args.requests, args.mixed_chunk, args.prefill_tokens) == (7, False, [1024, 2048])
+    assert parse_args(["--max-requests", "9"]).requests == 9
+    for bad in (["--real"], ["--workload", "conversation", "--trace", "x.jsonl"],
+                ["--prefill-tokens", "0"], ["--router-balance", "8:0.5"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(bad)
