@@ -27,13 +27,13 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TRACES_DIR = REPO_ROOT.parent / "shared" / "traces"
 CONVERSATION_TRACE = TRACES_DIR / "mooncake_fast25_conversation_trace.jsonl.gz"
 SYNTHETIC_TRACE = TRACES_DIR / "mooncake_fast25_synthetic_trace.jsonl.gz"
 # the first 1,000 requests of the conversation trace, shipped for clones without ../shared
 BUNDLED_CONVERSATION_HEAD = (
-    Path(__file__).resolve().parent / "data" / "conversation_trace_head1000.jsonl.gz"
+    Path(__file__).resolve().parents[1] / "data" / "conversation_trace_head1000.jsonl.gz"
 )
 CANDIDATE_BLOCK_SIZES = tuple(2**k for k in range(14))  # 1 .. 8192 tokens
 
