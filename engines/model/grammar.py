@@ -28,11 +28,13 @@ class GrammarSpec:
     JSON text), ``json_object`` (any JSON object or array; ``value`` empty), ``regex``,
     ``choice`` (``value`` a JSON list of strings: the output is exactly one of them) or
     ``grammar`` (EBNF, xgrammar's dialect of GBNF). ``field`` names the request field it
-    came from, for error messages."""
+    came from, for error messages; ``any_whitespace`` false: JSON without whitespace
+    (vLLM's ``disable_any_whitespace``)."""
 
     kind: str
     value: str = ""
     field: str = "structured_outputs"
+    any_whitespace: bool = True  # JSON: any whitespace between tokens, else none
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
@@ -66,7 +68,9 @@ class GrammarCompiler:
         ``spec.field`` when xgrammar cannot compile it."""
         try:
             if spec.kind == "json":
-                return self._compiler.compile_json_schema(spec.value)
+                return self._compiler.compile_json_schema(
+                    spec.value, any_whitespace=spec.any_whitespace
+                )
             if spec.kind == "json_object":
                 return self._compiler.compile_builtin_json_grammar()
             if spec.kind == "regex":

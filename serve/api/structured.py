@@ -8,6 +8,7 @@ always parses. At most one of them per request."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from typing import Any, Literal
@@ -42,8 +43,8 @@ class ResponseFormat(BaseModel):
 
 class StructuredOutputs(BaseModel):
     """vLLM's ``structured_outputs``: exactly one of ``json``, ``regex``, ``choice``,
-    ``grammar``, ``json_object``; its whitespace and fallback options other than the
-    defaults are refused (xgrammar's defaults apply)."""
+    ``grammar``, ``json_object``; ``disable_any_whitespace`` (JSON without whitespace);
+    its other options are refused unless at their defaults."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -53,7 +54,7 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = None
     json_object: bool | None = None
     disable_fallback: Literal[False] = False
-    disable_any_whitespace: Literal[False] = False
+    disable_any_whitespace: bool = False
     disable_additional_properties: Literal[False] = False
     whitespace_pattern: None = None
     structural_tag: None = None
@@ -154,7 +155,8 @@ def _structured_specs(outputs: StructuredOutputs) -> list[GrammarSpec]:
     field = "structured_outputs"
     specs = []
     if outputs.json_schema is not None:
-        specs.append(_json_spec(outputs.json_schema, field))
+        spec = _json_spec(outputs.json_schema, field)
+        specs.append(dataclasses.replace(spec, any_whitespace=not outputs.disable_any_whitespace))
     if outputs.regex is not None:
         specs.append(GrammarSpec("regex", outputs.regex, field))
     if outputs.choice is not None:
