@@ -25,6 +25,13 @@ $(VENV)/.deps-model: $(VENV)/.deps
 	$(PY) -m pip install -q "transformers>=5,<6" safetensors tokenizers fastapi uvicorn httpx
 	touch $@
 
+# structured outputs (xgrammar: CPU wheels; its metadata wants torch, held at the CPU build)
+# and jsonschema, which the structured-output tests validate against
+$(VENV)/.deps-structured: $(VENV)/.deps-model
+	echo "torch==2.13.0" > $(VENV)/torch-pin.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-pin.txt "xgrammar>=0.2.7,<0.3" jsonschema
+	touch $@
+
 # SGLang for tests/sglang (the [sglang] extra's version). Its metadata pins a CUDA torch, so it
 # goes in without dependencies, then what its imports need, with torch held at the CPU build.
 SGLANG_IMPORT_DEPS := orjson psutil pybase64 pillow starlette msgspec triton pydantic tqdm aiohttp \
@@ -68,7 +75,7 @@ $(VENV)/.deps-cluster: $(VENV)/.deps
 	$(PY) -m pip install -q "ray==2.60.0"
 	touch $@
 
-$(STAMP): $(VENV)/.deps $(VENV)/.deps-model $(VENV)/.deps-flashinfer $(VENV)/.deps-ops $(VENV)/.deps-router $(VENV)/.deps-cluster pyproject.toml CMakeLists.txt $(CSRC)
+$(STAMP): $(VENV)/.deps $(VENV)/.deps-model $(VENV)/.deps-structured $(VENV)/.deps-flashinfer $(VENV)/.deps-ops $(VENV)/.deps-router $(VENV)/.deps-cluster pyproject.toml CMakeLists.txt $(CSRC)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
