@@ -68,12 +68,25 @@ class PoolCollector(Collector):
     """A pool's counters (``source``: ``pool.get_stats`` or a function returning its dict).
     With ``config`` (the pool's :class:`~tokenlake.PoolConfig`) also the KV capacity and
     usage: slots and tokens in total, the used fraction per instance; and, when the stats
-    carry ``free_capacity`` (``pool.free_capacity()``, the server's snapshot does), the
-    fraction held by running requests."""
+    carry ``free_capacity`` (``pool.free_capacity()``, the server's snapshot does), vLLM's
+    ``kv_cache_usage_perc`` (the fraction held by running requests) beside TokenLake's
+    cached-but-idle share. ``model_name``: the label vLLM puts on its KV and prefix-cache
+    families (the server passes its model's name)."""
 
-    def __init__(self, source: StatsSource, config: PoolConfig | None = None) -> None:
+    def __init__(
+        self, source: StatsSource, config: PoolConfig | None = None, model_name: str | None = None
+    ) -> None:
         self.source = source
         self.config = config
+        self.model_name = model_name
+
+    def _vllm_family(self, kind, name: str, doc: str, value: float) -> Metric:
+        """A family vLLM labels with ``model_name`` (unlabelled without a model name)."""
+        if self.model_name is None:
+            return kind(PREFIX + name, doc, value=value)
+        family = kind(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        return family
 
     def collect(self) -> Iterator[Metric]:
         stats = self.source()
@@ -84,6 +97,17 @@ class PoolCollector(Collector):
         yield CounterMetricFamily(
             PREFIX + "pool_miss_tokens", "Prompt tokens not found in the pool", value=miss
         )
+        if "num_prompt_tokens" in stats:  # vLLM's prefix-cache counters, in tokens
+            yield self._vllm_family(
+                CounterMetricFamily, "prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache (the pool)",
+                float(stats["num_prompt_tokens"]),
+            )  # fmt: skip
+            yield self._vllm_family(
+                CounterMetricFamily, "prefix_cache_hits",
+                "Prompt tokens found in the prefix cache (the pool)",
+                float(stats.get("num_hit_tokens", 0)),
+            )  # fmt: skip
         for key, (name, doc) in _POOL_GAUGES.items():
             if key in stats:
                 yield GaugeMetricFamily(PREFIX + name, doc, value=float(stats[key]))
@@ -117,38 +141,41 @@ class PoolCollector(Collector):
         num_slots, segment_len = self.config.num_slots, self.config.segment_len
         capacity = num_slots * len(live)
         used = [int(n) for n in stats.get("slots_used", ())]
-        yield GaugeMetricFamily(
-            PREFIX + "kv_cache_capacity_slots",
-            "Segment slots of the live instances (one segment of every layer each)",
-            value=capacity,
-        )
-        yield GaugeMetricFamily(
-            PREFIX + "kv_cache_capacity_tokens",
-            "Tokens of KV the live instances hold (slots x segment_len)",
-            value=capacity * segment_len,
-        )
-        yield GaugeMetricFamily(
-            PREFIX + "kv_cache_used_slots",
-            "Segment slots holding KV on the live instances (cached or in use)",
-            value=sum(n for i, n in enumerate(used) if i in live),
-        )
-        usage = GaugeMetricFamily(
-            PREFIX + "kv_cache_usage_perc",
-            "Fraction (0 to 1) of an instance's slots holding KV, cached prefixes included: "
-            "a warm pool reads near 1; see kv_cache_pinned_perc for what requests hold",
+        num_used = sum(n for i, n in enumerate(used) if i in live)
+        yield self._vllm_family(
+            GaugeMetricFamily, "kv_cache_capacity_slots",
+            "Segment slots of the live instances (one segment of every layer each)", capacity,
+        )  # fmt: skip
+        yield self._vllm_family(
+            GaugeMetricFamily, "kv_cache_capacity_tokens",
+            "Tokens of KV the live instances hold (slots x segment_len)", capacity * segment_len,
+        )  # fmt: skip
+        yield self._vllm_family(
+            GaugeMetricFamily, "kv_cache_used_slots",
+            "Segment slots holding KV on the live instances (cached or in use)", num_used,
+        )  # fmt: skip
+        per_instance = GaugeMetricFamily(
+            PREFIX + "kv_cache_instance_used_perc",
+            "Fraction (0 to 1) of an instance's slots holding KV, cached prefixes included",
             labels=[INSTANCE_LABEL],
         )
         for i, n in enumerate(used):
-            usage.add_metric([str(i)], n / num_slots)
-        yield usage
+            per_instance.add_metric([str(i)], n / num_slots)
+        yield per_instance
         free = stats.get("free_capacity")
         if free is not None and capacity:
-            yield GaugeMetricFamily(
-                PREFIX + "kv_cache_pinned_perc",
-                "Fraction (0 to 1) of the live slots neither free nor evictable: held by "
-                "running requests and iterations in flight (vLLM's kv_cache_usage_perc)",
-                value=max(0.0, 1.0 - free / capacity),
-            )
+            pinned = max(0, capacity - int(free))  # neither free nor evictable
+            yield self._vllm_family(
+                GaugeMetricFamily, "kv_cache_usage_perc",
+                "Fraction (0 to 1) of the live slots held by running requests and iterations "
+                "in flight (vLLM's meaning: an idle pool reads 0)", pinned / capacity,
+            )  # fmt: skip
+            yield self._vllm_family(
+                GaugeMetricFamily, "kv_cache_cached_perc",
+                "Fraction (0 to 1) of the live slots holding cached prefixes no running "
+                "request holds (evictable; reused by later requests)",
+                max(0, num_used - pinned) / capacity,
+            )  # fmt: skip
 
 
 def server_registry(runtime, model_name: str) -> CollectorRegistry:
@@ -157,7 +184,7 @@ def server_registry(runtime, model_name: str) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RuntimeCollector(runtime, model_name))
     registry.register(
-        PoolCollector(lambda: runtime.stats.pool_stats, runtime.scheduler.pool.config)
+        PoolCollector(lambda: runtime.stats.pool_stats, runtime.scheduler.pool.config, model_name)
     )
     registry.register(EngineCollector(lambda: runtime.stats.engine_stats))
     return registry

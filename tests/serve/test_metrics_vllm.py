@@ -1,8 +1,10 @@
 """``/metrics`` as a Grafana user of vLLM reads it, parsed with prometheus-client's own parser:
 vLLM's request histograms with counts and sums equal to what the requests did, finish reasons
-as one labelled counter, KV usage with its capacity, ``tl_instance`` (never ``instance``),
-seconds rather than nanoseconds; and the Grafana dashboard in ``deploy/`` queries only
-families a real server exports."""
+as one labelled counter, KV usage with vLLM's meaning beside its capacity and the cached
+share, vLLM's prefix-cache counters, ``tl_instance`` (never ``instance``), seconds rather
+than nanoseconds; both Grafana dashboards in ``deploy/`` (TokenLake's, and vLLM's published
+one renamed) query only families and labels a real server exports, with data for its
+model."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from tokenlake.serve.metrics.engines import EngineCollector  # noqa: E402
 from tokenlake.serve.metrics.requests import RequestMetrics  # noqa: E402
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
+VLLM_DASHBOARD = DASHBOARD.with_name("vllm-grafana-dashboard.json")
 MODEL = {"model_name": "tiny-random"}
 # (prompt length, max_tokens): every request runs to max_tokens (ignore_eos)
 REQUESTS = [(9, 4), (17, 1), (30, 6)]
@@ -117,24 +120,31 @@ def test_finish_reasons_preemptions_and_kv_capacity(server, scraped):
     assert reasons == {"stop": 0, "length": len(REQUESTS), "abort": 0, "error": 0}
     assert value(fams, "tokenlake:num_preemptions", "tokenlake:num_preemptions_total") == 0
     capacity = config.num_slots * config.num_instances
-    assert value(
-        fams, "tokenlake:kv_cache_capacity_slots", "tokenlake:kv_cache_capacity_slots"
-    ) == (capacity)
+    slots = "tokenlake:kv_cache_capacity_slots"
+    assert value(fams, slots, slots, **MODEL) == capacity
     tokens = "tokenlake:kv_cache_capacity_tokens"
-    assert value(fams, tokens, tokens) == capacity * config.segment_len
+    assert value(fams, tokens, tokens, **MODEL) == capacity * config.segment_len
     used = {
         s.labels["tl_instance"]: s.value for s in fams["tokenlake:pool_instance_slots_used"].samples
     }
-    usage = {
-        s.labels["tl_instance"]: s.value for s in fams["tokenlake:kv_cache_usage_perc"].samples
-    }
+    per_instance = "tokenlake:kv_cache_instance_used_perc"
+    usage = {s.labels["tl_instance"]: s.value for s in fams[per_instance].samples}
     assert set(usage) == {str(i) for i in range(config.num_instances)}
     assert usage == {i: n / config.num_slots for i, n in used.items()}
     assert sum(used.values()) > 0  # the prompts' segments stay cached
     used_total = value(fams, "tokenlake:kv_cache_used_slots", "tokenlake:kv_cache_used_slots")
     assert used_total == sum(used.values())
-    # every request finished: nothing pinned, the cached segments are reclaimable
-    assert value(fams, "tokenlake:kv_cache_pinned_perc", "tokenlake:kv_cache_pinned_perc") == 0
+    # every request finished: vLLM's usage reads 0 (nothing held by a running request), and
+    # the cached segments are TokenLake's cached-but-idle share
+    kv = "tokenlake:kv_cache_usage_perc"
+    assert value(fams, kv, kv, **MODEL) == 0
+    cached = "tokenlake:kv_cache_cached_perc"
+    assert value(fams, cached, cached, **MODEL) == pytest.approx(used_total / capacity)
+    # vLLM's prefix-cache counters: prompt tokens looked up, and found
+    queries = value(fams, "tokenlake:prefix_cache_queries",
+                    "tokenlake:prefix_cache_queries_total", **MODEL)  # fmt: skip
+    hits = value(fams, "tokenlake:prefix_cache_hits", "tokenlake:prefix_cache_hits_total", **MODEL)
+    assert queries == sum(p for p, _ in REQUESTS) and 0 <= hits <= queries
 
 
 def test_labels_and_units(scraped):
@@ -239,3 +249,36 @@ def test_dashboard_queries_only_exported_families(scraped):
         names = METRIC_NAME.findall(expr)
         for label in re.findall(r"\{\{(\w+)\}\}", legend):
             assert any(label in labels_of[n] for n in names), (label, expr)
+
+
+SELECTOR = re.compile(r"(tokenlake:[A-Za-z0-9_:]+)\{([^}]*)\}")
+BY_ANY = re.compile(r"by ?\(([^)]*)\)")
+
+
+def test_vllm_dashboard_every_metric_and_label_exists(scraped):
+    """vLLM's own dashboard (renamed): each metric of each query is exported, each label its
+    selectors and ``by`` clauses name is on that metric, and ``model_name="$model_name"``
+    selects this server's samples."""
+    fams, _, _ = scraped
+    dashboard = json.loads(VLLM_DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(exprs) >= 20 and all("vllm:" not in e for e in exprs)
+    variable = dashboard["templating"]["list"][1]["query"]["query"]
+    assert variable == "label_values(model_name)"
+    samples: dict[str, list[dict]] = {}
+    for f in fams.values():
+        for s in f.samples:
+            samples.setdefault(s.name, []).append(s.labels)
+    for expr in exprs:
+        names = METRIC_NAME.findall(expr)
+        assert names, expr
+        for name in names:
+            assert name in samples, f"{name} (in {expr!r}) is not exported"
+        for name, selector in SELECTOR.findall(expr):
+            wanted = dict(re.findall(r'(\w+)="([^"]*)"', selector))
+            assert set(wanted) == {"model_name"}, expr
+            mine = [lb for lb in samples[name] if lb.get("model_name") == MODEL["model_name"]]
+            assert mine, f"{name}: no sample with model_name={MODEL['model_name']}"
+        for group in BY_ANY.findall(expr):
+            for label in (x.strip() for x in group.split(",")):
+                assert any(label in lb for n in names for lb in samples[n]), (label, expr)
