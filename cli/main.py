@@ -117,6 +117,10 @@ BENCHES: dict[str, Command] = {
         "measure a CPU hardware profile for the simulator",
         needs="model",
     ),
+    "calibrate-control-plane": Command(
+        "tokenlake.benchmarks.calibrate.control_plane",
+        "measure the control plane's cost model the simulator charges by default",
+    ),
     "sim-vs-real": Command(
         "tokenlake.benchmarks.calibrate.vs_real",
         "the simulator on the wall-clock runs' workloads",

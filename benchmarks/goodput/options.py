@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tokenlake.benchmarks.sim.control_plane_cost import CONTROL_PLANES
 from tokenlake.benchmarks.sim.runner import EXTRA_SYSTEMS, SYSTEMS, VARIANT_SYSTEMS
 from tokenlake.benchmarks.sim.systems.layered import PRICINGS, PricingConfig
 from tokenlake.benchmarks.sim.systems.mooncake_store import MooncakeStoreConfig
@@ -155,9 +156,15 @@ class ClusterOptions:
     )  # fmt: skip
     control_plane_scale: float = _cluster(
         DEFAULT_PRICING.control_plane_scale, "TokenLake's control plane (the scheduler's step "
-        "with gen_plans, and its commit) costs its measured CPU time times this in simulated "
-        "time (default 1; 0: free, which makes runs deterministic; a measured time depends "
-        "on the machine's load)", parse=non_negative,
+        "with gen_plans, and its commit) costs its --control-plane time times this in "
+        "simulated time (default 1; 0: free)", parse=non_negative,
+    )  # fmt: skip
+    control_plane: str = _cluster(
+        DEFAULT_PRICING.control_plane, "what TokenLake's control plane costs: model (default: "
+        "the calibrated cost model of the --hardware-profile, else benchmarks/data/"
+        "control_plane_cost.json, measured by tokenlake bench calibrate-control-plane; the "
+        "same results on any machine) or live (each call's measured thread CPU time, which "
+        "depends on the machine's load)", choices=CONTROL_PLANES,
     )  # fmt: skip
     mooncake_store_gb: float = _cluster(
         DEFAULT_STORE.gb_per_node, "Mooncake Store's host DRAM per 8-GPU node in GiB, pooled "

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor
 from typing import NamedTuple
 
-from tokenlake.benchmarks.goodput.sim_options import pricing_of, store_of
+from tokenlake.benchmarks.goodput.sim_options import control_plane_cost_of, pricing_of, store_of
 from tokenlake.benchmarks.sim.runner import (
     SLO_MISSED,
     WALL_BUDGET,
@@ -102,6 +102,7 @@ def simulate_key(args: argparse.Namespace, make_workload: WorkloadFn, key: RunKe
             balance=knob_balance(key.knob),
             pricing=pricing_of(args),
             mooncake_store=store_of(args),
+            control_plane_cost=control_plane_cost_of(args),
         )
         res = simulate(workload, key.spec, make_timer(key.spec), cfg)
         if res.stop_reason != WALL_BUDGET:

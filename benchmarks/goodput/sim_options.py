@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 
 from tokenlake.benchmarks.goodput.options import DEFAULT_PRICING, DEFAULT_RPC_US, DEFAULT_STORE
+from tokenlake.benchmarks.sim.control_plane_cost import ControlPlaneCost
+from tokenlake.benchmarks.sim.cpu_profile import load_cpu_profile
 from tokenlake.benchmarks.sim.systems.layered import PricingConfig
 from tokenlake.benchmarks.sim.systems.mooncake_store import MooncakeStoreConfig
 
@@ -19,7 +21,14 @@ def pricing_of(args: argparse.Namespace) -> PricingConfig:
         control_plane_scale=getattr(
             args, "control_plane_scale", DEFAULT_PRICING.control_plane_scale
         ),
+        control_plane=getattr(args, "control_plane", DEFAULT_PRICING.control_plane),
     )
+
+
+def control_plane_cost_of(args: argparse.Namespace) -> ControlPlaneCost | None:
+    """The cost model of ``--hardware-profile`` when it holds one (None: the default)."""
+    path = getattr(args, "hardware_profile", None)
+    return load_cpu_profile(path).control_plane if path is not None else None
 
 
 def store_of(args: argparse.Namespace) -> MooncakeStoreConfig:
@@ -31,5 +40,5 @@ def describe(args: argparse.Namespace) -> str:
     p, store = pricing_of(args), store_of(args)
     return (
         f"distributed attention {p.dist_attn}, RPC {p.rpc_s * 1e6:g} us, control plane x"
-        f"{p.control_plane_scale:g}; Mooncake Store {store.gb_per_node:g} GiB/node"
+        f"{p.control_plane_scale:g} ({p.control_plane}); Mooncake Store {store.gb_per_node:g} GiB/node"
     )

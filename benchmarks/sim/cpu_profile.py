@@ -11,7 +11,8 @@ the simulator's own step times reproduce the measured rows. ``host_cores`` is ho
 the measured machine has and ``thread_speedup`` how much faster a step runs on all of them
 than on one (a server's torch and kernel threads): the simulator shares the cores among the
 busy processes of a CPU run, each at most that much faster than one core.
-``serving`` holds the serving path's CPU per request, per streamed token and per serving-loop
+``control_plane`` is the control plane's cost model measured on the host
+(:mod:`.control_plane_cost`; absent: the checked-in default). ``serving`` holds the serving path's CPU per request, per streamed token and per serving-loop
 iteration in a real server process (``tokenlake serve``: HTTP, tokenizer, the stream, the
 loop's sampling and books, and whatever else its instances cost beyond the engine), per
 server shape, measured by :mod:`tokenlake.benchmarks.calibrate.serving`; none: all 0.
@@ -25,6 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tokenlake.benchmarks.sim.control_plane_cost import ControlPlaneCost
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec, CostModelTimer, TimerConfig
 from tokenlake.cluster.profiles import GiB, HardwareProfile, ModelProfile
 
@@ -77,6 +79,8 @@ class CpuProfile:
     rows: tuple[MeasuredRow, ...] = ()
     thread_speedup: float = 1.0  # a step on every core's threads vs on one (wall time)
     serving: tuple[ServingCost, ...] = ()  # per server shape measured
+    # the control plane's cost model measured on this host (None: the checked-in default)
+    control_plane: ControlPlaneCost | None = None
 
     def serving_cost(self, num_instances: int) -> ServingCost:
         """The serving path's costs of a server with ``num_instances`` instances: the one
@@ -154,6 +158,7 @@ class CpuProfile:
             "host_cores": self.host_cores,
             "thread_speedup": self.thread_speedup,
             "serving": [c._asdict() for c in self.serving],
+            **({"control_plane": self.control_plane.to_dict()} if self.control_plane else {}),
             "rows": [r._asdict() for r in self.rows],
         }
 
@@ -174,6 +179,7 @@ class CpuProfile:
                 tuple(MeasuredRow(**r) for r in raw.get("rows", ())),
                 float(raw.get("thread_speedup", 1.0)),
                 tuple(ServingCost(**c) for c in raw.get("serving", ())),
+                _control_plane(raw.get("control_plane")),
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"hardware profile: bad or missing field: {e}") from None
@@ -188,6 +194,10 @@ class CpuProfile:
                 f"{profile.host_cores!r}, {profile.thread_speedup!r}"
             )
         return profile
+
+
+def _control_plane(raw) -> ControlPlaneCost | None:
+    return None if raw is None else ControlPlaneCost.from_dict(raw, "hardware profile")
 
 
 def load_cpu_profile(path) -> CpuProfile:

@@ -21,6 +21,11 @@ from dataclasses import dataclass, field, replace
 
 from tokenlake.benchmarks.progress import Progress
 from tokenlake.benchmarks.sim.context import SimContext
+from tokenlake.benchmarks.sim.control_plane_cost import (
+    MODEL,
+    ControlPlaneCost,
+    load_control_plane_cost,
+)
 from tokenlake.benchmarks.sim.engine import EngineConfig
 from tokenlake.benchmarks.sim.events import EventLoop
 from tokenlake.benchmarks.sim.job import Job
@@ -65,7 +70,10 @@ class RunConfig:
     variant); balance (the router's imbalance thresholds ``(abs, rel)``; None: sgl-router's
     launcher defaults); pricing (TokenLake's distributed attention, control plane CPU time
     and RPC: :class:`PricingConfig`); mooncake_store (the Mooncake rows' DRAM store:
-    :class:`MooncakeStoreConfig`; GB 0 or the ``-no-store`` variant: none)."""
+    :class:`MooncakeStoreConfig`; GB 0 or the ``-no-store`` variant: none);
+    control_plane_cost (the cost model TokenLake's control plane is charged by when
+    ``pricing.control_plane`` is ``model``; None: the checked-in host profile,
+    :data:`~.control_plane_cost.DEFAULT_PATH`)."""
 
     system: str
     prefill_tokens: int = 8192
@@ -83,6 +91,7 @@ class RunConfig:
     balance: tuple[int, float] | None = None
     pricing: PricingConfig = PricingConfig()
     mooncake_store: MooncakeStoreConfig = MooncakeStoreConfig()
+    control_plane_cost: ControlPlaneCost | None = None
 
     def __post_init__(self) -> None:
         split_system(self.system)  # raises naming the allowed systems
@@ -152,7 +161,7 @@ def _num_prefill(system: str, n: int) -> int:
     return 0
 
 
-def build_system(cfg: RunConfig, ctx: SimContext, slos):
+def build_system(cfg: RunConfig, ctx: SimContext, slos, control_samples: list | None = None):
     base, variants = split_system(cfg.system)
     spec = ctx.spec
     n, p = spec.num_instances, _num_prefill(base, spec.num_instances)
@@ -165,6 +174,9 @@ def build_system(cfg: RunConfig, ctx: SimContext, slos):
     )
     if base.startswith("tokenlake"):
         tbt, per_token = slos
+        cost = None
+        if cfg.pricing.control_plane == MODEL:
+            cost = cfg.control_plane_cost or load_control_plane_cost()
         tl = TokenLakeConfig(
             mode="xpyd" if p else "elastic",
             num_prefill=p,
@@ -178,8 +190,9 @@ def build_system(cfg: RunConfig, ctx: SimContext, slos):
             eviction=cfg.eviction,
             page_groups=cfg.page_groups and "no-groups" not in variants,
             pricing=cfg.pricing,
+            control_plane_cost=cost,
         )
-        return TokenLakeSystem(ctx, tl)
+        return TokenLakeSystem(ctx, tl, control_samples=control_samples)
     if base == "router":
         rule = "min_load" if "min-load" in variants else "smallest_tree"
         router = RouterConfig(miss_rule=rule, seed=cfg.seed)
@@ -205,8 +218,14 @@ def make_record(req: SimRequest, arrival_s: float, timer: CostModelTimer) -> Req
 
 
 def simulate(
-    workload: Workload, spec: ClusterSpec, timer: CostModelTimer, cfg: RunConfig
+    workload: Workload,
+    spec: ClusterSpec,
+    timer: CostModelTimer,
+    cfg: RunConfig,
+    control_samples: list | None = None,
 ) -> RunResult:
+    """Run ``workload`` through ``cfg.system``; ``control_samples``: TokenLake's control-plane
+    calls are appended there (calibration, :mod:`.calibrate_control_plane`)."""
     loop = EventLoop()
     load = LoadTimeline(spec.num_instances, cfg.window_s)
     records: dict[int, RequestRecord] = {}
@@ -241,7 +260,8 @@ def simulate(
         cfg.slo_scale * timer.decode_time([shortest]),
         cfg.slo_scale * timer.prefill_time([chunk], [0]) / chunk,
     )
-    system = build_system(cfg, SimContext(loop, timer, spec, load, on_finished, on_rejected), slos)
+    ctx = SimContext(loop, timer, spec, load, on_finished, on_rejected)
+    system = build_system(cfg, ctx, slos, control_samples)
 
     def submit(req: SimRequest) -> None:
         rec = records[req.rid] = make_record(req, loop.now, timer)

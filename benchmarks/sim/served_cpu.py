@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenlake.benchmarks.sim.context import SimContext
+from tokenlake.benchmarks.sim.control_plane_cost import load_control_plane_cost
 from tokenlake.benchmarks.sim.cpu_profile import CpuProfile
 from tokenlake.benchmarks.sim.events import EventLoop
 from tokenlake.benchmarks.sim.job import Job
@@ -136,8 +137,9 @@ class _Router:
 
 def _config(settings: ServedSettings, profile: CpuProfile, num_instances: int) -> TokenLakeConfig:
     # tokenlake serve's SchedulerConfig: its defaults but the chunk, and the latency model
-    # it profiles at start-up; the control plane's measured CPU time charged as it is (it
-    # runs in the runtime thread); no RPC or kernel launch apart from what the hop holds
+    # it profiles at start-up; the control plane's cost charged as it is (it runs in the
+    # runtime thread), by the host's cost model; no RPC or kernel launch apart from what the
+    # hop holds
     return TokenLakeConfig(
         segment_len=settings.segment_len,
         chunk_len=settings.chunk_len,
@@ -147,6 +149,7 @@ def _config(settings: ServedSettings, profile: CpuProfile, num_instances: int) -
         token_overhead_s=profile.serving_cost(num_instances).token_s,
         iteration_overhead_s=profile.serving_cost(num_instances).iteration_s,
         compute_lanes=settings.compute_lanes,
+        control_plane_cost=profile.control_plane or load_control_plane_cost(),
     )
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tokenlake.benchmarks.sim.control_plane_cost import CONTROL_PLANES, MODEL
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec
 from tokenlake.cluster.profiles import HardwareProfile
 
@@ -50,19 +51,27 @@ class PricingConfig:
     """Args: dist_attn (``layered``, the default, or ``overlap``, the older pricing);
     rpc_s (the control plane's dispatch of one iteration to its instances, charged before
     it starts); launch_s (one kernel launch: each holder's part and the merge, per layer and
-    step); control_plane_scale (the measured CPU time of the scheduler's step, with
-    ``gen_plans``, and its commit is charged to simulated time times this; 0: not
-    charged, which keeps runs deterministic)."""
+    step); control_plane_scale (the control plane's cost, the scheduler's step with
+    ``gen_plans`` and its commit, is charged to simulated time times this; 0: not
+    charged); control_plane (``model``, the default: the calibrated cost model of
+    :mod:`.control_plane_cost`, the same seconds for the same calls on any machine;
+    ``live``: each call's measured thread CPU time, which depends on the machine's load)."""
 
     dist_attn: str = LAYERED
     rpc_s: float = 50e-6
     launch_s: float = 5e-6
     control_plane_scale: float = 1.0
+    control_plane: str = MODEL
 
     def __post_init__(self) -> None:
         if self.dist_attn not in PRICINGS:
             raise ValueError(
                 f"PricingConfig.dist_attn: expected one of {PRICINGS}, got {self.dist_attn!r}"
+            )
+        if self.control_plane not in CONTROL_PLANES:
+            raise ValueError(
+                f"PricingConfig.control_plane: expected one of {CONTROL_PLANES}, got "
+                f"{self.control_plane!r}"
             )
         for name in ("rpc_s", "launch_s", "control_plane_scale"):
             value = getattr(self, name)

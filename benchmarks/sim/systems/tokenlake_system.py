@@ -8,8 +8,9 @@ admission (FCFS, within what the pool can hold) and preempts when the pool runs 
 the simulator only hands requests over. A request larger than the whole pool is rejected.
 Times come from :mod:`tokenlake.benchmarks.sim.systems.tokenlake_timing` (compute, queries and puts sharing
 each GPU; distributed attention layer by layer, see :mod:`.layered`). The control plane costs
-simulated time: the real CPU time of each ``step()`` (which runs ``gen_plans``) and
-``complete()``, measured around the calls and scaled by ``PricingConfig.control_plane_scale``,
+simulated time: each ``step()`` (which runs ``gen_plans``) and ``complete()`` costs what
+the calibrated cost model says for what it handled (:mod:`..control_plane_cost`; or, live, its
+measured thread CPU time), scaled by ``PricingConfig.control_plane_scale``; the control plane
 runs one call at a time, and every iteration waits for its planning plus one dispatch RPC
 (``PricingConfig.rpc_s``) before its work. ``sync_iterations=True`` is the old model for comparison: one cluster-wide
 iteration at a time, lasting as long as its busiest instance.
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 from tokenlake import EvictionConfig, InvalidArgumentError, Pool, PoolConfig, PoolFullError
 from tokenlake.benchmarks.sim.context import SimContext
+from tokenlake.benchmarks.sim.control_plane_cost import ControlPlaneCost, ControlPlaneMeter
 from tokenlake.benchmarks.sim.job import Job
 from tokenlake.benchmarks.sim.systems.layered import PricingConfig
 from tokenlake.benchmarks.sim.systems.tokenlake_timing import Flight, SharedHost, TokenLakeTiming
@@ -60,6 +62,8 @@ class TokenLakeConfig:
     token_overhead_s: float = 0.0  # serving CPU per streamed token (a CPU host's thread)
     iteration_overhead_s: float = 0.0  # ... and per iteration of its serving loop
     compute_lanes: int = 0  # the scheduler's batches computed in parallel (0: one per instance)
+    # the control plane's cost model (None: each call's measured CPU time, live)
+    control_plane_cost: ControlPlaneCost | None = None
 
 
 class TokenLakeSystem:
@@ -70,12 +74,15 @@ class TokenLakeSystem:
         cpu_clock: Callable[[], float] = time.thread_time,
         host: SharedHost | None = None,
         load_offset: int = 0,
+        control_samples: list | None = None,
     ) -> None:
-        """``cpu_clock``: the clock the control plane's calls are measured with (this
-        thread's CPU time by default: a loaded machine does not inflate it, as it would
-        wall time). ``host``: the instances run in one thread on this CPU host (see
-        :class:`TokenLakeTiming`). ``load_offset``: this system's first instance in
-        ``load`` (a router's workers share one timeline)."""
+        """``cpu_clock``: the clock the control plane's calls are measured with when no
+        cost model prices them (this thread's CPU time by default: a loaded machine does
+        not inflate it as much as wall time). ``host``: the instances run in one thread on
+        this CPU host (see :class:`TokenLakeTiming`). ``load_offset``: this system's first
+        instance in ``load`` (a router's workers share one timeline). ``control_samples``:
+        every control-plane call is appended there, (kind, features, measured seconds), to
+        calibrate the cost model."""
         config = config or TokenLakeConfig()
         loop, timer, spec, load = ctx.loop, ctx.timer, ctx.spec, ctx.load
         self.loop, self.timer, self.spec, self.load = loop, timer, spec, load
@@ -109,6 +116,7 @@ class TokenLakeSystem:
         self.token_overhead_s = config.token_overhead_s
         self.iteration_overhead_s = config.iteration_overhead_s
         self.pricing, self.cpu_clock = config.pricing, cpu_clock
+        self.meter = ControlPlaneMeter(config.control_plane_cost, control_samples)
         self.control_free_at = 0.0  # when the control plane's last charged call ends
         self.control_cpu_s = 0.0  # measured CPU seconds of its calls (unscaled)
         self.control_charged_s = 0.0  # simulated seconds charged for them (scaled)
@@ -151,14 +159,14 @@ class TokenLakeSystem:
         self._kicked = False
         now = self.loop.now
         while True:
-            t0 = self.cpu_clock()
+            num_requests, t0 = len(self.jobs), self.cpu_clock()
             try:
                 it = self.sched.step()
             except PoolFullError:  # not expected: the scheduler preempts; report it as a stall
                 self.num_pool_full += 1
+                self._charge(self.meter.price(num_requests, None, False, self.cpu_clock() - t0))
                 return
-            finally:
-                self._charge(self.cpu_clock() - t0)
+            self._charge(self.meter.price(num_requests, it, False, self.cpu_clock() - t0))
             if it is None:
                 return
             self.num_iterations += 1
@@ -184,8 +192,9 @@ class TokenLakeSystem:
                 f.owner._schedule_end(f)
 
     def _charge(self, cpu_s: float) -> None:
-        """The control plane spent ``cpu_s`` on a call at ``loop.now``: it runs one call at a
-        time, so the call ends that much (scaled) after the previous one or now."""
+        """The control plane spent ``cpu_s`` (priced or measured) on a call at ``loop.now``:
+        it runs one call at a time, so the call ends that much (scaled) after the previous
+        one or now."""
         self.control_cpu_s += cpu_s
         start = max(self.control_free_at, self.loop.now)
         charged = cpu_s * self.pricing.control_plane_scale
@@ -204,9 +213,9 @@ class TokenLakeSystem:
         now, it = self.loop.now, flight.payload
         decode = it.decision.phases[0] == "decode" and len(it.decision.phases) == 1
         steps = max(c.num_new_tokens for c in it.decision.chunks) if decode else 1
-        t0 = self.cpu_clock()
+        num_requests, t0 = len(self.jobs), self.cpu_clock()
         finished = self.sched.complete(it)
-        self._charge(self.cpu_clock() - t0)
+        self._charge(self.meter.price(num_requests, it, True, self.cpu_clock() - t0))
         for chunk in it.decision.chunks:
             if chunk.end == len(chunk.token_ids):  # a prompt's last chunk or decode steps
                 job = self.jobs[chunk.request_id]
