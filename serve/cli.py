@@ -5,8 +5,8 @@ OpenAI-compatible HTTP API, on 127.0.0.1 by default.
     python -m tokenlake.serve --model /path/to/Llama-3.2-1B --dtype bfloat16 --port 8000
 
 Then e.g. ``curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json'
--d '{"prompt": "Hello", "max_tokens": 16}'``. Endpoints: /v1/completions,
-/v1/chat/completions (both with "stream": true), /v1/models, /health, /metrics.
+-d '{"prompt": "Hello", "max_tokens": 16}'`` (completions and chat stream with
+"stream": true).
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ from tokenlake.serve.config import HTTP, ServeConfig
 
 def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     """The server's flags: one per :class:`ServeConfig` field, plus ``--log-level``."""
+    from tokenlake.serve.api.app import endpoints
+
     p = argparse.ArgumentParser(
         prog="python -m tokenlake.serve",
-        description=__doc__,
+        description=f"{__doc__}\nEndpoints: {', '.join(endpoints())}.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         add_help=add_help,
     )
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("tokenlake.serve")
     try:
         config = config_from_args(args)
+        from tokenlake.engines.clusters.launcher import stop_helper_processes
         from tokenlake.serve.api.http_server import HTTPServer
         from tokenlake.serve.build import build
 
@@ -63,4 +66,5 @@ def main(argv: list[str] | None = None) -> int:
         server.run()
     finally:
         server.close()
+        stop_helper_processes()  # nothing this server started outlives it
     return 0

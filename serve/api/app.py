@@ -46,3 +46,8 @@ def create_app(served: Served) -> FastAPI:
     app.include_router(router)
     app.include_router(chat_router)
     return app
+
+
+def endpoints() -> list[str]:
+    """Every path the app serves (for ``--help``)."""
+    return [route.path for r in (router, chat_router) for route in r.routes]
