@@ -70,15 +70,25 @@ def build(config: ServeConfig, engine_factory: Callable | None = None) -> Served
             namespace=f"{config.model_name}:{model.dtype}",
         )  # fmt: skip
         max_len = _max_model_len(config, model, pool_config)
-        cluster = None if engine_factory is not None else _cluster(config, pool_config, closers)
+        workers = engine_factory is None and config.data_plane == "workers"
+        in_process = engine_factory is not None or workers  # no cluster in this process
+        cluster = None if in_process else _cluster(config, pool_config, closers)
         latency = _latency_model(config, model)
-        if config.profile and cluster is not None:
+        if config.profile and (cluster is not None or workers):
             latency = latency.with_hop(_hop_seconds(config, model, pool_config, cluster))
         # the dispatcher and placement weigh a hop in bytes: its seconds at the link's rate
         balancer = BalancerConfig(hop_bytes=latency.hop_s * LINK_BYTES_PER_S)
         pool = tl.Pool(pool_config, balancer=balancer)
         if engine_factory is not None:
             engine = engine_factory(model, pool, closers)
+        elif workers:
+            from tokenlake.serve.worker_plane import make_engine as make_workers
+
+            engine = make_workers(
+                str(path), config.dtype, model, pool_config, config.max_num_seqs, max_len,
+                config.chunk_len, config.kernel_backend,
+                max(1, config.torch_threads // config.num_instances), closers,
+            )  # fmt: skip
         elif config.data_plane == "compute":
             from tokenlake.serve.local_compute import make_engine
 
@@ -86,7 +96,7 @@ def build(config: ServeConfig, engine_factory: Callable | None = None) -> Served
             engine = make_engine(str(path), config.dtype, threads, model, cluster, closers)
         else:
             engine = ModelEngine(model, cluster)
-        parallel = engine_factory is not None or config.data_plane == "compute"
+        parallel = engine_factory is not None or config.data_plane in ("compute", "workers")
         sched_config = SchedulerConfig(
             config.num_instances,
             config.segment_len,
@@ -98,12 +108,17 @@ def build(config: ServeConfig, engine_factory: Callable | None = None) -> Served
             compute_lanes=0 if parallel else 1,
             max_dop=1 if parallel else 0,
             tbt_slo=config.tbt_slo_ms / 1e3 if config.tbt_slo_ms > 0 else math.inf,
+            # workers: each instance steps on its own; an iteration starts as one frees up
+            sync_iterations=not workers,
         )
         scheduler = ElasticScheduler(sched_config, latency, pool)
         eos = model.config.eos_token_ids
         if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
             eos = (tokenizer.eos_token_id,)
-        runtime = Runtime(
+        runtime_class = Runtime
+        if workers:
+            from tokenlake.serve.async_runtime import AsyncRuntime as runtime_class
+        runtime = runtime_class(
             engine, scheduler, max_len, config.max_num_seqs, eos, config.seed, tuple(closers)
         )
         return Served(runtime.start(), tokenizer, path, config)
@@ -186,7 +201,7 @@ def _hop_seconds(config: ServeConfig, model: LlamaModel, pool: tl.PoolConfig, cl
         return 0.0
     cfg = pool
     scratch = tl.Pool(dataclasses.replace(cfg, num_slots=4))
-    if config.data_plane == "local":
+    if config.data_plane in ("local", "workers"):  # a worker reads peers in place, in-process
         from tokenlake.engines.clusters.local import LocalCluster
 
         local = LocalCluster(scratch, backend=config.kernel_backend)

@@ -10,7 +10,7 @@ from tokenlake.config import DEFAULT_SEGMENT_LEN
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.serve.api.tool_parsers import TOOL_CALL_PARSERS
 
-DATA_PLANES = ("local", "mp", "compute")
+DATA_PLANES = ("local", "mp", "compute", "workers")
 SCHEDULER_MODES = ("elastic", "colocated")
 DTYPES = ("auto", "float32", "bfloat16")
 KERNEL_BACKENDS = ("cpu", "torch", "flashinfer")
@@ -62,7 +62,9 @@ class ServeConfig:
     data_plane: str = _flag(
         "local", "local: engines in this process; mp: query/transfer engine processes per "
         "instance; compute: mp plus a compute process per instance, so instances compute in "
-        "parallel (default: %(default)s)", POOL, DATA_PLANES,
+        "parallel; workers: one process per instance with its own step loop, plans and logits "
+        "through shared memory, peers' segments read in place (default: %(default)s)", POOL,
+        DATA_PLANES,
     )  # fmt: skip
     kernel_backend: str | None = _flag(
         None, "attention kernels (default: by device)", POOL, KERNEL_BACKENDS

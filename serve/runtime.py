@@ -206,28 +206,44 @@ class Runtime:
     def _iterate(self) -> None:
         t0 = time.perf_counter()
         started_s = self.request_metrics.clock()
-        try:
-            it = self.scheduler.step()
-        except PoolFullError as e:  # the running requests alone overflow the pool
-            newest = next(reversed(self._live))
-            log.warning("runtime: %s; ending request %s", e, newest)
-            self._end(newest, None, "error", f"KV pool full: {e}")
-            return
+        it = self._next_iteration()
         if it is None:
             return
         chunks = {c.request_id: c for c in it.decision.chunks}
         try:
             logits = self.engine.run(it.plans, chunks)
         except Exception as e:
-            self.scheduler.abort(it)
-            self._retire(it.plans)
-            if self.membership.after_error(e):  # recomputed on the instances left
-                log.warning("runtime: iteration %d: %s", it.plans.epoch, e)
-                return
-            log.exception("runtime: iteration %d failed", it.plans.epoch)
-            for rid in chunks:
-                self._end(rid, None, "error", f"engine error: {e}")
+            self._iteration_failed(it, e)
             return
+        self._complete(it, logits, started_s)
+        self.iteration_seconds += time.perf_counter() - t0
+
+    def _next_iteration(self):
+        """The scheduler's next iteration, ``None`` when none starts now; when the running
+        requests alone overflow the pool, the newest ends instead."""
+        try:
+            return self.scheduler.step()
+        except PoolFullError as e:
+            newest = next(reversed(self._live))
+            log.warning("runtime: %s; ending request %s", e, newest)
+            self._end(newest, None, "error", f"KV pool full: {e}")
+            return None
+
+    def _iteration_failed(self, it, error: Exception) -> None:
+        """``it`` failed on the engine: undone; its requests are recomputed if a death
+        explains the error, else they end with it."""
+        self.scheduler.abort(it)
+        self._retire(it.plans)
+        if self.membership.after_error(error):  # recomputed on the instances left
+            log.warning("runtime: iteration %d: %s", it.plans.epoch, error)
+            return
+        log.exception("runtime: iteration %d failed", it.plans.epoch, exc_info=error)
+        for chunk in it.decision.chunks:
+            self._end(chunk.request_id, None, "error", f"engine error: {error}")
+
+    def _complete(self, it, logits: dict, started_s: float) -> None:
+        """``it`` ran (``logits``: the next-token rows): sample, commit, stream the tokens."""
+        chunks = {c.request_id: c for c in it.decision.chunks}
         tokens, failed = {}, {}
         logits = self._apply_grammars(logits)
         for rid, row in logits.items():
@@ -258,7 +274,6 @@ class Runtime:
         for rid, token in tokens.items():
             self._emit(rid, token, rid in finished)
         self.stats.after_iteration()
-        self.iteration_seconds += time.perf_counter() - t0
 
     def _apply_grammars(self, logits: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``logits`` with the rows of requests that have a grammar masked to what their

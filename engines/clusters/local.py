@@ -24,7 +24,10 @@ class LocalCluster(ClusterBase):
     ``Pool`` whose config is read once).
 
     ``dataplane`` sizes the per-instance q/kv buffers; by default they hold as many rows as
-    the pool holds tokens (a plan never needs more), allocated lazily by the OS.
+    the pool holds tokens (a plan never needs more), allocated lazily by the OS. ``buffers``
+    (one per instance, laid out for ``dataplane``): storage shared with other processes
+    instead, so that a worker process reads every instance's segments in place
+    (:mod:`tokenlake.engines.clusters.instance_worker`).
     """
 
     def __init__(
@@ -33,6 +36,7 @@ class LocalCluster(ClusterBase):
         device: torch.device | str = "cpu",
         backend: str | None = None,
         dataplane: DataPlaneConfig | None = None,
+        buffers: dict[int, InstanceBuffers] | None = None,
     ) -> None:
         cfg = pool_config(config)
         n = cfg.num_instances
@@ -41,9 +45,10 @@ class LocalCluster(ClusterBase):
             dataplane = DataPlaneConfig(max_q_rows=rows, max_kv_rows=rows)
         dataplane = dataclasses.replace(dataplane, device=torch.device(device).type)
         layout = layout_for(cfg, dataplane, n)
-        buffers = {
-            i: InstanceBuffers.allocate(layout.nbytes(), device, shared=False) for i in range(n)
-        }
+        if buffers is None:
+            buffers = {
+                i: InstanceBuffers.allocate(layout.nbytes(), device, shared=False) for i in range(n)
+            }
         engines = {
             ("query", i): QueryEngine(EngineHost(i, n, buffers, dataplane.timeout_s))
             for i in range(n)

@@ -2,7 +2,8 @@
 ``tokenlake serve`` runs in processes (``mp``: query and transfer engines; ``compute``: those
 and a compute process per instance; ``local`` has no process but the server's own). Each
 death is seen and the instance dropped, the requests whose KV was only there recomputed, and
-the instance rejoins, empty, through a new fork server if need be. Over HTTP: never a 5xx,
+the instance rejoins, empty, through a new fork server if need be (``workers``: the
+instance's one process, its worker, computing and reading its peers in place). Over HTTP: never a 5xx,
 every greedy answer equal to the one served before any kill, ``/health`` 200 throughout.
 Prints the time from each kill to its fail-over."""
 
@@ -72,6 +73,9 @@ def complete_all(client: httpx.Client) -> list:
 
 
 def role_pids(engine) -> dict[str, int]:
+    workers = getattr(engine, "workers", None)
+    if workers is not None:  # --data-plane workers: the instance's one process
+        return {"worker": workers.pids[VICTIM]}
     cluster = engine.cluster
     pids = {role: cluster.pids[(role, VICTIM)] for role in ("query", "transfer")}
     compute = getattr(engine, "compute", None)
@@ -103,7 +107,7 @@ def kill_under_load(client: httpx.Client, runtime, role: str, pid: int) -> tuple
         return pending.result(), seen_s
 
 
-@pytest.mark.parametrize("data_plane", ["mp", "compute"])
+@pytest.mark.parametrize("data_plane", ["mp", "compute", "workers"])
 def test_kill_each_role_over_http(data_plane):
     config = ServeConfig(
         num_instances=2, segment_len=8, num_slots=128, chunk_len=32, max_num_seqs=16,
