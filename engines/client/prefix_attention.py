@@ -15,10 +15,11 @@ import torch
 
 from tokenlake.config import check_logit_cap
 from tokenlake.engines.kernels.causal_plan import CausalPlan
+from tokenlake.engines.kernels.flashinfer_merge import DecodeMerge
 from tokenlake.engines.kernels.inputs import KV_DTYPES, check_dtype_on
 from tokenlake.engines.kernels.reference import merge_pair
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.validate import canonical_device, check_tensor
+from tokenlake.validate import canonical_device, check_int, check_tensor
 
 _DTYPES = KV_DTYPES  # float16 on CUDA only (check_dtype_on)
 
@@ -44,6 +45,7 @@ class PrefixAttention:
     backend: str | None
     one_token_each: bool  # every request has one new token and no other key
     causal: CausalPlan | None  # None when one_token_each
+    decode_merge: DecodeMerge | None = None  # FlashInfer's merge of a decode step (CUDA)
 
     @classmethod
     def bind(
@@ -59,12 +61,18 @@ class PrefixAttention:
         logit_cap: float = 0.0,
         device: torch.device | str = "cpu",
         planner=None,
+        flashinfer=None,
+        num_prefix_states: int = 1,
     ) -> PrefixAttention:
         """Check an iteration's layout once: ``q_shape`` = ``(T_q, H_q, D)``, ``num_kv_heads``
         dividing ``H_q``, ``num_kv_rows`` = ``T_kv`` (default ``T_q``); the offsets as in
         :func:`attend_with_prefix`, int32 tensors or host arrays (a tensor on a GPU is
         read to the host here: the batch's one small host read). ``planner``: a FlashInfer
-        planner of this shape, which plans the causal part (CUDA)."""
+        planner of this shape, which plans the causal part (CUDA). ``flashinfer`` (the module,
+        CUDA, 16-bit): a decode step (one new token each) merges on FlashInfer's kernels, in its
+        form: the ``num_prefix_states`` prefix parts write their states into
+        :attr:`prefix_states` (:class:`~tokenlake.engines.kernels.flashinfer_merge.DecodeMerge`),
+        and the call takes none."""
         device = canonical_device(device)  # `cuda` and tensors' `cuda:N` compare equal
         t_q, h_q, d = q_shape
         t_kv = t_q if num_kv_rows is None else num_kv_rows
@@ -97,23 +105,51 @@ class PrefixAttention:
             causal = CausalPlan.build(
                 q_off, kv_off, num_kv_heads, d, dtype, device, scale, cap, backend, planner
             )
+        decode_merge = None
+        if flashinfer is not None:
+            if not one_each or dtype == torch.float32:
+                raise InvalidArgumentError(
+                    "flashinfer: FlashInfer's merge takes decode steps (one new token per "
+                    f"request) of a 16-bit model, got offsets {q_off.tolist()[:8]}, {dtype}"
+                )
+            num_states = check_int("num_prefix_states", num_prefix_states, low=1)
+            decode_merge = DecodeMerge(
+                flashinfer, (t_q, h_q, d), num_kv_heads, dtype, device, scale, cap, num_states
+            )
         return cls(
             (t_q, h_q, d), (t_kv, num_kv_heads, d), dtype, device, scale, cap, backend,
-            bool(one_each), causal,
+            bool(one_each), causal, decode_merge,
         )  # fmt: skip
+
+    @property
+    def prefix_states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bound with ``flashinfer``: where the prefix parts write their states, ``o``
+        ``[S, T_q, H_q, D]`` (model dtype) and ``lse`` ``[S, T_q, H_q]`` (float32, base 2)."""
+        if self.decode_merge is None:
+            raise InvalidArgumentError("prefix_states: bound without flashinfer")
+        return self.decode_merge.o_states, self.decode_merge.lse_states
 
     def __call__(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        prefix_o: torch.Tensor,
-        prefix_lse: torch.Tensor,
+        prefix_o: torch.Tensor | None = None,
+        prefix_lse: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(o [T_q, H_q, D], lse [T_q, H_q])`` float32: every row over its whole sequence."""
+        """``(o [T_q, H_q, D], lse [T_q, H_q])`` float32: every row over its whole sequence.
+        Bound with ``flashinfer``, the prefix states are in :attr:`prefix_states` (pass none)
+        and ``o`` comes in the model's dtype (:class:`~tokenlake.engines.kernels.
+        flashinfer_merge.DecodeMerge`)."""
         self._check("q", q, self.q_shape, self.dtype)
         self._check("k", k, self.kv_shape, self.dtype)
         self._check("v", v, self.kv_shape, self.dtype)
+        if self.decode_merge is not None:
+            if prefix_o is not None or prefix_lse is not None:
+                raise InvalidArgumentError(
+                    "prefix_o: bound with flashinfer, the prefix parts write into prefix_states"
+                )
+            return self.decode_merge(q, k, v)
         self._check("prefix_o", prefix_o, self.q_shape, torch.float32)
         self._check("prefix_lse", prefix_lse, self.q_shape[:2], torch.float32)
         if self.one_token_each:

@@ -82,7 +82,7 @@ class BoundPart:
             csr = PagedCSR(groups.q_indptr, groups.kv_indptr, groups.kv_indices, groups.last_len)
             q_index = rows[groups.state_rows]
             state_rows = torch.tensor(groups.state_rows, dtype=torch.int64, device=device)
-            group_merge = StateMerge.build(groups.state_rows, n, device)
+            group_merge = StateMerge.build(groups.state_rows, n, device, planner)
             host_state_rows = rows[groups.state_rows]
         num_kernel_rows = int(csr[0][-1]) if groups is not None else n  # on the host here
         csr = csr.map(lambda a: _i32(a, device))
@@ -202,7 +202,9 @@ class MergeLayout:
             and own.state_rows is None
             and own.num_rows == num_rows
         )
-        merge = StateMerge.build(state_rows, num_rows, device)
+        # the own part's FlashInfer (CUDA) merges with merge_states; else torch ops
+        planner = getattr(own.planned, "planner", None) if own is not None else None
+        merge = StateMerge.build(state_rows, num_rows, device, planner)
         return cls(num_rows, own, own_rows, remote_index, merge, passthrough)
 
     def attend_own(

@@ -4,7 +4,9 @@ Several states (holder parts, shared-page groups) belong to one query row; their
 LSE-weighted sum. Which state goes to which row is known on the host when a plan is bound, so
 :class:`StateMerge` lays the states out once as a dense ``[num_rows, K]`` table (``K``: the
 most states of any row; missing ones point at an empty state), and every layer then runs dense
-ops only: two gathers, a max, an exp and two sums. Scatter-adds (``index_add_``) would do the
+ops only: two gathers, a max, an exp and two sums. On CUDA with a FlashInfer planner, the
+gathered states go to FlashInfer's ``merge_states`` instead (one kernel for the max, the exps
+and the sums: :func:`~tokenlake.engines.kernels.flashinfer_merge.merge_states_ln`). Scatter-adds (``index_add_``) would do the
 same work but on CPU start a parallel region per call, which on a busy machine cost
 milliseconds per layer for a few kilobytes.
 """
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenlake.engines.kernels.flashinfer_merge import merge_states_ln
+
 
 @dataclass(frozen=True)
 class StateMerge:
@@ -26,10 +30,13 @@ class StateMerge:
     width: int  # K: the most states of one row
     index: torch.Tensor  # int64 [num_rows * K]: a state (any, where ``empty`` says none)
     empty: torch.Tensor  # bool [num_rows, K, 1]: no state there
+    planner: object | None = None  # a FlashInferPlanner: merge with its merge_states (CUDA)
 
     @classmethod
-    def build(cls, state_rows: np.ndarray, num_rows: int, device) -> StateMerge:
-        """``state_rows`` (host, int ``[S]``): the row of each state, each in ``[0, num_rows)``."""
+    def build(cls, state_rows: np.ndarray, num_rows: int, device, planner=None) -> StateMerge:
+        """``state_rows`` (host, int ``[S]``): the row of each state, each in ``[0, num_rows)``.
+        ``planner``: a :class:`~tokenlake.engines.kernels.flashinfer_backend.FlashInferPlanner`
+        whose FlashInfer (and model dtype) merge the states; ``None``: torch ops."""
         rows = np.asarray(state_rows, dtype=np.int64)
         num_states = len(rows)
         counts = np.bincount(rows, minlength=num_rows) if num_states else np.zeros(num_rows, int)
@@ -42,7 +49,7 @@ class StateMerge:
         empty = table < 0
         index = torch.from_numpy(np.where(empty, 0, table).reshape(-1)).to(device)
         mask = torch.from_numpy(empty[..., None]).to(device)
-        return cls(num_rows, num_states, width, index, mask)
+        return cls(num_rows, num_states, width, index, mask, planner)
 
     def run(self, o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``o`` ``[S, H, D]``, ``lse`` ``[S, H]`` float32 (natural log) → ``o``
@@ -57,6 +64,8 @@ class StateMerge:
         # a padding entry weighs nothing (its o is finite); masked always, so that a layer
         # runs the same ops whatever the batch
         lse_k = lse_k.masked_fill(self.empty, -torch.inf)
+        if self.planner is not None:
+            return merge_states_ln(self.planner.flashinfer, o_k, lse_k, self.planner.dtype)
         top = lse_k.amax(dim=1)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
         weight = torch.exp(lse_k - top[:, None])  # 0 for an lse of -inf

@@ -33,6 +33,7 @@ import torch
 
 from tokenlake.engines.kernels import reference
 from tokenlake.engines.kernels.inputs import PagedAttentionInputs, PagedCSR
+from tokenlake.errors import InvalidArgumentError
 
 __all__ = [
     "FlashInferPlanner",
@@ -40,6 +41,7 @@ __all__ = [
     "partial_attention",
     "nonempty_batch",
     "to_natural_lse",
+    "uses_tensor_cores",
     "WORKSPACE_BYTES",
 ]
 
@@ -99,7 +101,9 @@ class FlashInferPlanner:
     in, so the calls can be checked without a GPU), a float workspace on ``device`` (shared by
     the parts it plans, which must run one at a time on one stream), ``shape`` = ``(H_q, H_kv,
     D, page_size)``, the 16-bit ``dtype`` of q and the pool, ``sm_scale`` (default
-    ``1 / sqrt(D)``) and ``logit_cap`` (0: none), both already checked."""
+    ``1 / sqrt(D)``) and ``logit_cap`` (0: none), both already checked. ``attention_backend``:
+    FlashInfer's kernel family for both wrappers, FA2 by default (on Hopper ``auto`` picks FA3,
+    whose JIT build costs ~74 CPU-seconds a file against FA2's ~17)."""
 
     def __init__(
         self,
@@ -110,8 +114,10 @@ class FlashInferPlanner:
         sm_scale: float | None = None,
         logit_cap: float = 0.0,
         workspace_bytes: int = WORKSPACE_BYTES,
+        attention_backend: str = "fa2",
     ) -> None:
         self.flashinfer, self.shape, self.dtype = flashinfer, shape, dtype
+        self.attention_backend = attention_backend
         self.sm_scale = 1.0 / math.sqrt(shape[2]) if sm_scale is None else float(sm_scale)
         self.logit_cap = float(logit_cap)
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
@@ -138,11 +144,18 @@ class FlashInferPart:
         workspace = planner.workspace
         device = workspace.device
         self.num_rows, self.shape = int(csr.q_indptr[-1]), planner.shape
+        self.planner = planner  # its FlashInfer also merges this part's states
         batch = nonempty_batch(csr.map(torch.Tensor.cpu), page_size, causal)
         self.rows = batch.rows.to(device)
         hidden = ~batch.visible
         self.hidden = hidden.to(device) if bool(hidden.any()) else None
         self.wrapper = None
+        # every row, in order, each seeing a key: FlashInfer's output is the answer as it is
+        self.dense = (
+            self.hidden is None
+            and batch.rows.numel() == self.num_rows
+            and bool(batch.rows.eq(torch.arange(self.num_rows)).all())
+        )
         if batch.rows.numel() == 0:
             return
         on_device = batch.csr.map(lambda t: t.to(device))
@@ -157,17 +170,15 @@ class FlashInferPart:
         q_indptr = batch.csr.q_indptr
         self.decode = bool((q_indptr[1:] - q_indptr[:-1]).eq(1).all())
         if self.decode:
-            # the CUDA-core decode kernels cover only some GQA group sizes (5 and 7 are not
-            # among them: Qwen2.5-0.5B is 14/2); the tensor-core path takes any, and is the
-            # faster one from a group of 4, which is SGLang's own FlashInfer backend's rule
-            # for 16-bit caches (should_use_tensor_core)
-            tensor_cores = num_q_heads // num_kv_heads >= 4
             self.wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
-                workspace, "NHD", use_tensor_cores=tensor_cores
-            )
+                workspace, "NHD", use_tensor_cores=uses_tensor_cores(num_q_heads, num_kv_heads),
+                backend=planner.attention_backend,
+            )  # fmt: skip
             self.wrapper.plan(*kv, num_q_heads, num_kv_heads, head_dim, page_size, **common)
         else:
-            self.wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+            self.wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
+                workspace, "NHD", backend=planner.attention_backend
+            )
             self.wrapper.plan(
                 on_device.q_indptr, *kv, num_q_heads, num_kv_heads, head_dim, page_size,
                 causal=causal, **common,
@@ -176,6 +187,9 @@ class FlashInferPart:
     def run(self, q: torch.Tensor, pool_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``q`` ``[num_rows, H_q, D]``, ``pool_layer`` ``[num_slots, 2, C, H_kv, D]`` (NHD pages
         of ``C`` tokens), both of the planner's dtype and device."""
+        if self.dense:  # no empty or hidden rows to fill in: no gather, no scatter
+            o, lse = self.run_native(q, pool_layer)
+            return o.float(), to_natural_lse(lse)
         num_q_heads, _, head_dim, _ = self.shape
         o = torch.zeros(
             (self.num_rows, num_q_heads, head_dim), dtype=torch.float32, device=q.device
@@ -198,6 +212,35 @@ class FlashInferPart:
         o.index_copy_(0, self.rows, o_sub)
         lse.index_copy_(0, self.rows, lse_sub)
         return o, lse
+
+    def run_native(
+        self,
+        q: torch.Tensor,
+        pool_layer: torch.Tensor,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """FlashInfer's own state of a :attr:`dense` part: ``o`` ``[num_rows, H_q, D]`` in q's
+        dtype and ``lse`` ``[num_rows, H_q]`` float32 in base 2, written into ``out`` / ``lse``
+        (contiguous) when given: what FlashInfer's ``merge_state(s)`` take, with no conversion
+        (:class:`~tokenlake.engines.kernels.flashinfer_merge.DecodeMerge`)."""
+        if not self.dense or self.wrapper is None:
+            raise InvalidArgumentError(
+                "run_native: this part does not cover every row in order (empty or hidden "
+                "rows); use run()"
+            )
+        if self.decode:
+            return self.wrapper.run(q, pool_layer, out=out, lse=lse, return_lse=True)
+        return self.wrapper.run(q, pool_layer, out=out, lse=lse, return_lse=True, lse_base="log2")
+
+
+def uses_tensor_cores(num_q_heads: int, num_kv_heads: int) -> bool:
+    """The decode wrapper's kernel: tensor cores from a GQA group of 4. The CUDA-core decode
+    kernels cover only some group sizes (5 and 7 are not among them: Qwen2.5-0.5B is 14/2); the
+    tensor-core path takes any, and is the faster one from a group of 4, which is SGLang's own
+    FlashInfer backend's rule for 16-bit caches (should_use_tensor_core). The one rule, for
+    TokenLake's parts and for any FlashInfer baseline compared with them."""
+    return num_q_heads // num_kv_heads >= 4
 
 
 def partial_attention(args: PagedAttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,11 +17,17 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpCounter", "HOST_READ_OPS", "NOT_KERNELS"]
+__all__ = ["OpCounter", "CudaKernelCounter", "HOST_READ_OPS", "NOT_KERNELS"]
 
 HOST_READ_OPS = ("aten._local_scalar_dense.default", "aten.equal.default")
-NOT_KERNELS = ("aten.lift_fresh.default", "aten.empty.memory_format", "aten.new_empty.default")
-"""Ops that launch no kernel besides views: wrapping host memory, uninitialised allocation."""
+NOT_KERNELS = (
+    "aten.lift_fresh.default",
+    "aten.empty.memory_format",
+    "aten.new_empty.default",
+    "aten._unsafe_view.default",
+)
+"""Ops that launch no kernel besides views: wrapping host memory, uninitialised allocation, and
+``_unsafe_view`` (the view ``reshape`` and ``matmul`` take of a result they just made)."""
 
 
 def _is_device_to_host(func, args, kwargs, out) -> bool:
@@ -75,3 +81,38 @@ class OpCounter(TorchDispatchMode):
     def num_host_reads(self) -> int:
         """Scalar reads and ``torch.equal`` calls, plus device → host copies."""
         return sum(self.ops[name] for name in HOST_READ_OPS) + self.num_device_to_host
+
+
+class CudaKernelCounter:
+    """``with CudaKernelCounter() as c: ...`` then ``c.num_kernels``: the kernels launched on
+    the GPU inside the block, counted by ``torch.profiler`` (CUPTI), so FlashInfer's (launched
+    through tvm-ffi, past torch's dispatcher, where :class:`OpCounter` cannot see them) are
+    counted with torch's own; copies and memsets are not kernels. ``c.kernels``: by name.
+    NOT RUN ON A GPU."""
+
+    NOT_KERNELS = ("Memcpy", "Memset")
+
+    def __init__(self) -> None:
+        self.kernels: Counter[str] = Counter()
+        self._profile = None
+
+    def __enter__(self) -> CudaKernelCounter:
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        self._profile = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.synchronize()
+        self._profile.__exit__(*exc)
+        for event in self._profile.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA and not event.name.startswith(
+                self.NOT_KERNELS
+            ):
+                self.kernels[event.name] += 1
+
+    @property
+    def num_kernels(self) -> int:
+        return sum(self.kernels.values())

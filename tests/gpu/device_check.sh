@@ -11,7 +11,8 @@
 #            flashinfer, tvm_ffi and zmq from there (one JSON line: versions and paths)
 #   build    the C++ extension (pip install -e .)
 #   jit      FlashInfer's JIT modules, all at once, one process each, FA2 (tests/gpu/jit_warmup.py)
-#   bench    the decode-layer benchmark at 1k and 2k context (tests/gpu/decode_layer_bench.py)
+#   bench    the decode-layer benchmark at 1k and 2k context, 1, 2 and 4 holders, batch 1, 8
+#            and 64 (tests/gpu/decode_layer_bench.py: 18 JSON lines)
 #   tests    the GPU tests (pytest -m gpu)
 # Output: $OUT/steps.jsonl gets every JSON line a step prints, as it prints it, then one line
 # per step ({"step", "rc", "seconds", "limit_s", "timed_out", "last_line"}), so a run killed
@@ -36,7 +37,7 @@ SITE="${SITE:-/tmp/tokenlake-gpu-site}"
 PAYLOAD="${PAYLOAD:-.gpu-payload/gpu-payload.tar.xz}"
 STEPS="${STEPS:-install build jit bench tests}"
 DEADLINE_S="${DEADLINE_S:-480}"
-BENCH_ARGS="${BENCH_ARGS:---context 1024 2048 --batch 1 8 64}"
+BENCH_ARGS="${BENCH_ARGS:---context 1024 2048 --batch 1 8 64 --holders 1 2 4}"
 GPU_TESTS="tests/engines/test_gpu_path.py tests/engines/test_flashinfer_calls.py tests/kernels/test_empty_states.py tests/gpu"
 DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
