@@ -124,7 +124,7 @@ def baseline_cases(base: str, cases: list[list[int]]) -> list[dict]:
     base_dir = Path(base).resolve()
     if not (base_dir / "tokenlake" / "__init__.py").is_file():
         raise SystemExit(f"--baseline: expected a directory holding tokenlake/, got {base}")
-    bench_dir = str(Path(__file__).resolve().parent)
+    bench_dir = str(Path(__file__).resolve().parents[1])  # benchmarks/, the package
     arg = json.dumps([str(base_dir), site.getsitepackages(), _C.__file__, bench_dir, cases])
     out = subprocess.run(
         [sys.executable, "-S", "-c", _BASELINE_CHILD, arg],
