@@ -140,6 +140,34 @@ class LatencyModel:
         """This model with the fixed cost of a remote holder set to ``hop_s`` seconds."""
         return LatencyModel(dict(self.prefill), self.decode, hop_s)
 
+    def summary(self) -> str:
+        """One readable line: per prefill DoP and for decode, the fixed milliseconds, the
+        microseconds per token and per 1,000 tokens squared; the hop's milliseconds."""
+
+        def line(c: Coeffs) -> str:
+            return f"{c.a * 1e3:.3g} ms + {c.b * 1e6:.3g} us/token + {c.c * 1e12:.3g} us/ktok^2"
+
+        parts = [f"prefill DoP {k}: {line(c)}" for k, c in self.prefill.items()]
+        parts.append(f"decode: {line(self.decode)}")
+        parts.append(f"hop: {self.hop_s * 1e3:.3g} ms")
+        return "; ".join(parts)
+
+    def to_dict(self) -> dict:
+        """A JSON-able form (:meth:`from_dict` reads it back)."""
+        return {"prefill": {str(k): list(c) for k, c in self.prefill.items()},
+                "decode": list(self.decode), "hop_s": self.hop_s}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: object) -> LatencyModel:
+        """The model :meth:`to_dict` wrote; ``InvalidArgumentError`` for anything else."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("prefill"), Mapping):
+            raise InvalidArgumentError("latency model: expected {prefill, decode, hop_s}")
+        try:
+            prefill = {int(k): v for k, v in data["prefill"].items()}
+        except ValueError:
+            raise InvalidArgumentError("latency model: prefill keys must be DoPs") from None
+        return cls(prefill, data.get("decode"), data.get("hop_s", 0.0))
+
 
 def _load(load: float) -> float:
     if not 0.0 <= load < 1.0:

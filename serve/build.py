@@ -4,8 +4,10 @@ pool → data plane → compute engine → (profiled) elastic scheduler → :cla
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,6 +43,11 @@ log = logging.getLogger(__name__)
 # hop (~1 ms) is then worth megabytes, far more than a decode's query rows (kilobytes) and
 # less than a long prefill's.
 LINK_BYTES_PER_S = 10e9
+# the start-up profile: prefill cases per DoP (3 parameters are fitted per DoP: more cases
+# than that keep one noisy case from setting them), runs per case and a bound on its time
+PROFILE_PREFILL_CASES = 6
+PROFILE_REPEATS = 5
+PROFILE_MAX_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -73,9 +80,7 @@ def build(config: ServeConfig, engine_factory: Callable | None = None) -> Served
         workers = engine_factory is None and config.data_plane == "workers"
         in_process = engine_factory is not None or workers  # no cluster in this process
         cluster = None if in_process else _cluster(config, pool_config, closers)
-        latency = _latency_model(config, model)
-        if config.profile and (cluster is not None or workers):
-            latency = latency.with_hop(_hop_seconds(config, model, pool_config, cluster))
+        latency = _latency(config, model, pool_config, cluster, workers)
         # the dispatcher and placement weigh a hop in bytes: its seconds at the link's rate
         balancer = BalancerConfig(hop_bytes=latency.hop_s * LINK_BYTES_PER_S)
         pool = tl.Pool(pool_config, balancer=balancer)
@@ -186,12 +191,39 @@ def _cluster(config: ServeConfig, pool: tl.PoolConfig, closers: list):
     return cluster
 
 
-def _latency_model(config: ServeConfig, model: LlamaModel) -> LatencyModel:
+def _latency(config: ServeConfig, model: LlamaModel, pool, cluster, workers: bool) -> LatencyModel:
+    """The scheduler's latency model: read from ``--latency-model-file`` when that file
+    exists; else profiled (and the hop measured on the served data plane), then written
+    there when a file is named; a fixed guess with ``--no-profile``."""
+    path = Path(config.latency_model_file) if config.latency_model_file else None
+    if path is not None and path.is_file():
+        latency = load_latency_model(path)
+        log.info("latency model (from %s): %s", path, latency.summary())
+        return latency
     if not config.profile:
         return LatencyModel({1: Coeffs(1e-3, 1e-5, 1e-9)}, Coeffs(1e-3, 1e-5, 0.0))
-    return profile_latency_model(
+    latency = profile_latency_model(
         model, config.num_instances, config.segment_len, config.chunk_len, config.kernel_backend
     )
+    if cluster is not None or workers:
+        latency = latency.with_hop(_hop_seconds(config, model, pool, cluster))
+    log.info("latency model: %s", latency.summary())
+    if path is not None:
+        path.write_text(json.dumps(latency.to_dict(), indent=2) + "\n")
+        log.info("latency model: written to %s (read from there at the next start)", path)
+    return latency
+
+
+def load_latency_model(path: Path) -> LatencyModel:
+    """The latency model in the JSON file at ``path`` (``LatencyModel.to_dict``'s form)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidArgumentError(f"latency_model_file: cannot read {path}: {e}") from None
+    try:
+        return LatencyModel.from_dict(data)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"latency_model_file: {path}: {e}") from None
 
 
 def _hop_seconds(config: ServeConfig, model: LlamaModel, pool: tl.PoolConfig, cluster) -> float:
@@ -234,25 +266,27 @@ def profile_latency_model(
     chunk_len: int,
     backend: str | None = None,
     clock: Callable[[], float] = time.perf_counter,
-    repeats: int = 1,
+    repeats: int = PROFILE_REPEATS,
+    max_seconds: float = PROFILE_MAX_SECONDS,
 ) -> LatencyModel:
-    """Fit the scheduler's ``T(batch, k)`` on this model and machine (a second or two, on a
-    scratch pool so a served pool's cache and counters stay clean); each case the fastest of
-    ``repeats`` runs timed on ``clock``."""
+    """Fit the scheduler's ``T(batch, k)`` on this model and machine (a few seconds, on a
+    scratch pool so a served pool's cache and counters stay clean); each case the median
+    of ``repeats`` runs timed on ``clock`` (a run slowed by another process does not move
+    it), the repeats cut to one per case once ``max_seconds`` have passed."""
     from tokenlake.engines.clusters.local import LocalCluster
 
     dops = tuple(range(1, min(num_instances, 4) + 1))
     max_len = min(chunk_len, 256)
-    cases = default_cases(dops, max_len=max_len, num_prefill=3)
+    cases = default_cases(dops, max_len=max_len, num_prefill=PROFILE_PREFILL_CASES)
     slots = 4 * 4 * max_len // segment_len + 8
     pool = tl.Pool(tl.PoolConfig(model.shape, max(dops), slots, segment_len))
     engine = ModelEngine(model, LocalCluster(pool, backend=backend))
     rows = measure_rows(
         pool, lambda plans, chunks: engine.run(plans, chunks), cases, repeats=repeats,
-        vocab=engine.model.config.vocab_size, clock=clock,
+        vocab=engine.model.config.vocab_size, clock=clock, statistic=statistics.median,
+        max_seconds=max_seconds,
     )  # fmt: skip
     fitted = fit_latency_model(rows)
-    log.info("latency model: %s", fitted)
     if not all(math.isfinite(x) for x in fitted.decode):
         raise InvalidArgumentError("profile: the latency fit failed")
     return fitted

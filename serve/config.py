@@ -122,6 +122,11 @@ class ServeConfig:
         "default: %(default)s)", HTTP,
     )  # fmt: skip
 
+    latency_model_file: str | None = _flag(
+        None, "a JSON file of the scheduler's latency model: read at start-up when it exists "
+        "(no profiling), else written there after profiling, so later starts plan alike "
+        "(default: profile at every start)", POOL,
+    )  # fmt: skip
     enable_auto_tool_choice: bool = _flag(
         False, "tool_choice 'auto' (and tools without a tool_choice): the model's tool calls "
         "are read from its output by --tool-call-parser (default: off; tools then need "
