@@ -9,7 +9,9 @@ One ``tokenlake serve --num-instances N`` server (one pool over N instances) aga
 streaming client (httpx). For each model, workload and seed both systems' P90 goodput (the
 highest rate at which >= 90% of requests meet the SLO) is found by bisection, each point a
 real run, the two systems' runs alternating. The SLO is the simulator's rule: 10x the
-batch-size-1 TTFT and TPOT of the workload's median prompt on an idle 1-instance server.
+batch-size-1 TTFT and TPOT of the workload's median prompt on an idle 1-instance server,
+measured once (``--calibrate``, or at first use) and kept in ``--slo-file``, or given by
+``--ttft-slo-ms`` / ``--tpot-slo-ms``; every invocation prints it (:mod:`.slo_file`).
 Progress goes to stderr; a table and the JSON lines of :mod:`tokenlake.benchmarks.wallclock`
 to stdout.
 """
@@ -63,7 +65,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slo-aware", action="store_true",
                    help="start every server (both systems) with --tbt-slo-ms at the measured "
                         "token-gap SLO, so each schedules its prefill chunks for it")  # fmt: skip
-    p.add_argument("--tokenlake-data-plane", choices=("local", "mp", "compute"), default=None,
+    p.add_argument("--slo-file", type=Path, default=None,
+                   help="the fixed SLO per model and workload (default: "
+                   "results/wallclock_slo.json); a missing entry is measured and written")  # fmt: skip
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure the SLO of every model and workload again, write it to "
+                   "--slo-file and stop")  # fmt: skip
+    p.add_argument("--ttft-slo-ms", type=float, default=0.0,
+                   help="with --tpot-slo-ms: this SLO for every model and workload instead")  # fmt: skip
+    p.add_argument("--tpot-slo-ms", type=float, default=0.0)
+    p.add_argument("--tokenlake-data-plane", choices=("local", "mp", "compute", "workers"),
+                   default=None,
                    help="TokenLake's server only (default: --data-plane); compute: a compute "
                         "process per instance, so its instances compute in parallel as the "
                         "router's servers do")  # fmt: skip
@@ -86,6 +98,14 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"--lo, --min-rate, --seeds: expected >= 0, got {args.lo}, {args.min_rate}, "
             f"{args.seeds}"
         )
+    if (args.ttft_slo_ms > 0) != (args.tpot_slo_ms > 0) or min(
+        args.ttft_slo_ms, args.tpot_slo_ms
+    ) < 0:
+        p.error("--ttft-slo-ms, --tpot-slo-ms: give both, in positive milliseconds")
+    if args.slo_file is None:
+        from tokenlake.benchmarks.wallclock.slo_file import DEFAULT_PATH
+
+        args.slo_file = DEFAULT_PATH
     if args.quick:
         args.models, args.workloads, args.seeds = ["tiny-random"], ["long-document"], [0]
         args.requests = 16
@@ -135,6 +155,7 @@ def emit(line: dict, json_out: Path | None) -> None:
 
 
 def run_model(args, fleet, model: str, tmp: Path, salts, emit_line) -> list[dict]:
+    from tokenlake.benchmarks.wallclock import slo_file
     from tokenlake.benchmarks.wallclock.client import ALPHABET
     from tokenlake.benchmarks.wallclock.point import Launch, measure_solo
     from tokenlake.benchmarks.wallclock.processes import ServerSettings
@@ -150,9 +171,13 @@ def run_model(args, fleet, model: str, tmp: Path, salts, emit_line) -> list[dict
     for workload in args.workloads:
         per_seed = {s: build_workload(workload, seed=s, num_requests=args.requests,
                                       vocab_size=len(ALPHABET)) for s in args.seeds}  # fmt: skip
-        slo, solo_e2e = measure_solo(base, per_seed[args.seeds[0]], salts)
-        log(f"{model} {workload}: SLO TTFT <= {slo.ttft_s * 1e3:.1f} ms, every token gap "
-            f"<= {slo.tpot_s * 1e3:.1f} ms (10x batch-size-1 at idle)")  # fmt: skip
+        slo, solo_e2e, source = slo_file.resolve(
+            args, model, workload, lambda r=per_seed[args.seeds[0]]: measure_solo(base, r, salts)
+        )
+        print(f"SLO {model} {workload}: TTFT <= {slo.ttft_s * 1e3:.1f} ms, every token gap "
+              f"<= {slo.tpot_s * 1e3:.1f} ms ({source})", flush=True)  # fmt: skip
+        if args.calibrate:
+            continue
         lo = args.lo or round(0.5 / solo_e2e, 2)
         launch = base
         if args.slo_aware:  # every server (both systems) schedules for the token-gap SLO
@@ -162,7 +187,7 @@ def run_model(args, fleet, model: str, tmp: Path, salts, emit_line) -> list[dict
             key = {"bench": BENCH, "model": model, "workload": workload, "seed": seed,
                    "num_instances": n,
                    "tokenlake_data_plane": args.tokenlake_data_plane or args.data_plane,
-                   "tbt_slo_ms": launch.settings.tbt_slo_ms}  # fmt: skip
+                   "tbt_slo_ms": launch.settings.tbt_slo_ms, "slo_source": source}  # fmt: skip
             out += search_seed(args, launch, key, reqs, slo, lo, salts, emit_line)
     return out
 

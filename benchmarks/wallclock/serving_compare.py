@@ -10,7 +10,10 @@ For each model (``tiny-random``; ``bench-model``: bench_model's seeded Llama, hi
 ``--dataset-name generated-shared-prefix``, each at light load (one client, requests in
 sequence: ``--max-concurrency 1``) and at saturation (every prompt at once). Prints one JSON
 line per case, then a table of the ratios of the largest instance count to the smallest
-(TPOT, E2E: lower is better for the pool; output throughput: higher).
+(TPOT, E2E: lower is better for the pool; output throughput: higher). With several
+``--data-planes`` each case also runs on each plane, one server after the other, and a second
+table gives each plane against the first at the same instance count, with output tokens per
+CPU-second (the server process and its descendants: workers, engines, fork servers).
 
 The client needs ``datasets``, ``pyarrow``, ``pandas`` and ``multiprocess`` next to the
 ``[sglang]`` extra; SGLang's imports reach ``torchvision``, which cannot be installed next to
@@ -37,6 +40,7 @@ from pathlib import Path
 from tokenlake.benchmarks.wallclock.processes import stop_process
 
 MODELS = ("tiny-random", "bench-model")
+DATA_PLANES = ("local", "mp", "compute", "workers")
 DATASETS = ("random-ids", "generated-shared-prefix")
 LOADS = ("light", "saturation")
 # the client's printed summary: label -> the key of our result
@@ -97,7 +101,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gsp-groups", type=int, default=4, help="shared-prefix groups")
     p.add_argument("--gsp-system-len", type=int, default=512, help="shared prefix tokens")
     p.add_argument("--gsp-question-len", type=int, default=64, help="own question tokens")
-    p.add_argument("--data-plane", choices=("local", "mp"), default="local")
+    p.add_argument(
+        "--data-planes",
+        nargs="+",
+        choices=DATA_PLANES,
+        default=["local"],
+        help="`tokenlake serve --data-plane` values, compared side by side",
+    )
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="one more `tokenlake serve` argument (repeatable)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
@@ -174,12 +184,44 @@ def ratio_rows(results: Sequence[dict]) -> list[dict]:
     return rows
 
 
+def plane_rows(results: Sequence[dict]) -> list[dict]:
+    """Per (model, dataset, load, instances): every other data plane against the first one
+    run, as ratios (TPOT, E2E, output throughput, output tokens per CPU-second)."""
+    rows = []
+    keys = sorted({(r["model"], r["dataset"], r["load"], r["num_instances"]) for r in results})
+    for key in keys:
+        runs = [r for r in results
+                if (r["model"], r["dataset"], r["load"], r["num_instances"]) == key]  # fmt: skip
+        base = runs[0]
+        for other in runs[1:]:
+
+            def ratio(metric: str, a: dict = other, b: dict = base) -> float | None:
+                x, y = a.get(metric), b.get(metric)
+                return round(x / y, 3) if x is not None and y else None
+
+            rows.append(dict(zip(("model", "dataset", "load"), key[:3], strict=True),
+                             instances=str(key[3]),
+                             planes=f"{other['data_plane']}/{base['data_plane']}",
+                             tpot=ratio("mean_tpot_ms"), e2e=ratio("mean_e2e_ms"),
+                             throughput=ratio("output_throughput"),
+                             tokens_per_cpu_s=ratio("tokens_per_cpu_s")))  # fmt: skip
+    return rows
+
+
 def format_table(rows: Sequence[dict]) -> str:
-    head = f"{'model':<12} {'dataset':<24} {'load':<11} {'N':<5} {'TPOT':>6} {'E2E':>6} {'thru':>6}"
+    planes = any("planes" in r for r in rows)
+    extra = ("planes",) if planes else ()
+    metrics = ("tpot", "e2e", "throughput") + (("tokens_per_cpu_s",) if planes else ())
+    head = (
+        f"{'model':<12} {'dataset':<24} {'load':<11} {'N':<5} "
+        + "".join(f"{k:<17} " for k in extra)
+        + " ".join(f"{k[:6]:>6}" for k in metrics)
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
-        cells = [f"{r[k]:>6.2f}" if r[k] is not None else f"{'-':>6}" for k in ("tpot", "e2e", "throughput")]  # fmt: skip
-        lines.append(f"{r['model']:<12} {r['dataset']:<24} {r['load']:<11} {r['instances']:<5} " + " ".join(cells))  # fmt: skip
+        cells = [f"{r[k]:>6.2f}" if r[k] is not None else f"{'-':>6}" for k in metrics]
+        first = "".join(f"{r[k]:<17} " for k in extra)
+        lines.append(f"{r['model']:<12} {r['dataset']:<24} {r['load']:<11} {r['instances']:<5} " + first + " ".join(cells))  # fmt: skip
     return "\n".join(lines)
 
 
@@ -209,6 +251,22 @@ def prepare_model(name: str, directory: Path, seed: int) -> Path:
     return path
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds so far of process ``pid`` and its live descendants (a
+    server's workers, engines and fork servers; from /proc)."""
+    stats = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    tree, frontier = {pid}, {pid}
+    while frontier:
+        frontier = {p for p, (ppid, _) in stats.items() if ppid in frontier} - tree
+        tree |= frontier
+    return sum(stats[p][1] for p in tree if p in stats) / os.sysconf("SC_CLK_TCK")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -216,12 +274,13 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(args, model_dir: Path, name: str, num_instances: int) -> Iterator[int]:
-    """A ``tokenlake serve`` process until the block ends (stopped by its process id)."""
+def running_server(args, model_dir: Path, name: str, num_instances: int,
+                   data_plane: str) -> Iterator[tuple[int, int]]:  # fmt: skip
+    """A ``tokenlake serve`` process until the block ends; yields its port and pid."""
     port = _free_port()
     argv = [sys.executable, "-m", "tokenlake.serve", "--model", str(model_dir),
             "--served-model-name", name, "--num-instances", str(num_instances),
-            "--data-plane", args.data_plane, "--host", "127.0.0.1", "--port", str(port),
+            "--data-plane", data_plane, "--host", "127.0.0.1", "--port", str(port),
             "--seed", str(args.seed), *args.serve_arg]  # fmt: skip
     log = tempfile.TemporaryFile()  # noqa: SIM115 -- closed in the finally below
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
@@ -238,9 +297,9 @@ def running_server(args, model_dir: Path, name: str, num_instances: int) -> Iter
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server not up after {args.start_timeout_s} s")
             time.sleep(0.5)
-        yield port
+        yield port, proc.pid
     finally:
-        stop_process(proc)
+        stop_process(proc)  # it stops its own workers and engines
         log.close()
 
 
@@ -263,16 +322,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         for model in args.models:
             model_dir = prepare_model(model, Path(tmp) / model, args.seed)
             for n in args.instances:
-                with running_server(args, model_dir, model, n) as port:
-                    for dataset in args.datasets:
-                        for load in args.loads:
-                            figures = run_case(args, port, model, model_dir, dataset, load)
-                            row = dict(model=model, num_instances=n, dataset=dataset,
-                                       load=load, num_prompts=args.num_prompts, **figures)  # fmt: skip
-                            results.append(row)
-                            print(json.dumps(row), flush=True)
-    print(format_table(ratio_rows(results)))
+                for plane in args.data_planes:
+                    results += run_server_cases(args, model, model_dir, n, plane)
+    for plane in args.data_planes:
+        rows = ratio_rows([r for r in results if r["data_plane"] == plane])
+        if rows:
+            print(f"--data-plane {plane}, most instances against fewest:")
+            print(format_table(rows))
+    if len(args.data_planes) > 1:
+        print(f"each data plane against {args.data_planes[0]}, same instance count:")
+        print(format_table(plane_rows(results)))
     return 0
+
+
+def run_server_cases(args, model: str, model_dir: Path, n: int, plane: str) -> list[dict]:
+    """Every dataset and load on one fresh server; one JSON line each, with the CPU seconds
+    the server's process group spent on the case."""
+    out = []
+    with running_server(args, model_dir, model, n, plane) as (port, pid):
+        for dataset in args.datasets:
+            for load in args.loads:
+                cpu0 = tree_cpu_seconds(pid)
+                figures = run_case(args, port, model, model_dir, dataset, load)
+                cpu_s = tree_cpu_seconds(pid) - cpu0
+                tokens = figures["output_throughput"] * figures.get("duration_s", 0.0)
+                row = dict(model=model, num_instances=n, data_plane=plane, dataset=dataset,
+                           load=load, num_prompts=args.num_prompts, **figures,
+                           cpu_s=round(cpu_s, 3),
+                           tokens_per_cpu_s=round(tokens / cpu_s, 2) if cpu_s > 0 else None)  # fmt: skip
+                out.append(row)
+                print(json.dumps(row), flush=True)
+    return out
 
 
 if __name__ == "__main__":

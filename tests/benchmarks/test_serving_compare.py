@@ -3,6 +3,7 @@ captured ``sglang.bench_serving`` output) and 4-vs-1 ratios; no servers are star
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,20 @@ def test_ratios_are_most_instances_over_fewest():
     ]  # the saturation case has one instance count only: no ratio
     table = sc.format_table(rows)
     assert "4/1" in table and "1.50" in table and "0.80" in table
+
+
+def test_data_planes_side_by_side():
+    args = sc.parse_args(["--data-planes", "local", "workers"])
+    assert args.data_planes == ["local", "workers"]
+    base = dict(model="m", dataset="random-ids", load="saturation", num_instances=2)
+    rows = sc.plane_rows([
+        {**base, "data_plane": "local", "output_throughput": 100.0, "mean_tpot_ms": 2.0,
+         "mean_e2e_ms": 50.0, "tokens_per_cpu_s": 300.0},
+        {**base, "data_plane": "workers", "output_throughput": 150.0, "mean_tpot_ms": 1.0,
+         "mean_e2e_ms": 40.0, "tokens_per_cpu_s": 285.0},
+    ])  # fmt: skip
+    assert rows == [dict(model="m", dataset="random-ids", load="saturation", instances="2",
+                         planes="workers/local", tpot=0.5, e2e=0.8, throughput=1.5,
+                         tokens_per_cpu_s=0.95)]  # fmt: skip
+    assert "workers/local" in sc.format_table(rows)
+    assert sc.tree_cpu_seconds(os.getpid()) > 0
