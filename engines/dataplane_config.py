@@ -40,7 +40,7 @@ class DataPlaneConfig:
         startup_timeout_s: how long the launcher waits for every engine to report ready.
         separate_hosts: treat every instance as its own host, so bulk tensors move over
             ``torch.distributed`` point-to-point instead of shared buffers (tests that path
-            on one machine).
+            on one machine, with gloo: CPU only, as NCCL refuses two ranks on one GPU).
         kernel_threads: threads of each query engine's CPU kernels (0: every core).
         device: ``"cpu"`` or ``"cuda"`` (CUDA IPC buffers, NCCL, FlashInfer; not run on a GPU).
         use_mps: start the CUDA MPS control daemon for the engines (``device="cuda"`` only).
@@ -84,6 +84,12 @@ class DataPlaneConfig:
             )
         if self.use_mps and self.device != "cuda":
             raise InvalidArgumentError("DataPlaneConfig.use_mps: needs device='cuda'")
+        if self.separate_hosts and self.device == "cuda":
+            # one machine's engines would be NCCL ranks on one GPU, which NCCL refuses
+            raise InvalidArgumentError(
+                "DataPlaneConfig.separate_hosts: not with device='cuda' on one machine: its "
+                "instances exchange through CUDA IPC buffers; NCCL runs only between hosts"
+            )
         b = self.put_parallel_min_bytes
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
             raise InvalidArgumentError(

@@ -147,7 +147,7 @@ class EngineClient:
         if d.events is not None:
             d.events.record(self.instance_id)
         views, off = self._views, bound.offset
-        tickets, works, rung = [], [], []
+        tickets, works, rung, ops = [], [], [], []
         bells = getattr(d, "doorbells", None)  # set by launchers whose engines have them
         for part in bound.parts:
             h, m = part.instance_id, part.num_rows
@@ -160,10 +160,12 @@ class EngineClient:
             if not d.same_host(self.instance_id, h):
                 tag, rank = d.new_tag(), d.rank("query", h)
                 o_dst, lse_dst = views.out_o[h, off : off + m], views.out_lse[h, off : off + m]
-                works.append(d.watch(process_group.recv(d.group, o_dst, rank, tag + 1), rank))
-                works.append(d.watch(process_group.recv(d.group, lse_dst, rank, tag + 2), rank))
                 rows = bound.buf.index_select(0, part.rows)
-                works.append(d.watch(process_group.send(d.group, rows, rank, tag), rank, rows))
+                ops += [
+                    process_group.P2POp("send", rows, rank, tag),
+                    process_group.P2POp("recv", o_dst, rank, tag + 1),
+                    process_group.P2POp("recv", lse_dst, rank, tag + 2),
+                ]
             tickets.append(
                 d.channel.request(
                     ("query", h),
@@ -172,6 +174,9 @@ class EngineClient:
                     ),
                 )
             )
+        # every holder's rows, then its results, in the order the holders post theirs
+        for work, op in process_group.post(d.group, ops) if ops else ():
+            works.append(d.watch(work, op.peer, op.tensor if op.kind == "send" else None))
         # overlaps with the peers' work
         own = bound.merge.attend_own(bound.buf, views.pool.layer(layer), d.backend)
         if rung:

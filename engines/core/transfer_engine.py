@@ -104,19 +104,19 @@ class TransferEngine(EngineBase):
             )  # fmt: skip
         pool = self.own.pool
         self.staging.reset()
-        works, received, sent = [], [], []
-        for k, rows in enumerate(sides):  # receives are posted before sends
+        ops, received = [], []
+        for k, rows in enumerate(sides):
             for peer, slot, length, tag in rows:
                 view = puts.segment_view(pool, slot, length)
                 buf = self.staging.empty(tuple(view.shape), view.dtype)
                 if k == 0:
-                    works.append((process_group.recv(self.group, buf, peer, tag), peer))
                     received.append((view, buf))
                 else:
-                    buf.copy_(view)
-                    works.append((process_group.send(self.group, buf, peer, tag), peer))
-                    sent.append(buf)  # alive until the send completed
-        self._wait(works, "segment copies")
+                    buf.copy_(view)  # held by its op until the send completed
+                ops.append(process_group.P2POp(("recv", "send")[k], buf, peer, tag))
+        # in the order the peers post theirs (by tag): a two-way exchange cannot deadlock
+        posted = process_group.post(self.group, ops)
+        self._wait([(work, op.peer) for work, op in posted], "segment copies")
         for view, buf in received:
             view.copy_(buf)
         if self.sync is not None:

@@ -81,7 +81,14 @@ class NcclStaging:
         self.pool = torch.cuda.MemPool(allocator)
         with torch.cuda.use_mem_pool(self.pool):
             self.arena = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        group.register_mem_pool(self.pool)
+        # torch registers a pool with the group's communicators that exist; its point-to-point
+        # communicators are made at each pair's first transfer, so there may be none yet
+        # (then it raises): unregistered memory still works, without NCCL's zero-copy path
+        try:
+            group.register_mem_pool(self.pool)
+            self.registered = True
+        except RuntimeError:
+            self.registered = False
         self._group = group
         self._used = 0
 
@@ -100,7 +107,8 @@ class NcclStaging:
         self._used = 0
 
     def close(self) -> None:
-        self._group.deregister_mem_pool(self.pool)
+        if self.registered:
+            self._group.deregister_mem_pool(self.pool)
 
 
 class MpsDaemon:

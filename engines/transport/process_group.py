@@ -4,6 +4,15 @@ GPU), built as a standalone process group so it never touches the caller's defau
 Ranks: the driver (every compute-engine client of the launcher) is rank 0, the query engine
 of instance ``i`` is ``1 + i`` and its transfer engine ``1 + N + i``. Engines only ever wait
 for data whose sender has already been told to send, so every send has its matching receive.
+
+Order: NCCL runs the operations between two ranks in the order each side posts them, one after
+the other on one stream, so a receive posted before the send that its peer waits for deadlocks
+(gloo does not care). Every rank therefore posts its point-to-point operations through
+:func:`post`, in one order that both sides of every pair compute alike: by tag (the same on
+both sides of a transfer), then peer.
+
+NCCL runs only between hosts: instances on one host exchange through their shared (CUDA IPC)
+buffers, never through NCCL ranks on one device, which NCCL refuses.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tokenlake.engines.dataplane_config import PeerFailedError
+from tokenlake.validate import canonical_device
 
 DRIVER_RANK = 0
 
@@ -75,8 +85,12 @@ def make_store(spec: GroupSpec, secret) -> dist.Store:
     return AuthStore(spec.store_endpoint, secret, spec.timeout_s)
 
 
-def connect(spec: GroupSpec, store: dist.Store, rank: int) -> dist.ProcessGroup:
-    """Join the group (blocks until every rank joined, at most ``spec.timeout_s``)."""
+def connect(
+    spec: GroupSpec, store: dist.Store, rank: int, device: torch.device | str | None = None
+) -> dist.ProcessGroup:
+    """Join the group (blocks until every rank joined, at most ``spec.timeout_s``). NCCL:
+    ``device`` (this rank's GPU, ``cuda`` meaning the current one) is made the process's
+    device before the group exists, so its communicators are created on it."""
     timeout = datetime.timedelta(seconds=spec.timeout_s)
     if spec.generation:
         store = dist.PrefixStore(f"generation{spec.generation}", store)
@@ -86,6 +100,7 @@ def connect(spec: GroupSpec, store: dist.Store, rank: int) -> dist.ProcessGroup:
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=spec.host)]
         return dist.ProcessGroupGloo(store, rank, spec.world_size, opts)
     if spec.backend == "nccl":  # not run on a GPU
+        torch.cuda.set_device(canonical_device(device if device is not None else "cuda"))
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, spec.world_size, opts)
@@ -157,6 +172,30 @@ def wait_works(
         except Exception as e:
             role, instance = peer_of(peer, num_instances)
             raise PeerFailedError(instance, role, f"{what} failed: {e}") from None
+
+
+@dataclass(frozen=True)
+class P2POp:
+    """One point-to-point transfer of this rank: ``kind`` ``"send"`` (``tensor`` to ``peer``)
+    or ``"recv"`` (into ``tensor``), under ``tag``, which both sides use."""
+
+    kind: str
+    tensor: torch.Tensor
+    peer: int
+    tag: int
+
+
+def post(group: dist.ProcessGroup, ops: list[P2POp]) -> list[tuple[dist.Work, P2POp]]:
+    """Post ``ops`` by ``(tag, peer)``: the order the peer of each posts its side in, so the
+    operations between any two ranks match one for one (see the module's "Order"). Returns
+    each op's work, in the order posted."""
+    works = []
+    for op in sorted(ops, key=lambda op: (op.tag, op.peer)):
+        if op.kind not in ("send", "recv"):
+            raise ValueError(f"op.kind: expected 'send' or 'recv', got {op.kind!r}")
+        call = send if op.kind == "send" else recv
+        works.append((call(group, op.tensor, op.peer, op.tag), op))
+    return works
 
 
 def send(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:

@@ -86,6 +86,11 @@ def test_flashinfer_matches_reference(causal, rows_per_req, logit_cap):
 def test_cuda_data_plane_query_matches_dense_attention(separate_hosts):
     """Put a prompt's K/V through the CUDA engines (IPC buffers, interprocess events; NCCL
     between "hosts"), then query it from the other instance; compare with dense attention."""
+    if separate_hosts:
+        pytest.skip(
+            "needs 2 hosts or 2 GPUs: NCCL refuses two ranks on one GPU, and one machine's "
+            "instances exchange through CUDA IPC buffers (separate_hosts is refused on CUDA)"
+        )
     pytest.importorskip("flashinfer")
     import tokenlake as tl
     from tokenlake.engines.clusters.mp import MPCluster
