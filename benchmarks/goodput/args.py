@@ -86,6 +86,9 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
         )
     if args.router_balance is None:
         args.router_balance = list(ROUTER_BALANCE)
+    bad = [f"{p}p{d}d" for p, d in args.mooncake_splits or () if p + d != args.instances]
+    if bad:
+        p.error(f"--mooncake-splits: {bad} do not add up to --instances {args.instances}")
     bad = [k for k in args.prefill_tokens if k % args.segment_len]
     if bad:
         p.error(f"--prefill-tokens: {bad} are not multiples of --segment-len {args.segment_len}")

@@ -27,13 +27,15 @@ from dataclasses import replace
 from tokenlake.benchmarks.goodput import args as goodput_args
 from tokenlake.benchmarks.goodput.args import DEFAULT_REQUESTS, TRACE_PRESETS
 from tokenlake.benchmarks.goodput.report import GoodputReport
-from tokenlake.benchmarks.goodput.runs import Knob, RunKey, Runs, knob_prefill
+from tokenlake.benchmarks.goodput.runs import Knob, RunKey, Runs, Setting, knob_setting
 from tokenlake.benchmarks.sim.confidence import TARGET, system_goodput
 from tokenlake.benchmarks.sim.cpu_profile import load_cpu_profile
+from tokenlake.benchmarks.sim.engine import FCFS
 from tokenlake.benchmarks.sim.runner import WALL_BUDGET, RunResult
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec
+from tokenlake.benchmarks.sim.systems.radix_cache import LRU
 from tokenlake.benchmarks.sim.systems.router import RouterConfig
-from tokenlake.benchmarks.sim.systems.systems import split_system
+from tokenlake.benchmarks.sim.systems.systems import every_split, split_system
 from tokenlake.benchmarks.workloads import (
     GENERATORS,
     GeneratorConfig,
@@ -93,26 +95,48 @@ class UnresolvedRun(Exception):
 
 
 def knobs_of(args: argparse.Namespace, system: str) -> list[Knob]:
-    """The knob values a system's goodput is swept over: TokenLake's ``--prefill-tokens``,
-    the baselines' ``--baseline-prefill-tokens`` (the router's at one ``--router-balance``
-    pair when only one is given)."""
+    """The knob values a system's goodput is swept over first: TokenLake's
+    ``--prefill-tokens``, the baselines' ``--baseline-prefill-tokens`` (the router's at one
+    ``--router-balance`` pair when only one is given; ``mooncake`` at its first split)."""
     base, _ = split_system(system)
     if base.startswith("tokenlake"):
         return list(args.prefill_tokens)
-    knobs: list[Knob] = list(args.baseline_prefill_tokens)
-    if base == "router" and len(args.router_balance) == 1:
-        a, r = args.router_balance[0]
-        knobs = [(k, a, r) for k in knobs]
-    return knobs
+    balance = args.router_balance[0] if base == "router" and len(args.router_balance) == 1 else None
+    split = _splits(args)[0] if base == "mooncake" else None
+    return [Setting(k, balance, split) for k in args.baseline_prefill_tokens]
 
 
-def more_knobs_of(args: argparse.Namespace, system: str):
-    """The router's imbalance thresholds, swept at its best chunk (None for other systems)."""
-    if split_system(system)[0] != "router" or len(args.router_balance) < 2:
-        return None
-    default = (RouterConfig.balance_abs_threshold, RouterConfig.balance_rel_threshold)
-    pairs = [p for p in args.router_balance if p != default]
-    return lambda best: [(knob_prefill(best), a, r) for a, r in pairs]
+def _splits(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """``mooncake``'s splits swept: ``--mooncake-splits``, else every split of the cluster,
+    the even one first."""
+    if args.mooncake_splits:
+        return list(args.mooncake_splits)
+    n = args.instances
+    splits = every_split(n)
+    return sorted(splits, key=lambda s: (abs(s[0] - n / 2), s[0]))
+
+
+def more_knobs_of(args: argparse.Namespace, system: str) -> list:
+    """The baselines' further settings, each swept at the best setting so far: the router's
+    imbalance thresholds; ``mooncake``'s other splits; SGLang's schedule policies
+    (``--baseline-schedule-policies``) and radix eviction policies
+    (``--baseline-evictions``). None for TokenLake."""
+    base, _ = split_system(system)
+    if base.startswith("tokenlake"):
+        return []
+    stages = []
+    if base == "router" and len(args.router_balance) > 1:
+        default = (RouterConfig.balance_abs_threshold, RouterConfig.balance_rel_threshold)
+        pairs = [p for p in args.router_balance if p != default]
+        stages.append(lambda best: [knob_setting(best)._replace(balance=p) for p in pairs])
+    if base == "mooncake":
+        others = _splits(args)[1:]
+        stages.append(lambda best: [knob_setting(best)._replace(split=p) for p in others])
+    policies = [p for p in args.baseline_schedule_policies if p != FCFS]
+    stages.append(lambda best: [knob_setting(best)._replace(schedule=p) for p in policies])
+    evictions = [e for e in args.baseline_evictions if e != LRU]
+    stages.append(lambda best: [knob_setting(best)._replace(eviction=e) for e in evictions])
+    return stages
 
 
 def run(args: argparse.Namespace) -> dict:

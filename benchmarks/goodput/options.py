@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenlake.benchmarks.sim.control_plane_cost import CONTROL_PLANES
+from tokenlake.benchmarks.sim.engine import SCHEDULE_POLICIES
 from tokenlake.benchmarks.sim.runner import EXTRA_SYSTEMS, SYSTEMS, VARIANT_SYSTEMS
 from tokenlake.benchmarks.sim.systems.layered import PRICINGS, PricingConfig
 from tokenlake.benchmarks.sim.systems.mooncake_store import MooncakeStoreConfig
+from tokenlake.benchmarks.sim.systems.radix_cache import EVICTIONS
 from tokenlake.benchmarks.workloads import GENERATORS, SESSION_WORKLOADS
 from tokenlake.tree.policy import POLICIES
 
@@ -57,6 +59,25 @@ def _pair(item: str) -> tuple[int, float]:
 def balance_list(text: str) -> list[tuple[int, float]]:
     return _comma_list(text, _pair, "ABS:REL pairs, ABS >= 0 and REL >= 1",
                        lambda p: p[0] >= 0 and p[1] >= 1)  # fmt: skip
+
+
+def names_of(allowed: tuple[str, ...]):
+    """A parser of comma-separated names among ``allowed``, as a tuple."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        return tuple(_comma_list(text, str, f"names among {allowed}", lambda v: v in allowed))
+
+    return parse
+
+
+def _split(item: str) -> tuple[int, int]:
+    p, d = item.lower().rstrip("d").split("p")
+    return int(p), int(d)
+
+
+def split_list(text: str) -> tuple[tuple[int, int], ...]:
+    return tuple(_comma_list(text, _split, "PpDd splits such as 1p3d, P and D >= 1",
+                             lambda s: min(s) >= 1))  # fmt: skip
 
 
 def non_negative(text: str) -> float:
@@ -135,7 +156,8 @@ class WorkloadOptions:
 class ClusterOptions:
     systems: str = _cluster(
         ",".join(SYSTEMS),
-        f"comma list of {SYSTEMS} (also {EXTRA_SYSTEMS}: synchronous iterations), optionally "
+        f"comma list of {SYSTEMS} (also {EXTRA_SYSTEMS}: synchronous iterations; mooncake: "
+        "its best split, every split swept; a split such as mooncake-2p2d fixes it), optionally "
         "with variants appended in any order: -no-groups (TokenLake without shared-page "
         "groups), -tbt (router/Mooncake instances size each chunk to fit the TBT SLO beside "
         "their running decodes), -min-load (the router's successor gateway rule: below the "
@@ -206,6 +228,21 @@ class ClusterOptions:
     eviction: str | None = _cluster(
         None, "TokenLake's eviction policy (default: the pool's; see tokenlake/tree/policy.py)",
         choices=POLICIES,
+    )  # fmt: skip
+    baseline_schedule_policies: tuple[str, ...] = _cluster(
+        SCHEDULE_POLICIES, "SGLang's --schedule-policy values the baselines are swept over "
+        "with --goodput, each at the best setting so far (the first, fcfs, is SGLang's default)",
+        parse=names_of(SCHEDULE_POLICIES),
+    )  # fmt: skip
+    baseline_evictions: tuple[str, ...] = _cluster(
+        EVICTIONS, "SGLang's --radix-eviction-policy values the baselines are swept over with "
+        "--goodput, after the schedule policies (the first, lru, is SGLang's default)",
+        parse=names_of(EVICTIONS),
+    )  # fmt: skip
+    mooncake_splits: tuple[tuple[int, int], ...] | None = _cluster(
+        None, "the prefill:decode splits the mooncake system is swept over with --goodput, "
+        "e.g. 1p3d,2p2d (P + D = --instances; default: every split, the even one first)",
+        parse=split_list,
     )  # fmt: skip
     mixed_chunk: bool = _cluster(True, "router instances with SGLang's mixed chunked prefill")
 

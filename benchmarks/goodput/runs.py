@@ -31,6 +31,7 @@ from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExec
 from typing import NamedTuple
 
 from tokenlake.benchmarks.goodput.sim_options import control_plane_cost_of, pricing_of, store_of
+from tokenlake.benchmarks.sim.engine import FCFS
 from tokenlake.benchmarks.sim.runner import (
     SLO_MISSED,
     WALL_BUDGET,
@@ -39,25 +40,46 @@ from tokenlake.benchmarks.sim.runner import (
     simulate,
 )
 from tokenlake.benchmarks.sim.step_timer import ClusterSpec, make_timer
+from tokenlake.benchmarks.sim.systems.radix_cache import LRU
 from tokenlake.benchmarks.workloads import Workload
 
-# a run's knob: its prefill size, or (prefill size, router balance_abs, balance_rel)
-Knob = int | tuple[int, int, float]
+
+class Setting(NamedTuple):
+    """A baseline's setting beyond its prefill size, each None at the system's default: the
+    router's imbalance thresholds ``(abs, rel)``, Mooncake's split ``(P, D)``, SGLang's
+    schedule policy and radix eviction policy."""
+
+    prefill: int
+    balance: tuple[int, float] | None = None
+    split: tuple[int, int] | None = None
+    schedule: str | None = None
+    eviction: str | None = None
+
+
+# a run's knob: its prefill size, or a Setting
+Knob = int | Setting
 
 
 def knob_prefill(knob: Knob) -> int:
-    return knob[0] if isinstance(knob, tuple) else knob
+    return knob.prefill if isinstance(knob, Setting) else knob
 
 
-def knob_balance(knob: Knob) -> tuple[int, float] | None:
-    return (knob[1], knob[2]) if isinstance(knob, tuple) else None
+def knob_setting(knob: Knob) -> Setting:
+    return knob if isinstance(knob, Setting) else Setting(knob)
 
 
 def knob_label(knob: Knob) -> str:
-    """``2048``, or ``2048 b32:1.0001`` with the router's imbalance thresholds."""
-    if isinstance(knob, tuple):
-        return f"{knob[0]} b{knob[1]}:{knob[2]:g}"
-    return str(knob)
+    """``2048``, with the settings that are not the defaults: ``2048 b32:1.0001 2P2D lpm
+    slru`` (the router's imbalance thresholds, Mooncake's split, the schedule and eviction
+    policies)."""
+    k = knob_setting(knob)
+    parts = [str(k.prefill)]
+    if k.balance is not None:
+        parts.append(f"b{k.balance[0]}:{k.balance[1]:g}")
+    if k.split is not None:
+        parts.append(f"{k.split[0]}P{k.split[1]}D")
+    parts += [x for x in (k.schedule, k.eviction) if x is not None]
+    return " ".join(parts)
 
 
 class RunKey(NamedTuple):
@@ -99,7 +121,10 @@ def simulate_key(args: argparse.Namespace, make_workload: WorkloadFn, key: RunKe
             seed=key.seed,
             stop_below=key.stop_below,
             page_groups=getattr(args, "page_groups", "on") == "on",
-            balance=knob_balance(key.knob),
+            balance=knob_setting(key.knob).balance,
+            split=knob_setting(key.knob).split,
+            schedule_policy=knob_setting(key.knob).schedule or FCFS,
+            radix_eviction=knob_setting(key.knob).eviction or LRU,
             pricing=pricing_of(args),
             mooncake_store=store_of(args),
             control_plane_cost=control_plane_cost_of(args),

@@ -73,14 +73,17 @@ def system_goodput(
     width: int = 1,
     attainments: Attainments | None = None,
     ahead: bool = False,
-    more_knobs: Callable[[Hashable], Sequence[Hashable]] | None = None,
+    more_knobs: Callable[[Hashable], Sequence[Hashable]]
+    | Sequence[Callable[[Hashable], Sequence[Hashable]]]
+    | None = None,
 ) -> SystemGoodput:
     """``width > 1``: each bisection probes that many rates per round through
     ``attainments`` (see :func:`~tokenlake.benchmarks.sim.metrics.bisect_goodput`); ``ahead``:
     its rounds call ``attainments(rates, seed, knob, then)``, ``then`` the next round's
     rates if the rates not yet run pass (a run may start before it is asked for).
     ``more_knobs(best)``: further knob values to try once ``knobs`` are done, derived from the
-    best of them (a second knob swept at the first one's best value: one bisection each)."""
+    best of them (a second knob swept at the first one's best value: one bisection each); a
+    sequence of them sweeps one knob after another, each at the best setting so far."""
     if not knobs or not seeds:
         raise ValueError("system_goodput: expected at least one knob value and one seed")
     points: list[tuple[int, int, float, float]] = []
@@ -116,8 +119,9 @@ def system_goodput(
         return max(order, key=lambda k: (by_knob[k], -order.index(k)))
 
     sweep(knobs)
-    if more_knobs is not None:
-        sweep(more_knobs(best_knob()))
+    stages = [more_knobs] if callable(more_knobs) else list(more_knobs or ())
+    for stage in stages:
+        sweep(stage(best_knob()))
     knob = best_knob()
     goodputs = [by_knob[knob]]
     g0 = goodputs[0]

@@ -12,6 +12,14 @@ admits on an estimated output and retracts on overflow; reserving the output is 
 no-retraction equivalent). A request longer than the whole KV capacity is rejected (SGLang
 aborts it). ``role`` makes the instance prefill-only or decode-only for PD disaggregation.
 
+SGLang's own options, swept for tuned baselines: ``schedule_policy`` (its ``--schedule-policy``,
+``sglang/srt/managers/schedule_policy.py``; ``fcfs`` its default): ``lpm`` admits the waiting
+requests with the longest cached prefix first (FCFS again once more than 128 wait, as SGLang
+turns it off there), ``shortest-prefill-first`` those with the fewest uncached tokens first,
+FCFS among ties; SGLang's in-batch deprioritization of requests sharing an uncached prefix and
+the chunk cap shortest-prefill-first puts on a running chunked prefill are not modelled.
+``radix_eviction`` (``--radix-eviction-policy``, ``lru`` or ``slru``: :mod:`.systems.radix_cache`).
+
 Two options beyond SGLang's defaults, for tuned baselines: ``tbt_slo_s`` (finite: TBT-aware
 chunking, each step's chunk the largest that fits the TBT SLO beside the running decodes, see
 :mod:`.tbt_chunk`) and ``cascade`` (vLLM V1's cascade attention for the decode rows of a
@@ -30,8 +38,12 @@ from tokenlake.benchmarks.sim.job import Job
 from tokenlake.benchmarks.sim.metrics import LoadTimeline
 from tokenlake.benchmarks.sim.step_timer import StepTimer
 from tokenlake.benchmarks.sim.systems.cascade import cascade_read_tokens, common_prefix_tokens
-from tokenlake.benchmarks.sim.systems.radix_cache import LocalPrefixCache
+from tokenlake.benchmarks.sim.systems.radix_cache import EVICTIONS, LRU, LocalPrefixCache
 from tokenlake.benchmarks.sim.tbt_chunk import CHUNK_GRANULE, tbt_aware_chunk
+
+FCFS, LPM, SHORTEST_PREFILL_FIRST = "fcfs", "lpm", "shortest-prefill-first"
+SCHEDULE_POLICIES = (FCFS, LPM, SHORTEST_PREFILL_FIRST)
+LPM_MAX_QUEUE = 128  # SGLang's WAITING_QUEUE_PREFIX_MATCH_MAX: LPM is FCFS beyond it
 
 
 @dataclass(frozen=True)
@@ -42,10 +54,22 @@ class EngineConfig:
     mixed_chunk: bool = False
     tbt_slo_s: float = math.inf  # finite: TBT-aware chunks of at most chunked_prefill_size
     cascade: bool = False  # vLLM V1's cascade decode
+    schedule_policy: str = FCFS  # SGLang's --schedule-policy
+    radix_eviction: str = LRU  # SGLang's --radix-eviction-policy
 
     def __post_init__(self) -> None:
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"EngineConfig.role: expected both/prefill/decode, got {self.role!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"EngineConfig.schedule_policy: expected one of {SCHEDULE_POLICIES}, got "
+                f"{self.schedule_policy!r}"
+            )
+        if self.radix_eviction not in EVICTIONS:
+            raise ValueError(
+                f"EngineConfig.radix_eviction: expected one of {EVICTIONS}, got "
+                f"{self.radix_eviction!r}"
+            )
         if self.chunked_prefill_size < 1 or self.max_running_requests < 1:
             raise ValueError(
                 "EngineConfig: chunked_prefill_size, max_running_requests >= 1, got "
@@ -149,8 +173,28 @@ class Engine:
         job.rec.cached_tokens, job.rec.hit_tokens = m.num_tokens, hit
         return True
 
+    def _order_waiting(self) -> None:
+        """The waiting queue in the schedule policy's order (a stable sort: FCFS on ties)."""
+        policy = self.config.schedule_policy
+        if policy == FCFS or len(self.waiting) < 2:
+            return
+        if policy == LPM and len(self.waiting) > LPM_MAX_QUEUE:
+            return
+
+        def cached(job: Job) -> int:
+            hit = self.cache.match(job.prompt_keys()[0], touch=False).num_tokens
+            return min(hit, job.input_len - 1)
+
+        if policy == LPM:
+            order = sorted(self.waiting, key=lambda j: -cached(j))
+        else:
+            order = sorted(self.waiting, key=lambda j: max(1, j.input_len - cached(j)))
+        self.waiting = deque(order)
+
     def _prefill_batch(self, budget: int) -> list[tuple[Job, int]]:
         batch, budget = [], max(budget, 0)
+        if self.waiting and budget > 0:
+            self._order_waiting()
         for job in self.prefilling:
             n = min(job.input_len - job.prefix_len, budget)
             batch.append((job, n))
@@ -299,7 +343,7 @@ class Engine:
             self.cache.release(job.reserved)
             self.cache.unlock(job.path)
             # SGLang caches the whole finished sequence; output KV is as reusable as any.
-            self.cache.insert(keys + okeys, lengths + olengths, lock=False)
+            self.cache.insert(keys + okeys, lengths + olengths, lock=False, counted=len(keys))
             self.cache._evict(
                 self.cache.cached_tokens + self.cache.reserved_tokens - self.cache.capacity_tokens
             )

@@ -26,7 +26,7 @@ from tokenlake.benchmarks.sim.control_plane_cost import (
     ControlPlaneCost,
     load_control_plane_cost,
 )
-from tokenlake.benchmarks.sim.engine import EngineConfig
+from tokenlake.benchmarks.sim.engine import FCFS, EngineConfig
 from tokenlake.benchmarks.sim.events import EventLoop
 from tokenlake.benchmarks.sim.job import Job
 from tokenlake.benchmarks.sim.metrics import (
@@ -40,11 +40,13 @@ from tokenlake.benchmarks.sim.step_timer import ClusterSpec, CostModelTimer
 from tokenlake.benchmarks.sim.systems.layered import PricingConfig
 from tokenlake.benchmarks.sim.systems.mooncake import ConductorConfig, MooncakeSystem
 from tokenlake.benchmarks.sim.systems.mooncake_store import MooncakeStoreConfig
+from tokenlake.benchmarks.sim.systems.radix_cache import LRU
 from tokenlake.benchmarks.sim.systems.router import RouterConfig, RouterSystem
 from tokenlake.benchmarks.sim.systems.systems import (  # noqa: F401 (re-exported)
     EXTRA_SYSTEMS,
     SYSTEMS,
     VARIANT_SYSTEMS,
+    num_prefill,
     split_system,
 )
 from tokenlake.benchmarks.sim.systems.tokenlake_system import TokenLakeConfig, TokenLakeSystem
@@ -56,7 +58,8 @@ WALL_BUDGET = "wall_budget"
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Args: system (one of :data:`SYSTEMS`; xPyD keeps the 1:3 / 3:1 ratio at any N);
+    """Args: system (one of :data:`SYSTEMS` or a variant; a split in its name keeps its ratio
+    at any N);
     prefill_tokens (the prefill knob: the baselines' chunked prefill size and TokenLake's
     chunk length and prefill tokens per iteration); mixed_chunk (the router's instances mix
     running decodes into prefill batches, SGLang's ``--enable-mixed-chunk``); segment_len
@@ -73,7 +76,10 @@ class RunConfig:
     :class:`MooncakeStoreConfig`; GB 0 or the ``-no-store`` variant: none);
     control_plane_cost (the cost model TokenLake's control plane is charged by when
     ``pricing.control_plane`` is ``model``; None: the checked-in host profile,
-    :data:`~.control_plane_cost.DEFAULT_PATH`)."""
+    :data:`~.control_plane_cost.DEFAULT_PATH`); split (Mooncake's prefill and decode
+    instances, P + D the cluster; None: the system name's split, ``mooncake``'s half);
+    schedule_policy / radix_eviction (the baselines' SGLang ``--schedule-policy`` and
+    ``--radix-eviction-policy``, see :mod:`.engine`)."""
 
     system: str
     prefill_tokens: int = 8192
@@ -92,6 +98,9 @@ class RunConfig:
     pricing: PricingConfig = PricingConfig()
     mooncake_store: MooncakeStoreConfig = MooncakeStoreConfig()
     control_plane_cost: ControlPlaneCost | None = None
+    split: tuple[int, int] | None = None
+    schedule_policy: str = FCFS
+    radix_eviction: str = LRU
 
     def __post_init__(self) -> None:
         split_system(self.system)  # raises naming the allowed systems
@@ -153,24 +162,19 @@ class RunResult:
         }
 
 
-def _num_prefill(system: str, n: int) -> int:
-    if system.endswith("1p3d"):
-        return max(1, n // 4)
-    if system.endswith("3p1d"):
-        return min(n - 1, 3 * n // 4)
-    return 0
-
-
 def build_system(cfg: RunConfig, ctx: SimContext, slos, control_samples: list | None = None):
     base, variants = split_system(cfg.system)
     spec = ctx.spec
-    n, p = spec.num_instances, _num_prefill(base, spec.num_instances)
+    n = spec.num_instances
+    p = num_prefill(base, n, cfg.split) if n > 1 else 0
     tbt_slo = slos[0] if "tbt" in variants else math.inf
     engine = EngineConfig(
         cfg.prefill_tokens,
         mixed_chunk=cfg.mixed_chunk and base == "router",
         tbt_slo_s=tbt_slo,
         cascade="cascade" in variants,
+        schedule_policy=cfg.schedule_policy,
+        radix_eviction=cfg.radix_eviction,
     )
     if base.startswith("tokenlake"):
         tbt, per_token = slos

@@ -78,8 +78,10 @@ def test_jobs_run_the_same_runs(capsys):
         "8",
         "--max-evals",
         "4",
-        "--control-plane-scale",  # measured CPU time differs run to run: not charged here
-        "0",
+        "--baseline-schedule-policies",  # the chunk and threshold sweeps are enough here
+        "fcfs",
+        "--baseline-evictions",
+        "lru",
     ]
     assert main(args) == 0
     one = _lines(capsys.readouterr().out)

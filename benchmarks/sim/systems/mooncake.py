@@ -28,9 +28,11 @@ Serving", §3.1 workflow, §4.1 Algorithm 1, §4.2 cache load balancing, §4.3.2
   joins the decode batch, FCFS, once the instance can reserve its context and output.
 
 - Mooncake Store (§3.2, :mod:`.mooncake_store`, on by default): every prefilled prompt's KV
-  is stored in the nodes' pooled DRAM too; the prefix the store holds is one more source in
-  line 5 (the longest prefix anywhere, GPU or DRAM, loaded from DRAM over PCIe/RDMA), so a
-  prefix evicted from every GPU is loaded instead of recomputed.
+  is stored in the nodes' pooled DRAM too, and so is a finished request's whole sequence
+  (its prompt and its decode output, written from the decode node, as Mooncake's decode
+  instances offload theirs); the prefix the store holds is one more source in line 5 (the
+  longest prefix anywhere, GPU or DRAM, loaded from DRAM over PCIe/RDMA), so a prefix
+  evicted from every GPU is loaded instead of recomputed.
 
 Not modelled: the SSD tier, chunked pipeline parallelism across prefill nodes,
 prediction-based early rejection (§4.3.4; it needs output-length prediction).
@@ -164,7 +166,7 @@ class MooncakeSystem:
 
         def make(i: int, role: str) -> Engine:
             cfg = replace(base, role=role, mixed_chunk=False)
-            cache = LocalPrefixCache(spec.capacity_tokens)
+            cache = LocalPrefixCache(spec.capacity_tokens, cfg.radix_eviction)
             return Engine(
                 i, loop, timer, cache, cfg, load, self._finished, self._prefilled, self._rejected
             )
@@ -272,6 +274,10 @@ class MooncakeSystem:
 
     def _finished(self, job: Job, t: float) -> None:
         d = job.extra["decode"]
+        if self.store is not None:  # the whole sequence, output included, from the D node
+            keys, lengths = job.prompt_keys()
+            okeys, olengths = job.output_keys()
+            self.store.put(keys + okeys, lengths + olengths, self.decode[d].index)
         self.conductor.assigned[d].discard(job)
         self.on_finished_cb(job, t)
         self._admit_decodes(d)

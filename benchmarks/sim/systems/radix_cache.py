@@ -5,6 +5,12 @@ block may be partial), then its output in blocks keyed by (request, index). Node
 by key; a node used by a running request is locked; eviction removes the least recently used
 unlocked leaf, as SGLang's radix cache does. Memory = tokens of cached nodes + tokens reserved
 by running requests that are not in the tree yet.
+
+``eviction="slru"`` is SGLang's ``--radix-eviction-policy slru`` (``SLRUStrategy``,
+``sglang/srt/mem_cache/evict_policy.py``): a node inserted by one request has one hit, and
+each later request whose insert passes through it adds one; nodes with at least two hits are
+protected, and every unprotected leaf goes before any protected one, each segment in LRU
+order. ``lru`` (SGLang's default) is plain LRU.
 """
 
 from __future__ import annotations
@@ -13,14 +19,19 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
+LRU, SLRU = "lru", "slru"
+EVICTIONS = (LRU, SLRU)
+SLRU_PROTECTED_HITS = 2  # SGLang's SLRUStrategy(protected_threshold=2)
+
 
 class _Node:
-    __slots__ = ("key", "parent", "num_tokens", "children", "lock")
+    __slots__ = ("key", "parent", "num_tokens", "children", "lock", "hits")
 
     def __init__(self, key: Hashable, parent: _Node | None, num_tokens: int) -> None:
         self.key, self.parent, self.num_tokens = key, parent, num_tokens
         self.children: dict[Hashable, _Node] = {}
         self.lock = 0
+        self.hits = 1  # requests whose insert created or passed through it
 
 
 class Match(NamedTuple):
@@ -29,12 +40,16 @@ class Match(NamedTuple):
 
 
 class LocalPrefixCache:
-    """Args: capacity_tokens: KV tokens the instance holds (cache + running requests)."""
+    """Args: capacity_tokens: KV tokens the instance holds (cache + running requests);
+    eviction: ``lru`` or ``slru`` (see the module doc)."""
 
-    def __init__(self, capacity_tokens: int) -> None:
+    def __init__(self, capacity_tokens: int, eviction: str = LRU) -> None:
         if capacity_tokens <= 0:
             raise ValueError(f"capacity_tokens: expected > 0, got {capacity_tokens}")
+        if eviction not in EVICTIONS:
+            raise ValueError(f"eviction: expected one of {EVICTIONS}, got {eviction!r}")
         self.capacity_tokens = capacity_tokens
+        self.eviction = eviction
         self.root = _Node(None, None, 0)
         self._lru: OrderedDict[int, _Node] = OrderedDict()  # id(node) -> node, oldest first
         self.cached_tokens = 0  # tokens in the tree
@@ -87,18 +102,22 @@ class LocalPrefixCache:
         self.reserved_tokens -= num_tokens
 
     def insert(
-        self, keys: Sequence[Hashable], lengths: Sequence[int], lock: bool
+        self, keys: Sequence[Hashable], lengths: Sequence[int], lock: bool, counted: int = 0
     ) -> tuple[tuple, int]:
         """Add a chain (reusing nodes that exist). Returns (path, tokens newly added); the
-        caller releases its reservation for them. ``lock`` locks the whole path."""
+        caller releases its reservation for them. ``lock`` locks the whole path. An existing
+        node gains a hit unless it is among the first ``counted`` keys, which this request
+        inserted before (its prompt, when it inserts the finished sequence)."""
         node, path, added = self.root, [], 0
-        for key, n in zip(keys, lengths, strict=True):
+        for i, (key, n) in enumerate(zip(keys, lengths, strict=True)):
             child = node.children.get(key)
             if child is None:
                 child = node.children[key] = _Node(key, node, n)
                 self._lru[id(child)] = child
                 self.cached_tokens += n
                 added += n
+            elif i >= counted:
+                child.hits += 1
             path.append(child)
             node = child
         for n in reversed(path):
@@ -113,27 +132,38 @@ class LocalPrefixCache:
 
     def _evict(self, num_tokens: int) -> None:
         """Free at least ``num_tokens`` by removing unlocked leaves, oldest first; a parent
-        becomes a candidate once its children are gone (it is always more recent than them)."""
+        becomes a candidate once its children are gone (it is always more recent than them).
+        SLRU: unprotected leaves first (those that become leaves included), then the rest."""
         freed = 0
-        while freed < num_tokens:
-            victims: dict[int, _Node] = {}
-            got = 0
-            for node in self._lru.values():
-                # children are older than their parent, so a parent whose children are all
-                # victims already is the next leaf in LRU order
-                if node.lock == 0 and all(id(ch) in victims for ch in node.children.values()):
-                    victims[id(node)] = node
-                    got += node.num_tokens
-                    if freed + got >= num_tokens:
-                        break
-            if not victims:
-                break
-            for node in victims.values():
-                del self._lru[id(node)]
-                del node.parent.children[node.key]
-                self.cached_tokens -= node.num_tokens
-            freed += got
+        segments = (0, 1) if self.eviction == SLRU else (1,)
+        for ceiling in segments:
+            while freed < num_tokens:
+                victims: dict[int, _Node] = {}
+                got = 0
+                for node in self._lru.values():
+                    # children are older than their parent, so a parent whose children are
+                    # all victims already is the next leaf in LRU order
+                    if (
+                        node.lock == 0
+                        and self._segment(node) <= ceiling
+                        and all(id(ch) in victims for ch in node.children.values())
+                    ):
+                        victims[id(node)] = node
+                        got += node.num_tokens
+                        if freed + got >= num_tokens:
+                            break
+                if not victims:
+                    break
+                for node in victims.values():
+                    del self._lru[id(node)]
+                    del node.parent.children[node.key]
+                    self.cached_tokens -= node.num_tokens
+                freed += got
         self.num_evicted_tokens += freed
+
+    def _segment(self, node: _Node) -> int:
+        """SLRU's segment of a node: 1 protected (reused), 0 probationary; 0 under LRU."""
+        return int(self.eviction == SLRU and node.hits >= SLRU_PROTECTED_HITS)
 
     def check_invariants(self) -> None:
         total = locked = 0

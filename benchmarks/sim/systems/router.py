@@ -114,7 +114,7 @@ class RouterSystem:
                 i,
                 loop,
                 timer,
-                LocalPrefixCache(spec.capacity_tokens),
+                LocalPrefixCache(spec.capacity_tokens, engine_config.radix_eviction),
                 engine_config,
                 load,
                 self._finished,
