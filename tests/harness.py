@@ -30,11 +30,14 @@ class Harness:
         balancer=None,
         logit_cap: float = 0.0,
         eviction: tl.EvictionConfig | None = None,
+        num_tier_blocks: int = 0,
     ) -> None:
         self.shape = tl.ModelShape(
             num_layers, num_q_heads, num_kv_heads, head_dim, dtype, logit_cap=logit_cap
         )
-        self.config = tl.PoolConfig(self.shape, num_instances, num_slots, segment_len)
+        self.config = tl.PoolConfig(
+            self.shape, num_instances, num_slots, segment_len, num_tier_blocks=num_tier_blocks
+        )
         self.pool = tl.Pool(self.config, hasher, balancer=balancer, eviction=eviction)
         self.cluster = LocalCluster(self.pool, backend=backend)
         self.model = SyntheticModel(self.shape, seed=1)

@@ -120,7 +120,6 @@ class ModelShape:
 # backend's one default (a segment is the unit of sharing, placement and eviction)
 DEFAULT_SEGMENT_LEN = 64
 
-
 @dataclass(frozen=True)
 class PoolConfig:
     """Control-plane configuration of a pool of ``num_instances`` instances.
@@ -133,6 +132,9 @@ class PoolConfig:
         namespace: hash namespace (model id, salt); pools with different namespaces never share keys.
         device: where the instances' KV lives (``"cpu"`` or ``"cuda"``); ``model.dtype`` must
             be one the kernels support there (:data:`KERNEL_DTYPES`).
+        num_tier_blocks: blocks of the host tier below the pool, one segment each (``0``: no
+            tier; a segment evicted from the pool is forgotten). See
+            :mod:`tokenlake.tree.host_tier`.
     """
 
     model: ModelShape
@@ -141,6 +143,7 @@ class PoolConfig:
     segment_len: int = DEFAULT_SEGMENT_LEN
     namespace: str = "default"
     device: str = "cpu"
+    num_tier_blocks: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelShape):
@@ -157,6 +160,11 @@ class PoolConfig:
             },
         )
         check_str("PoolConfig.namespace", self.namespace)
+        object.__setattr__(
+            self,
+            "num_tier_blocks",
+            check_int("PoolConfig.num_tier_blocks", self.num_tier_blocks, low=0, high=MAX_SLOTS + 1),
+        )
         if not isinstance(self.device, str) or self.device not in KERNEL_DTYPES:
             raise InvalidArgumentError(
                 f"PoolConfig.device: expected one of {sorted(KERNEL_DTYPES)}, got {self.device!r}"

@@ -27,11 +27,14 @@ CODEC = Codec("plans", VERSION, (Plans, QueryPlan, TransferPlan, Chunk), max_byt
 @dataclass(frozen=True)
 class PlanLimits:
     """The receiver's geometry: ids below ``num_instances``, slots below ``num_slots``,
-    token offsets within a segment of ``segment_len``."""
+    token offsets within a segment of ``segment_len``, host-tier blocks below
+    ``num_tier_blocks`` (``0``: no tier, so a plan that moves a segment to or from one is
+    refused)."""
 
     num_instances: int
     num_slots: int
     segment_len: int
+    num_tier_blocks: int = 0
 
 
 def encode(obj: Plans | QueryPlan | TransferPlan | Chunk) -> bytes:
@@ -154,6 +157,31 @@ def check_transfer_plan(name: str, tp: TransferPlan, lim: PlanLimits) -> None:
             f"{name}.{field}", check_array(f"{name}.{field}", getattr(tp, field), m), 0, high
         )
     check_values(f"{name}.copy_len", tp.copy_len, 0, c + 1)
+    check_tier_runs(name, tp, lim)
+
+
+def check_tier_runs(name: str, tp: TransferPlan, lim: PlanLimits) -> None:
+    """The host tier's runs: instances, slots and blocks in range; no block written twice
+    or both written and read, no slot loaded twice. (A load may write a slot a demotion
+    reads: the demotions run first.)"""
+    n, s, b = lim.num_instances, lim.num_slots, lim.num_tier_blocks
+    for prefix, fields in (
+        ("demote", (("src_instance", n), ("src_slot", s), ("dst_block", b))),
+        ("load", (("src_block", b), ("dst_instance", n), ("dst_slot", s))),
+    ):
+        last = f"{prefix}_{fields[-1][0]}"
+        k = len(check_array(f"{name}.{last}", getattr(tp, last)))
+        for field, high in fields:
+            arr = check_array(f"{name}.{prefix}_{field}", getattr(tp, f"{prefix}_{field}"), k)
+            if k and not high:
+                _fail(f"{name}.{prefix}_{field}", "the receiver has no host tier; expected no runs")
+            check_values(f"{name}.{prefix}_{field}", arr, 0, high)
+    written = tp.demote_dst_block.tolist()
+    if len(set(written)) != len(written) or set(written) & set(tp.load_src_block.tolist()):
+        _fail(f"{name}.demote_dst_block", f"expected distinct blocks no load reads, got {written}")
+    loaded = list(zip(tp.load_dst_instance.tolist(), tp.load_dst_slot.tolist(), strict=True))
+    if len(set(loaded)) != len(loaded):
+        _fail(f"{name}.load_dst_slot", f"expected distinct slots, got {loaded}")
 
 
 def check_runs(name, src_row, length, dst_slot, dst_offset, num_rows: int, lim: PlanLimits) -> None:

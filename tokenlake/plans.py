@@ -153,6 +153,13 @@ class TransferPlan:
     instance: runs ``dst_indptr[d]:dst_indptr[d+1]`` go to ``dst_ids[d]``. ``copy_*`` are
     whole-segment copies (all layers, first ``copy_len`` tokens) done before any put: the
     copy-on-extend of a partial tail and, later, replication orders.
+
+    The host tier's runs, whole segments of all layers, come before the copies:
+    ``demote_*`` copy slot ``demote_src_slot[i]`` of instance ``demote_src_instance[i]``
+    into host-tier block ``demote_dst_block[i]`` (a segment evicted from the pool; this plan
+    writes that slot afterwards), then ``load_*`` copy block ``load_src_block[i]`` into slot
+    ``load_dst_slot[i]`` of ``load_dst_instance[i]`` (a hit in the tier, loaded before the
+    layers that read it).
     """
 
     epoch: int
@@ -172,10 +179,24 @@ class TransferPlan:
     copy_dst_instance: np.ndarray = field(default_factory=lambda: frozen_i32([]))
     copy_dst_slot: np.ndarray = field(default_factory=lambda: frozen_i32([]))
     copy_len: np.ndarray = field(default_factory=lambda: frozen_i32([]))
+    demote_src_instance: np.ndarray = field(default_factory=lambda: frozen_i32([]))
+    demote_src_slot: np.ndarray = field(default_factory=lambda: frozen_i32([]))
+    demote_dst_block: np.ndarray = field(default_factory=lambda: frozen_i32([]))
+    load_src_block: np.ndarray = field(default_factory=lambda: frozen_i32([]))
+    load_dst_instance: np.ndarray = field(default_factory=lambda: frozen_i32([]))
+    load_dst_slot: np.ndarray = field(default_factory=lambda: frozen_i32([]))
 
     @property
     def num_copies(self) -> int:
         return len(self.copy_len)
+
+    @property
+    def num_demotions(self) -> int:
+        return len(self.demote_dst_block)
+
+    @property
+    def num_loads(self) -> int:
+        return len(self.load_src_block)
 
     def rows_to(self, d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per-row ``(src_row, dst_slot, dst_offset)`` of destination ``dst_ids[d]``."""

@@ -29,6 +29,7 @@ from tokenlake.plans import Chunk, Plans
 from tokenlake.stats import PoolStats
 from tokenlake.tree.policy import EvictionConfig, EvictionPolicy
 from tokenlake.tree.prefix_tree import PrefixTree
+from tokenlake.tree.tier_blocks import HostTier
 from tokenlake.tree.view import PrefixTreeView
 from tokenlake.validate import check_bool, check_int, check_request_id, check_sequence, fail
 
@@ -80,7 +81,15 @@ class Pool:
         self.load_model = load_model
         n = config.num_instances
         policy = EvictionPolicy(eviction or EvictionConfig(), n * config.num_slots)
-        self.tree = PrefixTree(config.segment_len, self.hasher, max_replicas=n, policy=policy)
+        if self.engine_slots and config.num_tier_blocks:
+            raise fail(
+                "config.num_tier_blocks", "0 with engine_slots (the engine owns every slot)",
+                config.num_tier_blocks,
+            )  # fmt: skip
+        tier = HostTier(config.num_tier_blocks)
+        self.tree = PrefixTree(
+            config.segment_len, self.hasher, max_replicas=n, policy=policy, tier=tier
+        )
         self.placement = Placement(range(n), seed=self.hasher.seed)
         self.allocators = [self._new_allocator() for _ in range(n)]
         self.access = AccessStats(n, self.tree, self.balancer)
@@ -352,6 +361,7 @@ class Pool:
             segment_bytes=self.config.segment_bytes,
             num_running=len(self.requests),
             num_in_flight=len(self.active_epochs),
+            tier=self.tree.tier,
         )
 
     def check_invariants(self) -> None:

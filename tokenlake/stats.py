@@ -9,10 +9,13 @@ import numpy as np
 
 from tokenlake import latency
 from tokenlake.cluster.balancer import AccessStats, coefficient_of_variation
+from tokenlake.tree.node import TIER_DROP
 
 if TYPE_CHECKING:
     from tokenlake.cluster.slots import SlotAllocator
+    from tokenlake.iteration.record import Iteration
     from tokenlake.planning.builder import Traffic
+    from tokenlake.tree.tier_blocks import HostTier
     from tokenlake.tree.prefix_tree import PrefixTree
 
 
@@ -32,6 +35,11 @@ class PoolStats:
         self.put_bytes = 0.0
         self.replication_bytes = 0.0
         self.num_evictions = 0
+        # the host tier (committed iterations): hits, loads into the pool, evictions into it
+        self.num_tier_hit_tokens = 0
+        self.num_promotions = 0
+        self.num_demotions = 0
+        self.num_tier_evictions = 0
         self.load = np.zeros(num_instances, dtype=np.float64)
         self.latency: dict[str, int] = {}  # histograms (tokenlake.latency)
 
@@ -59,6 +67,34 @@ class PoolStats:
         self.replication_bytes += traffic.replication_bytes
         self.num_replications += traffic.num_replications
 
+    def record_tier(self, it: Iteration, segment_bytes: int) -> None:
+        """A committed iteration's host-tier moves: its hits, loads, demotions copied and
+        segments the tier evicted."""
+        self.num_tier_hit_tokens += it.tier_hit_tokens
+        self.num_promotions += len(it.loads)
+        self.num_demotions += len(it.demotions_copied)
+        self.num_tier_evictions += sum(v.kind == TIER_DROP for v in it.victims)
+
+    def tier_dict(self, tier: HostTier, segment_bytes: int) -> dict:
+        """The host tier's counters: ``tier_hit_tokens`` (prompt tokens served from segments
+        in the tier, part of ``num_hit_tokens``), ``pool_hit_tokens`` (the rest),
+        ``tier_promotions`` / ``tier_demotions`` (segments loaded into the pool / copied into
+        the tier) and their bytes, ``tier_evictions`` (segments the full tier forgot),
+        ``tier_blocks`` / ``tier_blocks_used`` / ``tier_segments`` and ``tier_bytes_stored``."""
+        return {
+            "tier_blocks": tier.num_blocks,
+            "tier_blocks_used": tier.num_used,
+            "tier_segments": tier.num_segments,
+            "tier_bytes_stored": tier.num_used * segment_bytes,
+            "tier_hit_tokens": self.num_tier_hit_tokens,
+            "pool_hit_tokens": self.num_hit_tokens - self.num_tier_hit_tokens,
+            "tier_promotions": self.num_promotions,
+            "tier_demotions": self.num_demotions,
+            "tier_promotion_bytes": self.num_promotions * segment_bytes,
+            "tier_demotion_bytes": self.num_demotions * segment_bytes,
+            "tier_evictions": self.num_tier_evictions,
+        }
+
     def as_dict(
         self,
         *,
@@ -69,6 +105,7 @@ class PoolStats:
         segment_bytes: int,
         num_running: int,
         num_in_flight: int,
+        tier: HostTier,
     ) -> dict:
         """Counters since the pool was created, with the pool's parts that hold the rest:
         ``num_running`` requests, ``num_in_flight`` iterations.
@@ -85,6 +122,8 @@ class PoolStats:
           between instances (query rows to remote holders and their results back, new KV to
           remote homes, segment copies), all layers.
         - storage: segments, replicas, slots used, evictions, dedup savings.
+        - the host tier below the pool: see :meth:`tier_dict`; ``num_segments`` counts
+          segments in the pool and in the tier.
         - ``gen_plans_seconds``: latency histogram of the ``gen_plans`` calls of committed
           iterations: ``buckets`` ``[[upper bound s, count <= it], ...]`` (cumulative, last
           bound ``inf``), ``sum``, ``count``.
@@ -125,6 +164,7 @@ class PoolStats:
             "bytes_saved_by_dedup": self.num_dedup_segments * segment_bytes,
             "live_instances": live,
             "gen_plans_seconds": _histogram_dict(self.latency, "gen_plans"),
+            **self.tier_dict(tier, segment_bytes),
         }
 
 

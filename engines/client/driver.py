@@ -18,10 +18,12 @@ from collections import Counter, defaultdict
 import numpy as np
 
 from tokenlake.engines.core import puts
+from tokenlake.engines.core.host_tier import HostTierStore
 from tokenlake.engines.core.shared_buffers import InstanceViews, Layout
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
 from tokenlake.engines.kernels.flashinfer_attention import make_planner
 from tokenlake.engines.transport import messages, process_group
+from tokenlake.errors import InvalidArgumentError
 from tokenlake.latency import observe
 from tokenlake.plans import TransferPlan
 from tokenlake.validate import canonical_device
@@ -63,6 +65,7 @@ class Driver:
         self.backend: str | None = None
         self.planner = None
         self.lost: set[int] = set()
+        self.tier: HostTierStore | None = None  # the host tier below the pools, if any
         self.num_served = num_instances  # instances of the pool served now (see reset)
         self._puts: dict[int, list] = defaultdict(list)  # layer -> tickets
         self._works: dict[int, list] = defaultdict(list)  # layer -> (work, peer, tensor)
@@ -179,6 +182,46 @@ class Driver:
         aborted iteration can land after the next one starts."""
         self.flush(what)
         self.channel.wait(self.channel.outstanding(), what)
+
+    # ---- the host tier ----------------------------------------------------------------------
+    def run_tier_moves(self, plan: TransferPlan) -> None:
+        """Execute a transfer plan's host-tier runs, demotions first (each reads a slot the
+        plan writes next), then loads (:class:`HostTierStore`). The plan was checked
+        against the tier's blocks (``plan_checks``); the slots must be on this host."""
+        if not plan.num_demotions and not plan.num_loads:
+            return
+        tier, origin = self.tier, plan.origin
+        for name in ("demote_src_instance", "load_dst_instance"):
+            for instance in getattr(plan, name).tolist():
+                if not self.same_host(origin, instance):
+                    raise InvalidArgumentError(
+                        f"transfer_plan.{name}: instance {instance} is on another host than "
+                        f"origin {origin}; allowed: instances of the host tier's host"
+                    )
+        for instance, slot, block in zip(
+            plan.demote_src_instance.tolist(), plan.demote_src_slot.tolist(),
+            plan.demote_dst_block.tolist(), strict=True,
+        ):  # fmt: skip
+            tier.demote(self.views[instance].pool, slot, block)
+        loads = [
+            (block, self.views[instance].pool, slot)
+            for block, instance, slot in zip(
+                plan.load_src_block.tolist(), plan.load_dst_instance.tolist(),
+                plan.load_dst_slot.tolist(), strict=True,
+            )  # fmt: skip
+        ]
+        tier.load(loads)
+        if plan.num_copies:  # a copy-on-extend may read a loaded slot
+            tier.wait()
+        segment = self.layout.segment_len * self.layout.model.kv_bytes_per_token
+        self.stats["tier_demotions"] += plan.num_demotions
+        self.stats["tier_loads"] += plan.num_loads
+        self.stats["tier_bytes"] += (plan.num_demotions + plan.num_loads) * segment
+
+    def wait_tier(self, layer: int) -> None:
+        """Before a query of ``layer``: the loads of that layer landed (CUDA; a no-op on CPU)."""
+        if self.tier is not None:
+            self.tier.wait(layer)
 
     # ---- segment copies (copy-on-extend, replication orders) -----------------------------
     def run_copies(self, plan: TransferPlan) -> None:

@@ -144,6 +144,7 @@ class EngineClient:
         layer = check_int("layer", layer, low=0, high=self._layout.model.num_layers)
         d = self._driver
         d.wait_puts(layer, f"puts of layer {layer}")
+        d.wait_tier(layer)
         if d.events is not None:
             d.events.record(self.instance_id)
         views, off = self._views, bound.offset
@@ -200,6 +201,7 @@ class EngineClient:
         d = self._driver
         n = transfer_plan.num_rows
         offset = self._bindings.reserve("kv", n, "transfer_plan", self._layout.max_kv_rows)
+        d.run_tier_moves(transfer_plan)  # before the copies: one may read a loaded slot
         d.run_copies(transfer_plan)
         binding = d.new_binding()
         tickets, local, remote = [], [], []

@@ -20,7 +20,8 @@ def limits(driver: Driver) -> plan_wire.PlanLimits:
     layout = driver.layout
     if layout is None:
         raise InvalidArgumentError("plan: the cluster is not configured yet")
-    return plan_wire.PlanLimits(driver.num_served, layout.num_slots, layout.segment_len)
+    blocks = driver.tier.num_blocks if driver.tier is not None else 0
+    return plan_wire.PlanLimits(driver.num_served, layout.num_slots, layout.segment_len, blocks)
 
 
 def _check_live(name: str, ids: np.ndarray, driver: Driver) -> None:
@@ -36,7 +37,8 @@ def check_transfer(plan: TransferPlan, driver: Driver) -> None:
     """Every field of ``plan`` within the cluster's geometry (:class:`InvalidArgumentError`
     naming the field, its value and what is allowed, otherwise)."""
     plan_wire.check_transfer_plan("transfer_plan", plan, limits(driver))
-    for field in ("dst_ids", "copy_src_instance", "copy_dst_instance"):
+    for field in ("dst_ids", "copy_src_instance", "copy_dst_instance", "demote_src_instance",
+                  "load_dst_instance"):  # fmt: skip
         _check_live(f"transfer_plan.{field}", getattr(plan, field), driver)
 
 

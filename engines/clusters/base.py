@@ -6,6 +6,7 @@ from __future__ import annotations
 from tokenlake.config import PoolConfig
 from tokenlake.engines.client.driver import Driver
 from tokenlake.engines.client.engine_client import EngineClient
+from tokenlake.engines.core.host_tier import HostTierStore
 from tokenlake.engines.core.shared_buffers import Layout
 from tokenlake.engines.dataplane_config import DataPlaneConfig, PeerFailedError
 from tokenlake.errors import InvalidArgumentError
@@ -33,6 +34,13 @@ def layout_for(config: PoolConfig, dataplane: DataPlaneConfig, num_instances: in
         config.model, num_instances, config.num_slots, config.segment_len,
         dataplane.max_q_rows, dataplane.max_kv_rows,
     )  # fmt: skip
+
+
+def host_tier(config: PoolConfig, device) -> HostTierStore | None:
+    """The data plane's host tier for a pool with ``config.num_tier_blocks`` (``None``: 0)."""
+    if not config.num_tier_blocks:
+        return None
+    return HostTierStore(config.model, config.num_tier_blocks, config.segment_len, device)
 
 
 class ClusterBase:

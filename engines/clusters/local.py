@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from tokenlake.engines.client.driver import Driver
-from tokenlake.engines.clusters.base import ClusterBase, layout_for, pool_config
+from tokenlake.engines.clusters.base import ClusterBase, host_tier, layout_for, pool_config
 from tokenlake.engines.core.engine_base import EngineHost
 from tokenlake.engines.core.query_engine import QueryEngine
 from tokenlake.engines.core.shared_buffers import InstanceBuffers
@@ -57,6 +57,7 @@ class LocalCluster(ClusterBase):
         self._driver = Driver(dataplane, n, LocalChannel(engines))
         self._driver.configure(list(engines), layout, backend)
         self._driver.views = {i: b.views(layout) for i, b in buffers.items()}
+        self._driver.tier = host_tier(cfg, device)
         self.kv_pools = [self._driver.views[i].pool for i in range(n)]
         self._engines = engines
         self._make_clients(n)

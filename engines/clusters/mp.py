@@ -23,7 +23,7 @@ import zmq
 
 from tokenlake import wire
 from tokenlake.engines.client.driver import Driver
-from tokenlake.engines.clusters.base import ClusterBase, layout_for, pool_config
+from tokenlake.engines.clusters.base import ClusterBase, host_tier, layout_for, pool_config
 from tokenlake.engines.clusters.launcher import EngineProcesses
 from tokenlake.engines.core.engine_base import ROLES
 from tokenlake.engines.core.shared_buffers import InstanceBuffers, Layout
@@ -226,6 +226,7 @@ class MPCluster(ClusterBase):
         d.quiesce("reset")
         d.configure(d.channel.keys, layout, backend)
         d.views = {i: b.views(layout) for i, b in enumerate(self._buffers)}
+        d.tier = host_tier(cfg, self.config.device)  # in this process: its clients move it
         self._make_clients(cfg.num_instances)
         return self
 

@@ -9,7 +9,8 @@ import tokenlake as tl
 
 
 def pool_state(pool: tl.Pool) -> dict:
-    """Every node (key, parent, tokens, replicas, pins, readers, access count, eviction class),
+    """Every node (key, parent, tokens, replicas, pins, readers, access count, eviction class,
+    host-tier block and whether it is complete), the host tier's order, blocks used and loads,
     the eviction policy's protected count and ghosts, the replica
     LRU order, every request, every allocator's free slots, the balancer's load state, the
     iterations in flight and ``get_stats()``."""
@@ -25,6 +26,8 @@ def pool_state(pool: tl.Pool) -> dict:
             int(table.readers[n.idx]),
             float(table.access[n.idx]) / pool.access.scale,
             n.protected,
+            n.tier_block,
+            bool(table.tier_ready[n.idx]),
         )
         for n in tree.nodes()
     )
@@ -55,6 +58,8 @@ def pool_state(pool: tl.Pool) -> dict:
         "total_access": access.total_access_tokens,
         "stats": pool.get_stats(),
         "eviction": (tree.policy.num_protected, list(tree.policy.ghosts)),
+        "tier": (list(tree.tier.lru.items()),
+                 tree.tier.num_used, dict(tree.tier.loading)),
     }
 
 

@@ -44,11 +44,11 @@ NOT_SEQS = [None, 5, 1.5, "abc", b"ab", {1: 2}, {1, 2}, object(), np.zeros((2, 2
 
 
 class Fuzzer:
-    def __init__(self, seed: int, eviction: str = "lru") -> None:
+    def __init__(self, seed: int, eviction: str = "lru", num_tier_blocks: int = 0) -> None:
         self.rng = random.Random(seed)
         self.np_rng = np.random.default_rng(seed)
         self.pool = tl.Pool(
-            tl.PoolConfig(SHAPE, 4, 12, SEG),
+            tl.PoolConfig(SHAPE, 4, 12, SEG, num_tier_blocks=num_tier_blocks),
             balancer=BalancerConfig(window=4, interval=2, overload_factor=1.0),
             load_model=LoadModel(A100_80G, LLAMA2_7B),
             seed=seed,
@@ -378,3 +378,15 @@ def test_fuzz_more_seeds_and_eviction_policies(seed, eviction):
     fuzzer = Fuzzer(seed, eviction)
     fuzzer.run(2500)
     assert not fuzzer.failures, "\n".join(fuzzer.failures[:20])
+
+
+@pytest.mark.parametrize("seed, num_tier_blocks", [(5, 6), (6, 40)])
+def test_fuzz_with_a_host_tier(seed, num_tier_blocks):
+    """The same workload over a pool with a host tier below it (a small tier that evicts
+    often, a large one that keeps every demoted segment): demotions, loads, tier evictions
+    and their undo interleave with everything else; no invariant breaks."""
+    fuzzer = Fuzzer(seed, "protect", num_tier_blocks)
+    fuzzer.run(2500)
+    assert not fuzzer.failures, "\n".join(fuzzer.failures[:20])
+    stats = fuzzer.pool.get_stats()
+    assert stats["tier_demotions"] > 0 and stats["tier_promotions"] > 0, stats

@@ -58,9 +58,14 @@ def reference(num_instances, headers, runs, copies, heads):
                 copy_dst_instance=c[k, 3],
                 copy_dst_slot=c[k, 4],
                 copy_len=c[k, 5],
+                **dict.fromkeys(TIER_FIELDS, np.zeros(0, dtype=np.int32)),  # no host-tier moves
             )
         )
     return out
+
+
+TIER_FIELDS = ("demote_src_instance", "demote_src_slot", "demote_dst_block", "load_src_block",
+               "load_dst_instance", "load_dst_slot")  # fmt: skip
 
 
 @pytest.mark.parametrize("seed", range(60))

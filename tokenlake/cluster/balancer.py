@@ -179,7 +179,7 @@ def heavy_hitters(tree: PrefixTree, k: int) -> list[Node]:
     is over 1,000).
     """
     table = tree.table
-    rows = np.flatnonzero(table.in_tree & (table.access > 0))
+    rows = np.flatnonzero(table.in_tree & (table.access > 0) & (table.num_replicas > 0))
     if len(rows) > k:
         top = np.argpartition(-table.access[rows], k - 1)[:k]
         rows = rows[top]
@@ -222,7 +222,10 @@ def plan_replications(
         return []
     budget = config.max_replications
     if capacity_slots is not None:
-        extra = tree.num_replicas - tree.num_nodes
+        in_pool = tree.num_nodes  # segments with a replica (not only in the host tier)
+        if tree.tier.enabled:
+            in_pool = int((tree.table.num_replicas > 0)[tree.table.in_tree].sum())
+        extra = tree.num_replicas - in_pool
         budget = min(budget, int(config.max_replica_fraction * capacity_slots) - extra)
     if budget <= 0:
         return []

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tokenlake.tree.node import DEMOTED
+
 if TYPE_CHECKING:
     from tokenlake.cluster.slots import SlotAllocator
     from tokenlake.iteration.record import Iteration
@@ -25,7 +27,9 @@ def check_pool_invariants(
     in_flight_epoch: Callable[[int | str], int | None],
 ) -> None:
     """Every used slot has exactly one owner; pins and readers equal what running requests
-    and iterations in flight hold; each request's stored length matches its segments;
+    and iterations in flight hold; every used host-tier block one owner (a segment, or the
+    iteration demoting a segment forgotten since) and the loads in flight are the
+    iterations'; each request's stored length matches its segments;
     iterations in flight have disjoint requests and compute instances."""
     seg = tree.segment_len
     tree.check_invariants()
@@ -59,6 +63,8 @@ def check_pool_invariants(
         assert state.page_idx.tolist() == [n.idx for n in state.nodes], "page_idx drifted"
 
     readers = np.zeros(tree.table.capacity, dtype=np.int64)
+    loading: Counter = Counter()
+    orphan_blocks: list[int] = []
     seen_requests: set = set()
     seen_origins: set[int] = set()
     for it in iterations:
@@ -80,6 +86,19 @@ def check_pool_invariants(
                     owners[w.location] += 1
         for _, _, dst in it.replications:
             owners[dst] += 1
+        for node, loc in it.loads:
+            owners[loc] += 1
+            loading[node.key] += 1
+            assert node.tier_block >= 0 and node.pin_count, (
+                "a load of a segment not pinned in the tier"
+            )
+        for v in it.victims:
+            if (
+                v.kind == DEMOTED
+                and tree.get(v.node.key) is not v.node
+                or (v.kind == DEMOTED and v.node.tier_block != v.block)
+            ):
+                orphan_blocks.append(v.block)  # its segment was forgotten: the block waits
         np.add.at(readers, it.all_read_idx(), 1)
     for loc, count in owners.items():
         assert count == 1, f"slot {loc} has {count} owners"
@@ -97,6 +116,10 @@ def check_pool_invariants(
         assert node.pin_count == expected_pins[node.key], (
             f"{node!r}: pin_count {node.pin_count}, expected {expected_pins[node.key]}"
         )
+    tier = tree.tier
+    assert loading == tier.loading, "host-tier loads differ from iterations in flight"
+    blocks = [n.tier_block for n in tree.nodes() if n.tier_block >= 0] + orphan_blocks
+    assert len(set(blocks)) == len(blocks) == tier.num_used, "host-tier blocks leaked or shared"
     check_no_shared_slots(iterations)
 
 
@@ -114,6 +137,11 @@ def _slots(plans) -> tuple[set, set]:
             written.update((instance_id, s) for s in tp.run_dst_slot[lo:hi].tolist())
         read.update(zip(tp.copy_src_instance.tolist(), tp.copy_src_slot.tolist(), strict=True))
         written.update(zip(tp.copy_dst_instance.tolist(), tp.copy_dst_slot.tolist(), strict=True))
+        # the host tier's blocks as instance -1
+        read.update(zip(tp.demote_src_instance.tolist(), tp.demote_src_slot.tolist(), strict=True))
+        written.update((-1, b) for b in tp.demote_dst_block.tolist())
+        read.update((-1, b) for b in tp.load_src_block.tolist())
+        written.update(zip(tp.load_dst_instance.tolist(), tp.load_dst_slot.tolist(), strict=True))
     return read, written
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from tokenlake.cluster.slots import SlotAllocator
 from tokenlake.iteration.requests import RequestState, free_private_segments
+from tokenlake.tree.eviction import lost_with
 from tokenlake.tree.prefix_tree import PrefixTree
 
 
@@ -40,7 +41,7 @@ class FailoverLog:
 
 def lost_keys(tree: PrefixTree, instance_id: int) -> set[int]:
     """Keys of segments whose every replica is on ``instance_id``, and their subtrees."""
-    stack = [n for n in tree.nodes() if all(r.instance_id == instance_id for r in n.replicas)]
+    stack = [n for n in tree.nodes() if lost_with(n, instance_id)]
     lost: set[int] = set()
     while stack:
         node = stack.pop()

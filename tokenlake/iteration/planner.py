@@ -13,15 +13,16 @@ from tokenlake.cluster.remote_reads import RemoteReads, record_remote_reads
 from tokenlake.cluster.slots import SlotAllocator
 from tokenlake.config import PoolConfig
 from tokenlake.errors import PoolFullError
-from tokenlake.iteration import admission
+from tokenlake.iteration import admission, tier_moves
 from tokenlake.iteration.engine_slots import assign as engine_assign
 from tokenlake.iteration.inflight import InFlight
 from tokenlake.iteration.instance_loss import FailoverLog
 from tokenlake.iteration.record import Iteration
 from tokenlake.iteration.sealing import seal_chunk
-from tokenlake.iteration.segment_planner import SegmentPlanner
-from tokenlake.planning.builder import PlanBuilder
+from tokenlake.iteration.segment_planner import SegmentPlanner, source_location
+from tokenlake.planning.builder import PlanBuilder, TierMoves
 from tokenlake.stats import PoolStats
+from tokenlake.tree.node import DEMOTED, TIER_DROP, Evicted
 from tokenlake.tree.prefix_tree import PrefixTree
 
 
@@ -103,28 +104,35 @@ class IterationPlanner:
         rest = it.chunks
         if self.engine_slots:
             engine_assign(rest, engine_slots or {}, planner.num_new_slots)
+        hits = tier_moves.tier_hits(it.new_chunks)  # segments in the host tier: loaded first
         needed = sum(planner.num_new_slots(pc) for pc in rest if pc.engine_slots is None)
+        needed += len(hits)
         if needed > planner.free_capacity():
             raise PoolFullError(
                 f"batches: need {needed} new slots, only {planner.free_capacity()} free or "
                 "evictable (the rest is pinned by running requests or read in flight)"
             )
+        it.tier_hit_tokens = tier_moves.hit_tokens(it.new_chunks, self.config.segment_len)
+        tier_moves.plan_loads(it, hits, planner, self.placement)
+        loaded = {node.key: loc for node, loc in it.loads}
         for pc in rest:
-            planner.plan_writes(pc, it.victims)
+            planner.plan_writes(pc, it.victims, loaded)
         if not self.engine_slots:
             self._reserve_replications(it)
         for pc in it.new_chunks:  # evictions above may have taken the copy source chosen earlier
             if pc.source is not None:
                 for w in pc.writes:
                     if w.copy_from is not None and w.copy_from not in pc.source.replicas:
-                        w.copy_from = pc.source.replicas[0]  # pinned: its last copy stays
+                        # pinned: its last copy stays (or it is loaded from the host tier)
+                        w.copy_from = source_location(pc.source, loaded)
         free = [i for i in self.placement.live if i not in busy]
         base_load = locality.prefer_home(
             self.inflight.total_load(self.access.recent_load), cs, dops, self.tree.table,
             self.config.segment_len, self.placement.live, self.balancer,
             light=self._light(),
         )  # fmt: skip
-        plans, traffic, reads = self.builder.build(
+        demotions = [(v.location, v.block) for v in it.victims if v.kind == DEMOTED]
+        plans, traffic, reads, copied = self.builder.build(
             (self.inflight.pool_id, it.epoch),
             cs,
             dops,
@@ -133,7 +141,9 @@ class IterationPlanner:
             instances,
             base_load,
             (self.seed * 1_000_003 + it.epoch) % 2**62,
+            TierMoves(it.loads, demotions),
         )
+        it.demotions_copied = copied
         self._add_readers(it, reads.rows)
         it.plans, it.traffic, it.reads = plans, traffic, reads
         it.instances = traffic.instances
@@ -141,11 +151,12 @@ class IterationPlanner:
     def settle(self, it: Iteration, live: list[int]) -> None:
         """Commit ``it``: seal, add its replicas, book accesses, LRU, load and counters."""
         tree, r = self.tree, it.reads
+        gone = tier_moves.settle(it, tree, self.allocators, committed=True)
         for pc in it.new_chunks:  # the admitted prefix was read: the most recent for LRU
             path = pc.state.tree_nodes + ([pc.source] if pc.source else [])
             tree.touch(path)
             tree.mark_reused(path)
-        tree.forget(v.node for v in it.victims)
+        tree.forget([v.node for v in it.victims] + gone)
         tree.touch_replicas(r.chosen_idx.tolist(), r.chosen_inst.tolist())
         self.access.begin_iteration()
         self.access.record_accesses(r.rows, r.query_rows, r.access_tokens)
@@ -163,7 +174,8 @@ class IterationPlanner:
         self._drop_readers(it)
         self._record_remote_reads(it)
         self.access.record_load(it.traffic.load, live)
-        self.stats.record_iteration(it.traffic, it.new_chunks, len(it.victims))
+        self.stats.record_iteration(it.traffic, it.new_chunks, _num_pool_evictions(it.victims))
+        self.stats.record_tier(it, self.config.segment_bytes)
         self.stats.record_gen_plans(it.gen_plans_s)
 
     def release(self, it: Iteration, executed: bool) -> None:
@@ -179,11 +191,13 @@ class IterationPlanner:
         if not executed and it.victims:
             done = tree.restore(it.victims, self.placement.live)
             restored = {v.location for v, ok in zip(it.victims, done, strict=True) if ok}
-        tree.forget(v.node for v in it.victims if v.location not in restored)
+        gone = tier_moves.settle(it, tree, self.allocators, False, frozenset(restored))
+        tree.forget([v.node for v in it.victims if v.location not in restored] + gone)
         for loc in it.new_slots():
             if loc not in restored:
                 self.allocators[loc.instance_id].free(loc.slot_id)
-        self.stats.num_evictions += len(it.victims) - len(restored)
+        left = [v for v in it.victims if v.location not in restored]
+        self.stats.num_evictions += _num_pool_evictions(left)
 
     def _record_remote_reads(self, it: Iteration) -> None:
         """A committed small decode: the shared segments it read on other instances."""
@@ -235,3 +249,8 @@ class IterationPlanner:
             loc = self.segments.reserve_replica(dst, it.victims)
             if loc is not None:
                 it.replications.append((node, src, loc))
+
+
+def _num_pool_evictions(victims: list[Evicted]) -> int:
+    """Evictions from the pool (a host-tier block's own eviction is not one)."""
+    return sum(v.kind != TIER_DROP for v in victims)

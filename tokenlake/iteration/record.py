@@ -31,6 +31,9 @@ class Iteration:
     new_chunks: list[PlannedChunk] = field(default_factory=list)  # requests it admitted
     victims: list[Evicted] = field(default_factory=list)  # tentative evictions, in order
     replications: list[tuple[Node, Location, Location]] = field(default_factory=list)
+    loads: list[tuple[Node, Location]] = field(default_factory=list)  # host tier -> slot
+    demotions_copied: frozenset[int] = frozenset()  # blocks its transfer plans write
+    tier_hit_tokens: int = 0  # prompt tokens its new requests read from the host tier
     read_idx: list[np.ndarray] = field(default_factory=list)  # table rows it reads
     decided_replication: bool = False
     failover: tuple[int, frozenset[int]] | None = None  # membership changes, lost-replica keys
@@ -45,9 +48,10 @@ class Iteration:
         return frozenset(self.plans.origins) if self.plans is not None else frozenset()
 
     def new_slots(self) -> list[Location]:
-        """Slots it obtained (free ones or victims'): new segments and replica copies."""
+        """Slots it obtained (free ones or victims'): new segments, replica copies and
+        segments loaded from the host tier."""
         out = [w.location for pc in self.chunks for w in pc.writes if w.new_slot]
-        return out + [dst for _, _, dst in self.replications]
+        return out + [dst for _, _, dst in self.replications] + [loc for _, loc in self.loads]
 
     def pinned_nodes(self) -> list[Node]:
         """Nodes pinned by the requests it admitted (kept by them at commit)."""

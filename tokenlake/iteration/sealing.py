@@ -1,6 +1,7 @@
 """Committing one planned chunk: its open tail moves on, its full segments are sealed into
 the tree (deduplicated against an identical committed one, or kept private after a key
-collision), and the request's state advances."""
+collision; an identical one only in the host tier takes the new copy as its pool copy), and
+the request's state advances."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Sequence
 from tokenlake.cluster.slots import SlotAllocator
 from tokenlake.iteration.requests import OpenSegment, PlannedChunk
 from tokenlake.stats import PoolStats
+from tokenlake.tree import host_tier
 from tokenlake.tree.prefix_tree import Node, PrefixTree
 
 
@@ -30,7 +32,12 @@ def seal_chunk(
             state.num_private += 1
             state.detached = True
             continue
-        if res.deduped:
+        if res.deduped and not res.node.num_replicas:
+            # recomputed while in the host tier (or being demoted): the new copy is its
+            # pool copy now; a complete block goes once no load reads it
+            host_tier.into_pool(tree, res.node, w.location)
+            host_tier.release_block(tree, res.node)
+        elif res.deduped:
             allocators[w.location.instance_id].free(w.location.slot_id)
             stats.num_dedup_segments += 1
         tree.pin(res.node)

@@ -7,13 +7,20 @@ until it commits, and undone if it is aborted before anything was written (see
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from tokenlake.cluster.placement import Placement
 from tokenlake.cluster.slots import SlotAllocator
 from tokenlake.errors import InvalidArgumentError, PoolFullError
 from tokenlake.iteration.requests import PlannedChunk, SegmentWrite
-from tokenlake.tree.prefix_tree import Evicted, Location, PrefixTree
+from tokenlake.tree.prefix_tree import Evicted, Location, Node, PrefixTree
+
+
+def source_location(source: Node, loaded: Mapping[int, Location]) -> Location:
+    """Where a copy-on-extend reads its source: its first replica, or the slot the
+    iteration loads it into from the host tier."""
+    replicas = source.replicas
+    return replicas[0] if replicas else loaded[source.key]
 
 
 class SegmentPlanner:
@@ -55,8 +62,12 @@ class SegmentPlanner:
             raise PoolFullError("batches: no free or evictable slot left in the pool")
         return evicted[1]
 
-    def plan_writes(self, pc: PlannedChunk, journal: list[Evicted]) -> None:
-        """Fill ``pc.writes`` for tokens ``pc.start:pc.end``, allocating slots as needed."""
+    def plan_writes(
+        self, pc: PlannedChunk, journal: list[Evicted], loaded: Mapping[int, Location]
+    ) -> None:
+        """Fill ``pc.writes`` for tokens ``pc.start:pc.end``, allocating slots as needed;
+        ``loaded``: the slots this iteration loads segments of the host tier into, by key
+        (a copy-on-extend source may be one)."""
         seg, tree, state = self.segment_len, self.tree, pc.state
         tokens = pc.token_ids
         pos = pc.start
@@ -80,7 +91,7 @@ class SegmentPlanner:
                 near = prev if prev is not None and beside is not None and beside(prev) else None
                 preferred = self.placement.rank_beside(key, near)
                 if offset:  # copy-on-extend: the first `offset` tokens come from the source
-                    copy_from = pc.source.replicas[0]
+                    copy_from = source_location(pc.source, loaded)
                     preferred = [copy_from.instance_id] + [
                         i for i in preferred if i != copy_from.instance_id
                     ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -12,7 +13,7 @@ from tokenlake import _C
 from tokenlake.planning.chunk_set import ChunkSet
 from tokenlake.planning.dispatch import hungarian_dispatch, traffic_cost
 from tokenlake.planning.page_gather import PageGatherer, PagePlan, Reads
-from tokenlake.plans import Plans, QueryPlan, TransferPlan, read_only
+from tokenlake.plans import Plans, QueryPlan, TransferPlan, frozen_i32, read_only
 from tokenlake.tree.prefix_tree import Location, Node
 from tokenlake.tree.segment_table import SegmentTable
 
@@ -27,6 +28,15 @@ class Traffic:
     num_replications: int
     load: np.ndarray  # [N] prefix tokens read per instance (rows × tokens)
     instances: frozenset[int]  # every instance the plans use: origins, holders, puts, copies
+
+
+class TierMoves(NamedTuple):
+    """An iteration's host-tier moves: ``loads`` ``(node, slot)`` (a segment in the tier
+    loaded into a slot) and ``demotions`` ``(slot, block)`` (a segment evicted from a slot
+    into a block)."""
+
+    loads: Sequence[tuple[Node, Location]] = ()
+    demotions: Sequence[tuple[Location, int]] = ()
 
 
 @dataclass(frozen=True)
@@ -69,15 +79,20 @@ class PlanBuilder:
         instances: Sequence[Sequence[int] | None] | None,
         base_load: np.ndarray,
         seed: int,
-    ) -> tuple[Plans, Traffic, Reads]:
+        tier: TierMoves | None = None,
+    ) -> tuple[Plans, Traffic, Reads, frozenset[int]]:
         """Plans for ``ids = (pool_id, epoch)``: sub-batches go to distinct ``candidates``
         (the free live instances; ``instances[b]`` narrows batch ``b``), replicas are chosen
-        on ``base_load`` (see :meth:`PageGatherer.gather`)."""
+        on ``base_load`` (see :meth:`PageGatherer.gather`); segments ``tier.loads`` are read
+        in their slots. Also returns the blocks of the demotions the plans copy
+        (:func:`tier_runs`)."""
         pool_id, epoch = ids
+        tier = tier if tier is not None else TierMoves()
         n_inst = self.num_instances
         pieces = cs.pieces(dops)
         subs, num_subs = pieces.subs, len(pieces.subs)
-        pages = self.pages.gather(cs, pieces, num_subs, base_load, seed)
+        loaded = [(node.idx, loc.instance_id, loc.slot_id) for node, loc in tier.loads]
+        pages = self.pages.gather(cs, pieces, num_subs, base_load, seed, loaded)
         # traffic matrices for dispatch: rows to each holder once per request, tokens to homes
         query_rows = pages.query_rows
         runs, copies = cs.runs(pieces)
@@ -119,7 +134,8 @@ class PlanBuilder:
             for u, (b, j) in enumerate(subs)
         ]
         query_plans = self._query_plans(headers, heads, pages)
-        transfer_plans = self._transfer_plans(headers, runs, copies, heads)
+        moves, copied = tier_runs(query_plans, runs, copies, tier)
+        transfer_plans = self._transfer_plans(headers, runs, copies, heads, moves)
         groups: list[list[int]] = [[] for _ in dops]
         for (b, _), origin in zip(subs, origins.tolist(), strict=True):
             groups[b].append(origin)
@@ -134,6 +150,8 @@ class PlanBuilder:
                 runs[:, 1].tolist(),
                 (c[1] for c in copies),
                 (c[3] for c in copies),
+                (loc.instance_id for _, loc in tier.loads),
+                (loc.instance_id for loc, _ in tier.demotions),
             ),
         )
         plans = Plans(
@@ -143,7 +161,7 @@ class PlanBuilder:
             tuple(map(tuple, groups)),
             pool_id=pool_id,
         )
-        return plans, traffic, pages.reads
+        return plans, traffic, pages.reads, copied
 
     def _replication_copies(self, replications, origins) -> list[tuple]:
         """Attach each replication order to the sub-batch running on its destination (else
@@ -182,7 +200,9 @@ class PlanBuilder:
             )
         return plans
 
-    def _transfer_plans(self, headers, runs, copies, heads: _PieceInfo) -> list[TransferPlan]:
+    def _transfer_plans(
+        self, headers, runs, copies, heads: _PieceInfo, moves: list[dict] | None = None
+    ) -> list[TransferPlan]:
         """Every sub-batch's transfer plan: runs grouped by (sub-batch, destination) and
         copies by sub-batch in one C++ pass; plans hold read-only slices."""
         num_subs, n = len(headers), len(runs)
@@ -221,6 +241,64 @@ class PlanBuilder:
                     copy_dst_instance=c_dst[c_lo:c_hi],
                     copy_dst_slot=c_dst_slot[c_lo:c_hi],
                     copy_len=c_len[c_lo:c_hi],
+                    **(moves[u] if moves else {}),
                 )
             )
         return plans
+
+
+def tier_runs(
+    query_plans: Sequence[QueryPlan], runs: np.ndarray, copies: list[tuple], tier: TierMoves
+) -> tuple[list[dict], frozenset[int]]:
+    """Each sub-batch's host-tier runs (:class:`TransferPlan` fields) and the blocks of the
+    demotions they copy.
+
+    A load goes to every sub-batch that reads its slot, so each loads it before its own
+    first read (the same bytes into a slot nothing else writes: a reader never sees others).
+    A demotion goes to the one sub-batch that writes its slot (a put run, a copy or a load),
+    before those writes; a slot several sub-batches write has no such order, and its
+    demotion is not copied: the segment is forgotten at commit instead."""
+    num_subs = len(query_plans)
+    loads: list[list[tuple]] = [[] for _ in range(num_subs)]
+    writers: dict[tuple[int, int], set[int]] = {}
+    if tier.loads:
+        where = {(loc.instance_id, loc.slot_id): node.tier_block for node, loc in tier.loads}
+        for u, qp in enumerate(query_plans):
+            read = set()
+            for h, inst in enumerate(qp.holder_ids.tolist()):
+                lo, hi = int(qp.holder_indptr[h]), int(qp.holder_indptr[h + 1])
+                pages = qp.kv_indices[int(qp.kv_indptr[lo]) : int(qp.kv_indptr[hi])]
+                read.update((inst, s) for s in pages.tolist() if (inst, s) in where)
+            for loc in sorted(read):
+                loads[u].append((where[loc], *loc))
+                writers.setdefault(loc, set()).add(u)
+        for loc in sorted(set(where) - set(writers)):  # read by none (not expected): load it
+            loads[0].append((where[loc], *loc))
+            writers[loc] = {0}
+    demotes: list[list[tuple]] = [[] for _ in range(num_subs)]
+    copied = set()
+    if tier.demotions:
+        for sub, inst, *_, slot, _ in runs.tolist():
+            writers.setdefault((inst, slot), set()).add(sub)
+        for sub, _, _, inst, slot, _ in copies:
+            writers.setdefault((inst, slot), set()).add(sub)
+        for loc, block in tier.demotions:
+            subs = writers.get((loc.instance_id, loc.slot_id), {0})
+            if len(subs) == 1:
+                demotes[next(iter(subs))].append((loc.instance_id, loc.slot_id, block))
+                copied.add(block)
+    out = []
+    for u in range(num_subs):
+        d = np.asarray(demotes[u], dtype=np.int32).reshape(-1, 3)
+        ld = np.asarray(loads[u], dtype=np.int32).reshape(-1, 3)
+        out.append(
+            dict(
+                demote_src_instance=frozen_i32(d[:, 0]),
+                demote_src_slot=frozen_i32(d[:, 1]),
+                demote_dst_block=frozen_i32(d[:, 2]),
+                load_src_block=frozen_i32(ld[:, 0]),
+                load_dst_instance=frozen_i32(ld[:, 1]),
+                load_dst_slot=frozen_i32(ld[:, 2]),
+            )
+        )
+    return out, frozenset(copied)

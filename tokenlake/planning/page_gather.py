@@ -4,6 +4,7 @@ holder), and every query plan's CSR arrays as slices of a few global arrays."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import NamedTuple
@@ -68,13 +69,25 @@ class PageGatherer:
         self.num_instances = num_instances
 
     def gather(
-        self, cs: ChunkSet, pieces: Pieces, num_subs: int, base_load: np.ndarray, seed: int
+        self,
+        cs: ChunkSet,
+        pieces: Pieces,
+        num_subs: int,
+        base_load: np.ndarray,
+        seed: int,
+        loaded: Sequence[tuple[int, int, int]] = (),
     ) -> PagePlan:
         """Every prefix page of every piece (its request's sealed pages, a new request's
         shared partial source page, a running request's open tail), a replica chosen for each
         (power of two choices on ``base_load`` plus this iteration's own load, seeded by
-        ``seed``), sorted into per-sub-batch CSR arrays."""
+        ``seed``), sorted into per-sub-batch CSR arrays. ``loaded``: ``(row, instance,
+        slot)`` of segments in the host tier this iteration loads, read there."""
         table, n_inst = self.table, self.num_instances
+        rep_inst, rep_slot, num_rep = table.rep_inst, table.rep_slot, table.num_replicas
+        if loaded:  # the iteration's own view: its loads are the only copy of those rows
+            rep_inst, rep_slot, num_rep = rep_inst.copy(), rep_slot.copy(), num_rep.copy()
+            for row, inst, slot in loaded:
+                rep_inst[row, 0], rep_slot[row, 0], num_rep[row] = inst, slot, 1
         chunk = pieces.chunk
         num_pieces = len(chunk)
         states = cs.states
@@ -106,9 +119,9 @@ class PageGatherer:
         read_qrows = np.empty(num_acc)
         chosen = np.empty(num_acc, dtype=np.int64)
         num_e, num_h, num_r, num_c, access_tokens = _C.plan_pages(
-            table.rep_inst,
-            table.rep_slot,
-            table.num_replicas,
+            rep_inst,
+            rep_slot,
+            num_rep,
             self.segment_len,
             num_subs,
             n_inst,

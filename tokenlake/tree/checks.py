@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tokenlake.tree import host_tier
 from tokenlake.tree.node import Location
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ def check_tree_invariants(tree: TreeIndex) -> None:
             assert child.depth == node.depth + 1, "depth wrong"
             assert child.key == tree.hasher.key(node.key, child.tokens), "key mismatch"
             assert child in node.by_first[int(child.tokens[0])], "first-token index missing"
-            assert child.replicas, "node without replicas"
+            host_tier.check_node(tree, child, node)
             if child.pin_count:
                 assert node is tree.root or node.pin_count, "pins not closed under parents"
             if table.readers[child.idx]:
@@ -47,5 +48,11 @@ def check_tree_invariants(tree: TreeIndex) -> None:
     assert len(tree.lru) == len(locations), "stale LRU entries"
     tree.lru.check_invariants()
     table.check_invariants()
+    tier = tree.tier
+    tier.check_invariants()
+    blocks = [n.tier_block for n in tree.nodes() if n.tier_block >= 0]
+    assert len(set(blocks)) == len(blocks), "a host-tier block held twice"
+    assert len(tier.lru) == sum(n.in_tier for n in tree.nodes()), "stale tier LRU entries"
+    assert all(tree.get(key) is not None for key in tier.loading), "loading a forgotten segment"
     for pending in tree.pending:
         assert pending.location not in locations, "reserved location is also committed"

@@ -5,14 +5,14 @@ methods; :class:`tokenlake.tree.prefix_tree.PrefixTree` exposes them as methods.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.tree import host_tier
-from tokenlake.tree.node import REPLICA, Evicted, Location, Node
+from tokenlake.tree.node import DEMOTED, REPLICA, TIER_DROP, Evicted, Location, Node
 
 if TYPE_CHECKING:
     from tokenlake.tree.index import TreeIndex
@@ -33,27 +33,38 @@ def evict_lru(
     previous eviction into the same journal stopped (:class:`EvictionScan`)."""
     if scan is not None and journal is not None and instance_id is None:
         return scan.evict(tree, journal)
+    mine = host_tier.demoting_keys(journal)
     for (key, inst), stamp in tree.policy.candidates(tree.lru, tree.node_map):
         if instance_id is not None and inst != instance_id:
             continue
         node = tree.get(key)
-        if evictable(tree, node):
+        if evictable(tree, node, mine):
             return _evict(tree, node, inst, stamp, journal)
     return None
 
 
-def evictable(tree: TreeIndex, node: Node) -> bool:
-    """Whether a replica of ``node`` may go now (see :func:`evict_lru`)."""
+def evictable(tree: TreeIndex, node: Node, mine: Container[int] = ()) -> bool:
+    """Whether a replica of ``node`` may go now (see :func:`evict_lru`; ``mine``: the keys
+    the evicting plan demotes, see :func:`host_tier.children_in_tier`)."""
     table, idx = tree.table, node.idx
     if table.readers[idx]:
         return False
-    return table.num_replicas[idx] > 1 or (not table.pins[idx] and not node.children)
+    if table.num_replicas[idx] > 1:
+        return True
+    return not table.pins[idx] and (not node.children or host_tier.children_in_tier(node, mine))
 
 
 def _evict(
     tree: TreeIndex, node: Node, inst: int, stamp: int, journal: list[Evicted] | None
 ) -> tuple[Node, Location]:
+    """Take the replica; a last copy is demoted to the host tier when it has room, else it
+    leaves the tree (with its descendants, all in the tier)."""
     table, idx = tree.table, node.idx
+    if table.num_replicas[idx] == 1 and tree.tier.enabled:
+        loc = host_tier.demote(tree, node, inst, stamp, journal)
+        if loc is not None:
+            return node, loc
+        host_tier.forget_subtree(tree, node, journal)
     parent = node.parent if table.num_replicas[idx] == 1 else None
     access = float(table.access[idx]) if parent else 0.0
     position = int(np.flatnonzero(table.rep_inst[idx] == inst)[0])
@@ -84,6 +95,7 @@ class EvictionScan:
         self._two_pass = False
         self._at: tuple[int, int] = (0, 0)  # (pass, stamp) of the entry last walked
         self._behind: list[tuple[tuple[int, int], tuple[int, int]]] = []  # heap
+        self._mine: set[int] = set()  # keys the journal demotes to the host tier
 
     def __reduce__(
         self,
@@ -96,6 +108,7 @@ class EvictionScan:
     def evict(self, tree: TreeIndex, journal: list[Evicted]) -> tuple[Node, Location] | None:
         if journal is not self._journal or self._current(tree, journal) != self._signature:
             self._journal, self._behind = journal, []
+            self._mine = host_tier.demoting_keys(journal)
             self._two_pass, self._at = tree.policy.splits, (0, 0)
             self._walk = tree.policy.candidates(tree.lru, tree.node_map, list(tree.lru.items()))
             # rows no eviction of this plan can take (a plan only adds readers and pins and
@@ -107,8 +120,14 @@ class EvictionScan:
             self._signature = self._current(tree, journal)
             return None
         out = _evict(tree, *victim, journal)
-        parent = journal[-1].parent  # set when the node left the tree with this copy
-        if parent is not None and parent is not tree.root and not parent.children:
+        if journal[-1].kind == DEMOTED:
+            self._mine.add(journal[-1].node.key)
+        parent = _new_leaf(journal[-1])
+        if (
+            parent is not None
+            and parent is not tree.root
+            and (not parent.children or host_tier.children_in_tier(parent, self._mine))
+        ):
             for loc in parent.replicas:  # a new leaf: behind the walk, it comes first
                 entry = (parent.key, loc.instance_id)
                 where = (int(self._two_pass and parent.protected), tree.lru.stamp_of(entry))
@@ -122,15 +141,23 @@ class EvictionScan:
         while self._behind:
             (_, stamp), entry = heapq.heappop(self._behind)
             node = tree.get(entry[0])
-            if entry in lru and evictable(tree, node):
+            if entry in lru and evictable(tree, node, self._mine):
                 return node, entry[1], stamp
         blocked, nodes = self._blocked, tree.node_map
         for entry, stamp in self._walk:  # entries evicted since the copy are skipped
             node = nodes[entry[0]]
             self._at = (int(self._two_pass and node.protected), stamp)
-            if not blocked[node.idx] and evictable(tree, node):
+            if not blocked[node.idx] and evictable(tree, node, self._mine):
                 return node, entry[1], stamp
         return None
+
+
+def _new_leaf(record: Evicted) -> Node | None:
+    """The parent whose last child in the pool an eviction took: the node's parent when it
+    left the tree or moved to the host tier."""
+    if record.kind == REPLICA:
+        return record.parent  # set when the node left the tree with this copy
+    return record.node.parent if record.kind == DEMOTED else None
 
 
 def restore(tree: TreeIndex, evicted: Sequence[Evicted], live: Iterable[int]) -> list[bool]:
@@ -144,20 +171,30 @@ def restore(tree: TreeIndex, evicted: Sequence[Evicted], live: Iterable[int]) ->
     table = tree.table
     done = [False] * len(evicted)
     resort = False
+    tier_resort = False
     for i in range(len(evicted) - 1, -1, -1):
-        node, loc, stamp, parent, access, scale, position = evicted[i]
+        node, loc, stamp, parent, access, scale, position, _, kind = evicted[i]
+        if kind != REPLICA:  # the host tier's records
+            last = tree.lru.last_stamp
+            done[i] = host_tier.restore(tree, evicted[i], live)
+            resort |= done[i] and kind == DEMOTED and stamp < last
+            tier_resort |= done[i] and kind == TIER_DROP
+            continue
         if loc.instance_id not in live:
             continue
         if parent is not None:  # the node left the tree with this copy
             attached = parent is tree.root or tree.get(parent.key) is parent
             if not attached or tree.get(node.key) is not None or node.idx >= 0:
                 continue
+            if parent is not tree.root and not parent.num_replicas:
+                continue  # its parent left the pool for the host tier since: not below it
             if scale != table.access_scale:  # decayed since: same count, new scale
                 access *= table.access_scale / scale
             tree.reattach(node, parent, access)
         elif tree.get(node.key) is not node or (
             any(r.instance_id == loc.instance_id for r in node.replicas)
             or node.num_replicas >= table.max_replicas
+            or node.tier_block >= 0  # moved to the host tier since
         ):
             continue
         resort |= stamp < tree.lru.last_stamp
@@ -165,14 +202,16 @@ def restore(tree: TreeIndex, evicted: Sequence[Evicted], live: Iterable[int]) ->
         done[i] = True
     if resort:  # back to stamp order: an undone eviction returns to its old place
         tree.lru.resort()
+    if tier_resort:
+        tree.tier.lru.resort()
     return done
 
 
 def drop_instance(tree: TreeIndex, instance_id: int) -> list[Location]:
     """Forget every replica on a lost instance. A node whose only replica was there goes
-    with its whole subtree (those prefixes are incomplete now); such nodes must be unpinned.
-    Returns the freed locations on other instances."""
-    lost = [n for n in tree.nodes() if all(r.instance_id == instance_id for r in n.replicas)]
+    with its whole subtree (those prefixes are incomplete now; segments of it in the host
+    tier too); such nodes must be unpinned. Returns the freed locations on other instances."""
+    lost = [n for n in tree.nodes() if lost_with(n, instance_id)]
     doomed: list[Node] = []
     stack = list(lost)
     while stack:
@@ -192,8 +231,18 @@ def drop_instance(tree: TreeIndex, instance_id: int) -> list[Location]:
     for node in reversed(doomed):  # descendants were pushed after their ancestors
         if tree.get(node.key) is not node:
             continue
+        if not node.num_replicas:
+            host_tier.discard(tree, node)
+            continue
         for loc in list(node.replicas):
             tree.remove_replica(node, loc.instance_id)
             if loc.instance_id != instance_id:
                 freed.append(loc)
     return freed
+
+
+def lost_with(node: Node, instance_id: int) -> bool:
+    """Whether ``node`` is in the pool only on ``instance_id`` (a segment only in the host
+    tier survives a lost instance, unless its parent does not)."""
+    replicas = node.replicas
+    return bool(replicas) and all(r.instance_id == instance_id for r in replicas)

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from tokenlake.keys import SegmentHasher
-    from tokenlake.tree.host_tier import HostTier
     from tokenlake.tree.node import Location, Node, PendingInserts
     from tokenlake.tree.policy import EvictionPolicy
     from tokenlake.tree.replica_lru import ReplicaLRU
     from tokenlake.tree.segment_table import SegmentTable
+    from tokenlake.tree.tier_blocks import HostTier
 
 
 class TreeIndex(Protocol):

@@ -65,11 +65,56 @@ class Node:
         return 0 if self.idx < 0 else int(self.table.num_replicas[self.idx])
 
     @property
+    def tier_block(self) -> int:
+        """Its host-tier block (``-1``: none; see :mod:`tokenlake.tree.host_tier`)."""
+        return -1 if self.idx < 0 else int(self.table.tier_block[self.idx])
+
+    @property
+    def in_tier(self) -> bool:
+        """Only in the host tier, its copy there complete: a hit that a plan loads first."""
+        t, i = self.table, self.idx
+        return i >= 0 and not t.num_replicas[i] and bool(t.tier_ready[i])
+
+    @property
+    def readable(self) -> bool:
+        """In the pool, or complete in the host tier: what a match may return (a segment
+        whose demotion is in flight is not)."""
+        t, i = self.table, self.idx
+        return i >= 0 and bool(t.num_replicas[i] or t.tier_ready[i])
+
+    @property
     def pin_count(self) -> int:
         return 0 if self.idx < 0 else int(self.table.pins[self.idx])
 
     def __repr__(self) -> str:
-        return f"Node(key={self.key:#x}, depth={self.depth}, len={len(self.tokens)}, replicas={list(self.replicas)})"
+        tier = f", tier_block={self.tier_block}" if self.tier_block >= 0 else ""
+        return f"Node(key={self.key:#x}, depth={self.depth}, len={len(self.tokens)}, replicas={list(self.replicas)}{tier})"
+
+
+# kinds of :class:`Evicted` records
+REPLICA = "replica"  # a replica left the pool (with its node, when it was the last copy)
+DEMOTED = "demoted"  # a last copy moved into a host-tier block (the node stays)
+TIER_DROP = "tier_drop"  # a segment in the host tier only left it, and the tree
+UNDEMOTED = "undemoted"  # a segment this plan was demoting left the tree (block kept)
+
+
+class Evicted(NamedTuple):
+    """Undo record of one eviction: enough to put the replica (and, for a last copy, the
+    node) back exactly where it was, LRU position and access count included. ``kind``
+    :data:`DEMOTED`: ``block`` is the host-tier block it went to; :data:`TIER_DROP`:
+    ``block`` is the block it left, ``stamp`` its place in the tier's LRU, ``location``
+    ``(-1, block)``; :data:`UNDEMOTED`: the same for a segment the plan was demoting into
+    ``block`` (the block stays the plan's)."""
+
+    node: Node
+    location: Location
+    stamp: int  # the replica's LRU stamp
+    parent: Node | None  # the node's parent when it left the tree with this, else None
+    access: float  # raw (scaled) access count of a node that left the tree
+    access_scale: float  # the table's access scale then
+    position: int  # the replica's index among the node's replicas
+    block: int = -1
+    kind: str = REPLICA
 
 
 class PrefixMatch(NamedTuple):

@@ -19,10 +19,10 @@ from tokenlake.errors import InvalidArgumentError
 from tokenlake.keys import SegmentHasher, as_tokens
 from tokenlake.tree import eviction as tree_eviction
 from tokenlake.tree.checks import check_tree_invariants
-from tokenlake.tree.eviction import Evicted
 from tokenlake.tree.match import longest_prefix
 from tokenlake.tree.node import (
     CommitResult,
+    Evicted,
     Location,
     Node,
     PendingInsert,
@@ -33,6 +33,7 @@ from tokenlake.tree.node import (
 from tokenlake.tree.policy import EvictionConfig, EvictionPolicy
 from tokenlake.tree.replica_lru import ReplicaLRU
 from tokenlake.tree.segment_table import SegmentTable
+from tokenlake.tree.tier_blocks import HostTier
 
 __all__ = [
     "CommitResult",
@@ -59,8 +60,10 @@ class PrefixTree:
         hasher: SegmentHasher,
         max_replicas: int = 8,
         policy: EvictionPolicy | None = None,
+        tier: HostTier | None = None,
     ) -> None:
         self.segment_len = segment_len
+        self.tier = tier if tier is not None else HostTier(0)  # below the pool (host memory)
         self.policy = policy if policy is not None else EvictionPolicy(EvictionConfig(), 0)
         self.hasher = hasher
         self.table = SegmentTable(max_replicas)
@@ -274,24 +277,35 @@ class PrefixTree:
         else:
             self.lru.put(entry, stamp)
 
-    def remove_replica(self, node: Node, instance_id: int) -> Location:
+    def remove_replica(self, node: Node, instance_id: int, keep: bool = False) -> Location:
         """Drop ``node``'s replica on ``instance_id``; dropping the last one removes the node,
-        which must then be a leaf. Returns the freed location."""
+        which must then be a leaf, unless ``keep`` (it moves to the host tier). Returns the
+        freed location."""
         self._require_committed(node)
         replicas = node.replicas
         idx = next((i for i, r in enumerate(replicas) if r.instance_id == instance_id), None)
         if idx is None:
             raise InvalidArgumentError(f"instance_id: {node!r} has no replica on {instance_id}")
-        if len(replicas) == 1 and node.children:
+        if len(replicas) == 1 and node.children and not keep:
             raise InvalidArgumentError(f"node: {node!r} has children; remove them first")
         if len(replicas) == 1 and node.pin_count:
             raise InvalidArgumentError(f"node: {node!r} is pinned; its last copy cannot go")
         loc = replicas.pop(idx)
         self.table.set_replicas(node.idx, replicas)
         self.lru.remove((node.key, instance_id))
-        if not replicas:
+        if not replicas and not keep:
             self._detach(node)
         return loc
+
+    def detach(self, node: Node) -> None:
+        """Take a node with no replica (one leaving the host tier) out of the tree; its
+        children must be gone and its tier block released."""
+        self._require_committed(node)
+        if node.children or node.num_replicas or node.tier_block >= 0:
+            raise InvalidArgumentError(f"node: {node!r} has children, replicas or a block")
+        if node.pin_count:
+            raise InvalidArgumentError(f"node: {node!r} is pinned")
+        self._detach(node)
 
     def reattach(self, node: Node, parent: Node, access: float) -> None:
         """Put an evicted node (no replicas yet) back under ``parent`` with its raw access
