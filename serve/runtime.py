@@ -79,6 +79,7 @@ class Runtime:
         self._cond = threading.Condition()
         self._inbox: collections.deque[_Live] = collections.deque()
         self._cancels: set[str] = set()
+        self._abort_all = False  # end every request at the loop's next turn (shutdown)
         self._live: dict[str, _Live] = {}
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -122,6 +123,13 @@ class Runtime:
             self._cancels.add(request_id)
             self._cond.notify()
 
+    def abort_all(self) -> None:
+        """End every request, running or queued, with ``abort`` (the server is shutting
+        down: each sink still gets its final event). Requests submitted later run."""
+        with self._cond:
+            self._abort_all = True
+            self._cond.notify()
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -162,10 +170,14 @@ class Runtime:
                 with self._cond:
                     if self._stopping:
                         break
-                    if not self._inbox and not self._cancels and not self.scheduler.has_work:
+                    idle = not (self._inbox or self._cancels or self._abort_all)
+                    if idle and not self.scheduler.has_work:
                         self._cond.wait(timeout=0.5)
                         continue
                     cancels, self._cancels = self._cancels, set()
+                    if self._abort_all:
+                        self._abort_all = False
+                        cancels |= set(self._live) | {x.request.request_id for x in self._inbox}
                 self._apply_cancels(cancels)
                 self._admit()
                 if self.scheduler.has_work:

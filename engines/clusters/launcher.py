@@ -42,6 +42,19 @@ def process_context():
     return ctx
 
 
+def stop_helper_processes() -> None:
+    """Stop the fork server and ``multiprocessing``'s resource tracker, which otherwise
+    outlive this process by the seconds they take to notice its exit. Call it last, once
+    every process they served is stopped (a later start makes new ones)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+        try:
+            helper._stop()
+        except (OSError, AttributeError):  # already gone, or none was started
+            continue
+
+
 class Started:
     """A started process and its identity (pid and start time). Whether it runs is read from
     ``/proc``, not from the fork server that forked it: a killed fork server makes every

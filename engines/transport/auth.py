@@ -59,13 +59,14 @@ def read_private_file(path: str, what: str, max_bytes: int) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
         raise InvalidArgumentError(f"{what}: cannot open {path!r} ({e.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077 or st.st_uid != os.getuid():
+        os.close(fd)
+        raise InvalidArgumentError(
+            f"{what}: {path!r} must be a regular file of this user with mode 0600, "
+            f"got mode {oct(st.st_mode & 0o777)}"
+        )
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077 or st.st_uid != os.getuid():
-            raise InvalidArgumentError(
-                f"{what}: {path!r} must be a regular file of this user with mode 0600, "
-                f"got mode {oct(st.st_mode & 0o777)}"
-            )
         return f.read(max_bytes)
 
 

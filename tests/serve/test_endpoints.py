@@ -82,14 +82,16 @@ def test_version_and_ping(client):
 def test_load_api_key_from_a_file_only(tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text(f"  {KEY}\n")
+    key_file.chmod(0o600)
     assert load_api_key(str(key_file)) == KEY
     assert load_api_key(None) is None
     for path in (str(tmp_path / "missing"), str(tmp_path)):
-        with pytest.raises(InvalidArgumentError, match="cannot read"):
+        with pytest.raises(InvalidArgumentError, match="api_key_file"):
             load_api_key(path)
     (tmp_path / "empty").write_text("\n")
     (tmp_path / "huge").write_text("k" * 5000)
     for name in ("empty", "huge"):
+        (tmp_path / name).chmod(0o600)
         with pytest.raises(InvalidArgumentError, match="api_key_file"):
             load_api_key(str(tmp_path / name))
 
@@ -98,6 +100,7 @@ def test_load_api_key_from_a_file_only(tmp_path):
 def keyed_server(tmp_path_factory):
     key_file = tmp_path_factory.mktemp("key") / "api_key"
     key_file.write_text(KEY)
+    key_file.chmod(0o600)
     config = ServeConfig(num_instances=2, segment_len=8, num_slots=64, chunk_len=32,
                          max_model_len=256, profile=False, torch_threads=1, port=0,
                          api_key_file=str(key_file))  # fmt: skip
@@ -121,7 +124,9 @@ def test_api_key_is_required_on_v1(keyed_server):
         assert c.get("/v1/models", headers={"Authorization": KEY}).status_code == 401
         for path in ("/health", "/ping", "/version", "/metrics"):
             assert c.get(path).status_code == 200, path
-        assert c.post("/tokenize", json={"prompt": "x"}).status_code == 200
+        assert c.post("/tokenize", json={"prompt": "x"}).status_code == 401
+        auth = {"Authorization": f"Bearer {KEY}"}
+        assert c.post("/tokenize", json={"prompt": "x"}, headers=auth).status_code == 200
 
 
 def test_unauthenticated_body_is_never_read(keyed_server):
