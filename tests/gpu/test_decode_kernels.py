@@ -194,3 +194,42 @@ def test_the_decode_path_calls_bind_to_the_released_flashinfer_signatures():
     made = {(owner, name) for owner, name, _, _ in calls}
     assert ("BatchDecodeWithPagedKVCacheWrapper", "run") in made
     assert (None, "merge_state") in made and (None, "merge_states") in made
+
+
+GPU_SHAPE = argparse.Namespace(num_q_heads=8, num_kv_heads=2, head_dim=64, page_len=16)
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("holders", [1, 2, 4])
+def test_decode_layer_on_real_flashinfer_matches_monolithic_attention(holders):
+    """The same layer on CUDA with FlashInfer itself: results, and kernels by torch.profiler
+    (the bounds above, plus one split-KV merge per part where FlashInfer splits)."""
+    flashinfer = pytest.importorskip("flashinfer")
+    case = bench.Case(8, 300, holders, GPU_SHAPE, torch.device("cuda"), torch.bfloat16)
+    layer = bench.tokenlake_layer(case, flashinfer)
+    out = layer()
+    torch.testing.assert_close(out.double(), monolithic(case), atol=2e-2, rtol=2e-2)
+    kernels, _ = bench.count_kernels(layer, flashinfer)
+    assert kernels <= (10 if holders == 1 else 14) + holders, kernels
+    theirs = bench.flashinfer_layer(case, flashinfer)()
+    torch.testing.assert_close(out.float(), theirs.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_state_merge_on_real_flashinfer_matches_torch():
+    flashinfer = pytest.importorskip("flashinfer")
+    gen = torch.Generator().manual_seed(1)
+    rows = np.array([0, 3, 1, 0, 3, 0])
+    o = torch.randn((6, 8, 64), generator=gen).cuda()
+    lse = torch.randn((6, 8), generator=gen).cuda()
+    lse[4] = -math.inf
+    planner = FlashInferPlanner(flashinfer, torch.device("cuda"), (8, 2, 64, 16), torch.bfloat16)
+    o_fi, lse_fi = StateMerge.build(rows, 4, o.device, planner).run(o, lse)
+    o_ref, lse_ref = StateMerge.build(rows, 4, o.device).run(o, lse)
+    torch.testing.assert_close(o_fi, o_ref, atol=2e-2, rtol=2e-2)
+    assert torch.isneginf(lse_fi[2]).all() and o_fi[2].eq(0).all()
+    finite = torch.isfinite(lse_ref)
+    torch.testing.assert_close(lse_fi[finite], lse_ref[finite], atol=1e-4, rtol=1e-4)
