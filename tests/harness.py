@@ -153,3 +153,30 @@ def dop_split_and_spread(h, num_instances: int) -> None:
     assert h.step([[tl.Chunk("p", ids, 16 * 9)]], dops=[2]) <= h.tolerance
     holders = {int(i) for qp in h.last_plans.query_plans for i in qp.holder_ids}
     assert len(holders) >= 2, "prefix should be spread over several instances"
+
+
+def tier_round_trip(h, num_instances: int) -> None:
+    """A document evicted from a full pool into the host tier comes back exactly: its next
+    turn runs at DoP ``num_instances`` (every sub-batch reads, and loads, its segments from
+    the tier), then decodes over the promoted prefix. ``h``: a pool of 6 slots per instance
+    and a host tier."""
+    c = h.config.segment_len
+    doc = tokens(41, 6 * c)
+    errs = [h.step([[tl.Chunk("a", np.append(doc, 1), 0)]], dops=[num_instances])]
+    h.pool.finish("a")
+    flood = tokens(42, h.config.capacity_tokens - 3 * c)  # needs most of the pool
+    errs.append(h.step([[tl.Chunk("b", flood, 0)]], dops=[2]))
+    h.pool.finish("b")
+    assert h.pool.get_stats()["tier_demotions"] > 0
+    turn = np.concatenate([doc, tokens(43, 2 * c + 3)])
+    hit = h.cached(turn)
+    assert hit >= 3 * c, hit  # the demoted segments still match
+    errs.append(h.step([[tl.Chunk("a2", turn, hit)]], dops=[num_instances]))
+    loads = [tp.num_loads for tp in h.last_plans.transfer_plans]
+    assert sum(loads) >= 3 and min(loads) > 0, loads  # every sub-batch loads what it reads
+    for step in range(3):
+        turn = np.append(turn, step)
+        errs.append(h.step([[tl.Chunk("a2", turn, h.pool.num_stored_tokens("a2"))]]))
+    stats = h.pool.get_stats()
+    assert stats["tier_promotions"] >= 3 and stats["tier_hit_tokens"] >= 3 * c, stats
+    assert max(errs) <= h.tolerance, errs

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from harness import Harness, dop_split_and_spread, prefill_decode_dedup_multiturn, tokens
+from harness import (
+    Harness,
+    dop_split_and_spread,
+    prefill_decode_dedup_multiturn,
+    tier_round_trip,
+    tokens,
+)
 
 import tokenlake as tl
 
@@ -27,6 +33,14 @@ def test_prefill_decode_dedup_multiturn(num_instances, segment_len, dtype, backe
 @pytest.mark.parametrize("num_instances", [2, 4])
 def test_dop_split_and_spread(num_instances, backend):
     dop_split_and_spread(Harness(num_instances, 16, num_slots=64, backend=backend), num_instances)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("num_instances", [2, 4])
+def test_segments_promoted_from_the_host_tier_stay_exact(num_instances, backend, dtype):
+    h = Harness(num_instances, 16, num_slots=6, dtype=dtype, backend=backend, num_tier_blocks=32)
+    tier_round_trip(h, num_instances)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import dop_split_and_spread, prefill_decode_dedup_multiturn, tokens
+from harness import dop_split_and_spread, prefill_decode_dedup_multiturn, tier_round_trip, tokens
 
 import tokenlake as tl
 from tokenlake.engines.client.engine_client import EngineClient
@@ -34,6 +34,12 @@ def test_dop_split_and_spread(shared_cluster, num_instances):
     dop_split_and_spread(
         shared_cluster.harness(num_instances, 16, 64, backend="cpu"), num_instances
     )
+
+
+@pytest.mark.parametrize("num_instances", [2, 4])
+def test_segments_promoted_from_the_host_tier_stay_exact(shared_cluster, num_instances):
+    h = shared_cluster.harness(num_instances, 16, 6, backend="cpu", num_tier_blocks=32)
+    tier_round_trip(h, num_instances)
 
 
 def test_same_iteration_dedup_stays_exact(shared_cluster):
