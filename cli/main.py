@@ -108,6 +108,11 @@ BENCHES: dict[str, Command] = {
         "wall-clock goodput: tokenlake serve (N instances) vs the real SGLang router over N",
         needs="bench,model,serve",
     ),
+    "wallclock-sglang": Command(
+        "tokenlake.benchmarks.wallclock.sglang_run",
+        "wall-clock goodput: N SGLang servers on one pool vs N behind the cache-aware router",
+        needs="sglang",
+    ),
     "sim-crosscheck": Command(
         "tokenlake.benchmarks.calibrate.crosscheck",
         "simulator step times vs published A100 figures",

@@ -36,11 +36,18 @@ class Record:
     sent_s: float = float("nan")
     token_s: list[float] = field(default_factory=list)
     cached_tokens: int = 0
+    completion_tokens: int = 0  # the server's count (usage), 0 until its last event
     error: str = ""
 
     @property
+    def num_tokens(self) -> int:
+        """Tokens received: one per event, or the server's count where an event carried
+        several (SGLang sends what accumulated since its last event when the client lags)."""
+        return max(len(self.token_s), self.completion_tokens)
+
+    @property
     def finished(self) -> bool:
-        return not self.error and len(self.token_s) >= self.max_tokens
+        return not self.error and self.num_tokens >= self.max_tokens
 
     @property
     def ttft_s(self) -> float:
@@ -53,8 +60,8 @@ class Record:
 
     @property
     def tpot_s(self) -> float:
-        n = len(self.token_s)
-        return (self.token_s[-1] - self.token_s[0]) / (n - 1) if n > 1 else 0.0
+        n = self.num_tokens
+        return (self.token_s[-1] - self.token_s[0]) / (n - 1) if n > 1 and self.token_s else 0.0
 
 
 def prompt_text(prompt_ids: Sequence[int], salt: int) -> str:
@@ -89,6 +96,7 @@ async def _one(client, model: str, req: TimedRequest, text: str, rec: Record) ->
             rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
                 "cached_tokens", rec.cached_tokens
             )
+            rec.completion_tokens = usage.get("completion_tokens") or rec.completion_tokens
 
 
 async def _drive(url, model, requests, rate, salt, limit_s) -> list[Record]:

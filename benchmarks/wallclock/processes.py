@@ -1,11 +1,14 @@
-"""The wall-clock bench's processes: ``tokenlake serve`` servers and the SGLang router, each on
-127.0.0.1 and a free port, waited for with a deadline, and stopped by their process ids: a
-system's processes after each of its runs, every process left when the fleet's block ends
-(also on errors and Ctrl-C, from whichever thread)."""
+"""The wall-clock bench's processes: ``tokenlake serve`` or SGLang servers and the SGLang
+router, each on 127.0.0.1 and a free port and the leader of its own process group, waited for
+with a deadline, and stopped with their groups: a system's processes after each of its runs,
+every process left when the fleet's block ends (also on errors and Ctrl-C, from whichever
+thread)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +36,32 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> N
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=timeout_s)
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    out.append(int(entry.name))
+    return out
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """Stop ``proc``, the leader of its own process group, and every process of the group
+    (servers that spawn their own workers): SIGTERM, then SIGKILL after ``timeout_s``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + timeout_s
+        while (proc.poll() is None or group_pids(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        if proc.poll() is not None and not group_pids(proc.pid):
+            return
+    proc.wait(timeout=timeout_s)
 
 
 def free_port() -> int:
@@ -78,12 +107,15 @@ class Fleet:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _spawn(self, argv: list[str]) -> subprocess.Popen:
+    def spawn(self, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start ``argv`` (with ``env``, default this process's) as the leader of its own
+        process group; :meth:`stop` stops the whole group."""
         with self._lock:
             if self._closed:
                 raise ProcessError("the fleet is closed: no new process")
             log = tempfile.TemporaryFile()  # noqa: SIM115 -- closed in stop()
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)  # fmt: skip
             self._procs[proc.pid] = (proc, log)
         return proc
 
@@ -94,6 +126,10 @@ class Fleet:
                 return ""
             entry[1].seek(0)
             return entry[1].read()[-3000:].decode(errors="replace")
+
+    def log_of(self, proc: subprocess.Popen) -> str:
+        """The tail of ``proc``'s output (a process started here and not yet stopped)."""
+        return self._tail(proc)
 
     def _wait_healthy(self, proc: subprocess.Popen, url: str, what: str, deadline: float) -> None:
         import httpx
@@ -109,7 +145,7 @@ class Fleet:
             f"{what} not healthy after {self.start_timeout_s:g} s:\n{self._tail(proc)}"
         )
 
-    def _started(self, spawned: list[tuple[subprocess.Popen, str, str]]) -> list[str]:
+    def started(self, spawned: list[tuple[subprocess.Popen, str, str]]) -> list[str]:
         """Wait for every (process, url, what); on a failure stop them all and raise."""
         deadline = time.monotonic() + self.start_timeout_s
         try:
@@ -135,8 +171,8 @@ class Fleet:
                     "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
                     "--tbt-slo-ms", f"{s.tbt_slo_ms:g}"]  # fmt: skip
             what = f"tokenlake serve --num-instances {num_instances} (port {port})"
-            spawned.append((self._spawn(argv), f"http://127.0.0.1:{port}", what))
-        return self._started(spawned), [p for p, _, _ in spawned]
+            spawned.append((self.spawn(argv), f"http://127.0.0.1:{port}", what))
+        return self.started(spawned), [p for p, _, _ in spawned]
 
     def router(self, worker_urls: list[str],
                extra_args: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:  # fmt: skip
@@ -148,8 +184,8 @@ class Fleet:
                 "--port", str(port), "--prometheus-host", "127.0.0.1",
                 "--prometheus-port", str(metrics_port), "--log-level", "warn",
                 *extra_args]  # fmt: skip
-        proc = self._spawn(argv)
-        (url,) = self._started([(proc, f"http://127.0.0.1:{port}", f"sglang router (port {port})")])
+        proc = self.spawn(argv)
+        (url,) = self.started([(proc, f"http://127.0.0.1:{port}", f"sglang router (port {port})")])
         return url, proc
 
     def stop(self, procs: list[subprocess.Popen]) -> None:
@@ -159,7 +195,7 @@ class Fleet:
                 entry = self._procs.pop(proc.pid, None)
             if entry is None:
                 continue
-            stop_process(proc)
+            stop_group(proc)
             entry[1].close()
 
     def close(self) -> None:
