@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tokenlake.benchmarks.wallclock.sglang_workloads import SGLANG_WORKLOADS
+from tokenlake.benchmarks.wallclock.sglang_workloads import SGLANG_WORKLOADS, HotDocumentShape
 
 MODELS = ("tiny-random", "bench-model")
 BENCH = "wallclock-sglang"
@@ -60,13 +60,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--requests", type=int, default=24, help="requests per run")
     p.add_argument("--max-total-tokens", type=int, default=8192, help="KV tokens per server")
-    p.add_argument("--tokenlake-sglang-tokens", type=int, default=4096,
+    p.add_argument("--tokenlake-sglang-tokens", type=int, default=3072,
                    help="of those, a TokenLake server's SGLang cache; its pool instance gets "
                         "the rest")  # fmt: skip
     p.add_argument("--chunked-prefill-size", type=int, default=512)
     p.add_argument("--segment-len", type=int, default=32)
-    p.add_argument("--hot-docs", type=int, default=20, help="hot-document: documents")
-    p.add_argument("--hot-doc-len", type=int, default=512)
+    p.add_argument("--hot-docs", type=int, default=HotDocumentShape.num_docs,
+                   help="hot-document: documents")  # fmt: skip
+    p.add_argument("--hot-doc-len", type=int, default=HotDocumentShape.doc_len)
     p.add_argument("--slo-file", type=Path, default=Path("wallclock_sglang_slo.json"))
     p.add_argument("--recalibrate", action="store_true", help="measure the SLO again")
     p.add_argument("--slo-ttft-ms", type=float, default=0.0, help="with --slo-tpot-ms: no file")

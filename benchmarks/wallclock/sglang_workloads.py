@@ -23,8 +23,8 @@ SGLANG_WORKLOADS = ("conversation", "hot-document", "generated-shared-prefix")
 
 @dataclass(frozen=True)
 class HotDocumentShape:
-    num_docs: int = 20
-    doc_len: int = 512
+    num_docs: int = 40
+    doc_len: int = 256
     question_len: int = 32
     output_len: int = 16
     zipf_s: float = 1.1
