@@ -188,6 +188,16 @@ class ClusterOptions:
         "same results on any machine) or live (each call's measured thread CPU time, which "
         "depends on the machine's load)", choices=CONTROL_PLANES,
     )  # fmt: skip
+    holder_priority: bool = _cluster(
+        DEFAULT_PRICING.holder_priority, "ablation: TokenLake's holders run other instances' "
+        "query parts ahead of their own work (a high-priority stream; not in the data plane "
+        "today): the origin's per-layer wait on a busy holder is the part at full speed",
+    )  # fmt: skip
+    overlap_scheduling: bool = _cluster(
+        DEFAULT_PRICING.overlap_scheduling, "ablation: TokenLake's control plane plans an "
+        "instance's next iteration while its current one runs (SGLang's overlap scheduler; "
+        "not in tokenlake serve today): only its backlog beyond the GPU work delays it",
+    )  # fmt: skip
     mooncake_store_gb: float = _cluster(
         DEFAULT_STORE.gb_per_node, "Mooncake Store's host DRAM per 8-GPU node in GiB, pooled "
         f"across nodes, for the Mooncake rows (default {DEFAULT_STORE.gb_per_node:g}, the "

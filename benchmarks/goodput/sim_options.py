@@ -22,6 +22,8 @@ def pricing_of(args: argparse.Namespace) -> PricingConfig:
             args, "control_plane_scale", DEFAULT_PRICING.control_plane_scale
         ),
         control_plane=getattr(args, "control_plane", DEFAULT_PRICING.control_plane),
+        holder_priority=getattr(args, "holder_priority", DEFAULT_PRICING.holder_priority),
+        overlap_scheduling=getattr(args, "overlap_scheduling", DEFAULT_PRICING.overlap_scheduling),
     )
 
 
@@ -40,5 +42,11 @@ def describe(args: argparse.Namespace) -> str:
     p, store = pricing_of(args), store_of(args)
     return (
         f"distributed attention {p.dist_attn}, RPC {p.rpc_s * 1e6:g} us, control plane x"
-        f"{p.control_plane_scale:g} ({p.control_plane}); Mooncake Store {store.gb_per_node:g} GiB/node"
+        f"{p.control_plane_scale:g} ({p.control_plane}){_levers(p)}; Mooncake Store {store.gb_per_node:g} GiB/node"
     )
+
+
+def _levers(p: PricingConfig) -> str:
+    on = [n for n, v in (("holder priority", p.holder_priority),
+                         ("overlap scheduling", p.overlap_scheduling)) if v]  # fmt: skip
+    return f", {' and '.join(on)}" if on else ""

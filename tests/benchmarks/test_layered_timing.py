@@ -60,8 +60,9 @@ def put_plan(origin: int, dst: int, num_tokens: int):
     return SimpleNamespace(query_plans=[qp], transfer_plans=[tp])
 
 
-def timing(dist_attn="layered"):
-    return TokenLakeTiming(make_timer(SPEC), SPEC, SEG, pricing=PricingConfig(dist_attn))
+def timing(dist_attn="layered", **levers):
+    pricing = PricingConfig(dist_attn, **levers)
+    return TokenLakeTiming(make_timer(SPEC), SPEC, SEG, pricing=pricing)
 
 
 def hand_sum(holder_share: float = 1.0) -> float:
@@ -103,6 +104,18 @@ def test_a_holder_busy_with_its_own_batch_slows_the_remote_part():
     flight, moved = t.start(prefill_plan(origin=0, holder=1), True, 0.0, None)
     assert flight.end == pytest.approx(hand_sum(holder_share=0.5), rel=1e-9)
     assert len(moved) == 1  # the holder's batch is slowed in turn
+
+
+def test_holder_priority_serves_the_remote_part_at_full_speed():
+    """The lever's ablation: the busy holder runs the origin's part first, so the origin
+    waits as if the holder were idle; the holder's own batch still absorbs the part."""
+    t = timing(holder_priority=True)
+    own = np.zeros(4)
+    own[1] = 10.0
+    busy, _ = t.place(own, 0.0, 0.0)
+    flight, moved = t.start(prefill_plan(origin=0, holder=1), True, 0.0, None)
+    assert flight.end == pytest.approx(hand_sum(holder_share=1.0), rel=1e-9)
+    assert moved == [busy] and busy.end > 10.0
 
 
 def test_two_transfers_on_one_link_take_twice_as_long_as_one():
@@ -150,6 +163,12 @@ class TickingClock:
 
 
 def first_token_s(pricing: PricingConfig, tick: float) -> float:
+    return token_times(pricing, tick)[0]
+
+
+def token_times(pricing: PricingConfig, tick: float) -> tuple[float, float]:
+    """(first, last) token of one 4-token request on TokenLake, every control-plane call
+    measured as ``tick`` seconds."""
     loop, timer = EventLoop(), make_timer(SPEC)
     req = SimRequest(0, 0.0, 600, 4, (1, 2))
     rec = RequestRecord(0, 0.0, 600, 4, 1.0, (0.01, 0.0))
@@ -161,7 +180,22 @@ def first_token_s(pricing: PricingConfig, tick: float) -> float:
     system.submit(Job(req, rec, 512))
     loop.run(until=10.0)
     assert rec.num_tokens == 4 and system.control_cpu_s > 0
-    return rec.first_token_s
+    return rec.first_token_s, rec.last_token_s
+
+
+def test_overlap_scheduling_hides_the_calls_behind_the_running_iteration():
+    """Each decode step's complete() and the next step() (1 ms each, measured) run after the
+    step ends, or, overlapped, while it runs: the gap between tokens loses exactly them when
+    they fit in the step (a decode step here is about 6 ms)."""
+    tick = 1e-3
+    plain = PricingConfig(rpc_s=50e-6)
+    first, last = token_times(plain, tick)
+    o_first, o_last = token_times(PricingConfig(rpc_s=50e-6, overlap_scheduling=True), tick)
+    assert o_first == pytest.approx(first, rel=1e-9)  # nothing ran before the prompt
+    gap, o_gap = (last - first) / 3, (o_last - o_first) / 3
+    assert gap - o_gap == pytest.approx(2 * tick, rel=1e-6)
+    free_first, free_last = token_times(PricingConfig(rpc_s=50e-6, control_plane_scale=0), tick)
+    assert o_gap == pytest.approx((free_last - free_first) / 3, rel=1e-9)  # all hidden
 
 
 def test_control_plane_time_and_rpc_delay_the_iteration():

@@ -55,13 +55,24 @@ class PricingConfig:
     ``gen_plans`` and its commit, is charged to simulated time times this; 0: not
     charged); control_plane (``model``, the default: the calibrated cost model of
     :mod:`.control_plane_cost`, the same seconds for the same calls on any machine;
-    ``live``: each call's measured thread CPU time, which depends on the machine's load)."""
+    ``live``: each call's measured thread CPU time, which depends on the machine's load).
+
+    Two levers against the wait on busy holders, off by default (what the data plane and
+    the server do today), each an ablation: holder_priority (a holder runs the query parts
+    of other instances' iterations ahead of its own work, as a high-priority CUDA stream
+    would: the origin waits for the part at the holder's full speed, the holder's own
+    iteration absorbs the delay); overlap_scheduling (the control plane plans an instance's
+    next iteration while its current one runs, as SGLang's overlap scheduler does: a call
+    made when an iteration ends is charged from that iteration's dispatch, so only the
+    control plane's backlog beyond the GPU work delays the next one)."""
 
     dist_attn: str = LAYERED
     rpc_s: float = 50e-6
     launch_s: float = 5e-6
     control_plane_scale: float = 1.0
     control_plane: str = MODEL
+    holder_priority: bool = False
+    overlap_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.dist_attn not in PRICINGS:
@@ -88,6 +99,7 @@ class LayeredPricing:
         self.o_bytes = shape.q_bytes_per_token_layer  # one row's q or o, one layer
         self.lse_bytes = shape.num_q_heads * LSE_BYTES
         self.latency, self.launch = hardware.net_latency_s, config.launch_s
+        self.holder_priority = config.holder_priority
         nvlink = NVLINK_PER_DIRECTION.get(spec.hardware, hardware.intra_node_bandwidth / spec.tp)
         self.bw_near, self.bw_far = nvlink * spec.tp, hardware.inter_node_bandwidth
         self.mem_bw = hardware.mem_bandwidth
@@ -149,7 +161,11 @@ class LayeredPricing:
                 recv = max(
                     recv, seconds * max(load[self.link(o, inn)], load[self.link(hs, out)].max())
                 )
-            compute = max((self.launch + att[o, h] / per) * load[h] for h in remote.tolist())
+            # a holder serves the part at its share of its GPU, or at once with priority
+            compute = max(
+                (self.launch + att[o, h] / per) * (1 if self.holder_priority else load[h])
+                for h in remote.tolist()
+            )
             wait = 2 * self.latency + send + compute + recv - local
             stall[o] = per * max(0.0, wait)
         return extra, stall

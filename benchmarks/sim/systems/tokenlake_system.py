@@ -118,6 +118,9 @@ class TokenLakeSystem:
         self.pricing, self.cpu_clock = config.pricing, cpu_clock
         self.meter = ControlPlaneMeter(config.control_plane_cost, control_samples)
         self.control_free_at = 0.0  # when the control plane's last charged call ends
+        # overlap scheduling: the dispatch of the iteration that just ended, from which the
+        # calls its end makes may run (None: they start now)
+        self._overlap_from: float | None = None
         self.control_cpu_s = 0.0  # measured CPU seconds of its calls (unscaled)
         self.control_charged_s = 0.0  # simulated seconds charged for them (scaled)
         self.jobs: dict[int, Job] = {}
@@ -168,6 +171,7 @@ class TokenLakeSystem:
                 return
             self._charge(self.meter.price(num_requests, it, False, self.cpu_clock() - t0))
             if it is None:
+                self._overlap_from = None
                 return
             self.num_iterations += 1
             for chunk in it.decision.chunks:
@@ -176,7 +180,7 @@ class TokenLakeSystem:
                     job.extra["started"] = True
                     job.rec.hit_tokens = job.rec.cached_tokens = chunk.start
             has_prefill = any(p != "decode" for p in it.decision.phases)
-            delay = self.control_free_at - now + self.pricing.rpc_s
+            delay = max(0.0, self.control_free_at - now) + self.pricing.rpc_s
             streamed = sum(
                 c.num_new_tokens if not has_prefill else c.end == len(c.token_ids)
                 for c in it.decision.chunks
@@ -196,7 +200,9 @@ class TokenLakeSystem:
         it runs one call at a time, so the call ends that much (scaled) after the previous
         one or now."""
         self.control_cpu_s += cpu_s
-        start = max(self.control_free_at, self.loop.now)
+        now = self.loop.now
+        ref = now if self._overlap_from is None else min(now, self._overlap_from)
+        start = max(self.control_free_at, ref)
         charged = cpu_s * self.pricing.control_plane_scale
         self.control_charged_s += charged
         self.control_free_at = start + charged
@@ -211,6 +217,10 @@ class TokenLakeSystem:
         for f in self.timing.finish(flight):
             f.owner._schedule_end(f)
         now, it = self.loop.now, flight.payload
+        if self.pricing.overlap_scheduling:  # its successor was planned while it ran
+            dispatched = flight.start + flight.delay
+            prev = self._overlap_from
+            self._overlap_from = dispatched if prev is None else min(prev, dispatched)
         decode = it.decision.phases[0] == "decode" and len(it.decision.phases) == 1
         steps = max(c.num_new_tokens for c in it.decision.chunks) if decode else 1
         num_requests, t0 = len(self.jobs), self.cpu_clock()
