@@ -72,9 +72,15 @@ def build(config: ServeConfig, engine_factory: Callable | None = None) -> Served
         path = _model_path(config, closers)
         model = LlamaModel.from_dir(path, config.dtype)
         tokenizer = Tokenizer.from_dir(path)
+        if engine_factory is not None and config.host_tier_gb:
+            raise InvalidArgumentError(
+                "host_tier_gb: the host tier runs with --data-plane local or mp, not in the "
+                f"instances' own processes; got {config.host_tier_gb!r}"
+            )
         pool_config = tl.PoolConfig(
             model.shape, config.num_instances, config.num_slots, config.segment_len,
             namespace=f"{config.model_name}:{model.dtype}",
+            num_tier_blocks=tier_blocks(config.host_tier_gb, model.shape, config.segment_len),
         )  # fmt: skip
         max_len = _max_model_len(config, model, pool_config)
         workers = engine_factory is None and config.data_plane == "workers"
@@ -131,6 +137,11 @@ def build(config: ServeConfig, engine_factory: Callable | None = None) -> Served
         for close in reversed(closers):
             close()
         raise
+
+
+def tier_blocks(host_tier_gb: float, shape: tl.ModelShape, segment_len: int) -> int:
+    """Segments ``host_tier_gb`` GiB of host memory hold (the host tier's blocks)."""
+    return int(host_tier_gb * (1 << 30)) // (segment_len * shape.kv_bytes_per_token)
 
 
 def _model_path(config: ServeConfig, closers: list) -> Path:

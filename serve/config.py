@@ -48,6 +48,11 @@ class ServeConfig:
         DEFAULT_SEGMENT_LEN, "tokens per KV segment (default: %(default)s)", POOL
     )
     num_slots: int = _flag(512, "segment slots per instance (default: %(default)s)", POOL)
+    host_tier_gb: float = _flag(
+        0.0, "GiB of host memory below the pool: a segment evicted from a full pool waits "
+        "there for its next hit (loaded back before the layers that read it) instead of being "
+        "recomputed; 0 = no tier. With --data-plane local or mp (default: %(default)s)", POOL,
+    )  # fmt: skip
     max_model_len: int = _flag(
         0, "longest prompt + output in tokens; 0 = the model's, capped by the pool", MODEL
     )
@@ -155,6 +160,16 @@ class ServeConfig:
         if isinstance(tbt, bool) or not isinstance(tbt, (int, float)) or not 0 <= tbt < 1e7:
             raise InvalidArgumentError(
                 f"tbt_slo_ms: expected milliseconds in [0, 1e7) (0: no target), got {tbt!r}"
+            )
+        tier = self.host_tier_gb
+        if isinstance(tier, bool) or not isinstance(tier, (int, float)) or not 0 <= tier <= 1 << 20:
+            raise InvalidArgumentError(
+                f"host_tier_gb: expected GiB in [0, {1 << 20}] (0: no tier), got {tier!r}"
+            )
+        if tier and self.data_plane not in ("local", "mp"):
+            raise InvalidArgumentError(
+                f"host_tier_gb: the host tier runs with --data-plane local or mp, not "
+                f"{self.data_plane!r}; got {tier!r}"
             )
         if self.chunk_len % self.segment_len:
             raise InvalidArgumentError(

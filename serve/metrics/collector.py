@@ -64,6 +64,36 @@ _POOL_GAUGES = {
 }
 
 
+# get_stats key -> (metric, help) of the host tier below the pool
+_TIER_COUNTERS = {
+    "tier_promotions": ("tier_promotions", "Segments loaded from the host tier into the pool"),
+    "tier_promotion_bytes": ("tier_promotion_bytes", "Bytes loaded from the host tier"),
+    "tier_demotions": ("tier_demotions", "Segments evicted from the pool into the host tier"),
+    "tier_demotion_bytes": ("tier_demotion_bytes", "Bytes copied into the host tier"),
+    "tier_evictions": ("tier_evictions", "Segments the full host tier evicted"),
+}
+_TIER_GAUGES = {
+    "tier_blocks": ("tier_blocks", "Segment blocks of the host tier"),
+    "tier_blocks_used": ("tier_blocks_used", "Host-tier blocks holding a segment"),
+    "tier_segments": ("tier_segments", "Segments in the host tier only"),
+    "tier_bytes_stored": ("tier_bytes_stored", "Bytes of KV in the host tier"),
+}
+
+
+def _tiers(stats: Mapping) -> Iterator[Metric]:
+    """The hits by tier (``tier``: ``pool`` or ``host``) and the host tier's counters."""
+    hits = CounterMetricFamily(
+        PREFIX + "tier_hit_tokens", "Prompt tokens served from the cache, by the tier they "
+        "were in (pool: accelerator memory; host: the host tier, loaded first)", labels=["tier"],
+    )  # fmt: skip
+    hits.add_metric(["pool"], float(stats.get("pool_hit_tokens", 0)))
+    hits.add_metric(["host"], float(stats.get("tier_hit_tokens", 0)))
+    yield hits
+    for table, kind in ((_TIER_COUNTERS, CounterMetricFamily), (_TIER_GAUGES, GaugeMetricFamily)):
+        for key, (name, doc) in table.items():
+            yield kind(PREFIX + name, doc, value=float(stats.get(key, 0)))
+
+
 class PoolCollector(Collector):
     """A pool's counters (``source``: ``pool.get_stats`` or a function returning its dict).
     With ``config`` (the pool's :class:`~tokenlake.PoolConfig`) also the KV capacity and
@@ -126,6 +156,8 @@ class PoolCollector(Collector):
             for i, value in enumerate(stats.get(key, ())):
                 family.add_metric([str(i)], float(value))
             yield family
+        if "tier_blocks" in stats:
+            yield from _tiers(stats)
         if self.config is not None:
             yield from self._capacity(stats, live)
         h = stats.get("gen_plans_seconds")
