@@ -22,8 +22,9 @@
 # Estimate on an H100 (16 cores), not run on a GPU: install ~25 s (24 MiB xz -> 430 MiB of
 # wheels, pip --target), build ~60 s (cmake + nanobind, 16 jobs), jit ~60 s (6 modules at
 # once: FA2 prefill ~17 CPU-s a file, CUDA-core decode ~8, the merge module ~5), bench ~30 s
-# (CUDA start, 2 contexts x 3 batches x 50 iterations), tests ~150 s (the modules they need are
-# built; the data-plane tests start processes) = ~5.5 min; the deadline (DEADLINE_S, 480 s)
+# (CUDA start; 18 cases, each 50 timed iterations a side and one profiled call), tests ~150 s
+# (the modules they need are built; the data-plane tests start processes) = ~5.5 min; the
+# deadline (DEADLINE_S, 480 s)
 # caps the worst case at 8 min, inside one 10-minute call.
 #
 # Variables: PYTHON (python3), OUT, SITE (/tmp/tokenlake-gpu-site), PAYLOAD, STEPS (the steps
