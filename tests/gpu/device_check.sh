@@ -24,8 +24,7 @@
 # once: FA2 prefill ~17 CPU-s a file, CUDA-core decode ~8, the merge module ~5), bench ~30 s
 # (CUDA start; 18 cases, each 50 timed iterations a side and one profiled call), tests ~150 s
 # (the modules they need are built; the data-plane tests start processes) = ~5.5 min; the
-# deadline (DEADLINE_S, 480 s)
-# caps the worst case at 8 min, inside one 10-minute call.
+# deadline (DEADLINE_S, 480 s) caps the worst case at 8 min, inside one 10-minute call.
 #
 # Variables: PYTHON (python3), OUT, SITE (/tmp/tokenlake-gpu-site), PAYLOAD, STEPS (the steps
 # to run, default all), DEADLINE_S, BENCH_ARGS (the benchmark's sizes; the CPU rehearsal uses
