@@ -198,6 +198,12 @@ class ClusterOptions:
         "instance's next iteration while its current one runs (SGLang's overlap scheduler; "
         "not in tokenlake serve today): only its backlog beyond the GPU work delays it",
     )  # fmt: skip
+    price_hops: bool = _cluster(
+        DEFAULT_PRICING.price_hops, "ablation: TokenLake's scheduler and placement price a "
+        "remote holder's fixed per-step cost, as tokenlake serve prices the hop it measures: "
+        "batches stay where their pages are, small decodes read replicas on their home, "
+        "segments they read remotely are replicated beside them",
+    )  # fmt: skip
     mooncake_store_gb: float = _cluster(
         DEFAULT_STORE.gb_per_node, "Mooncake Store's host DRAM per 8-GPU node in GiB, pooled "
         f"across nodes, for the Mooncake rows (default {DEFAULT_STORE.gb_per_node:g}, the "

@@ -24,6 +24,7 @@ def pricing_of(args: argparse.Namespace) -> PricingConfig:
         control_plane=getattr(args, "control_plane", DEFAULT_PRICING.control_plane),
         holder_priority=getattr(args, "holder_priority", DEFAULT_PRICING.holder_priority),
         overlap_scheduling=getattr(args, "overlap_scheduling", DEFAULT_PRICING.overlap_scheduling),
+        price_hops=getattr(args, "price_hops", DEFAULT_PRICING.price_hops),
     )
 
 
@@ -48,5 +49,6 @@ def describe(args: argparse.Namespace) -> str:
 
 def _levers(p: PricingConfig) -> str:
     on = [n for n, v in (("holder priority", p.holder_priority),
-                         ("overlap scheduling", p.overlap_scheduling)) if v]  # fmt: skip
+                         ("overlap scheduling", p.overlap_scheduling),
+                         ("hops priced", p.price_hops)) if v]  # fmt: skip
     return f", {' and '.join(on)}" if on else ""

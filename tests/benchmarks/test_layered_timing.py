@@ -205,3 +205,20 @@ def test_control_plane_time_and_rpc_delay_the_iteration():
     assert charged - free == pytest.approx(0.02 + 50e-6, rel=1e-9)
     scaled = first_token_s(PricingConfig(rpc_s=50e-6, control_plane_scale=0.5), tick=0.02)
     assert scaled - free == pytest.approx(0.01 + 50e-6, rel=1e-9)
+
+
+def test_price_hops_gives_the_scheduler_and_placement_the_hop():
+    """The third lever: the hop's seconds (latency both ways and two launches per layer) go
+    to the scheduler's latency model, and in NVLink bytes to the dispatcher and placement."""
+    hw = make_timer(SPEC).hardware
+    hop = SPEC.mp.num_layers * (2 * hw.net_latency_s + 2 * LAUNCH)
+
+    def system(pricing: PricingConfig) -> TokenLakeSystem:
+        ctx = SimContext(EventLoop(), make_timer(SPEC), SPEC, LoadTimeline(4, 1.0), lambda j, t: 0)
+        return TokenLakeSystem(ctx, TokenLakeConfig(pricing=pricing))
+
+    priced = system(PricingConfig(price_hops=True))
+    assert priced.sched.latency_model.hop_s == pytest.approx(hop, rel=1e-12)
+    assert priced.pool.balancer.hop_bytes == pytest.approx(hop * 2 * 300e9, rel=1e-12)
+    plain = system(PricingConfig())
+    assert plain.sched.latency_model.hop_s == 0 and plain.pool.balancer.hop_bytes == 0

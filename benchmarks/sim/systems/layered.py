@@ -64,7 +64,12 @@ class PricingConfig:
     iteration absorbs the delay); overlap_scheduling (the control plane plans an instance's
     next iteration while its current one runs, as SGLang's overlap scheduler does: a call
     made when an iteration ends is charged from that iteration's dispatch, so only the
-    control plane's backlog beyond the GPU work delays the next one)."""
+    control plane's backlog beyond the GPU work delays the next one). price_hops (a third,
+    in the control plane: the scheduler and placement weigh each remote holder's fixed
+    per-step cost, :meth:`LayeredPricing.hop_seconds`, as ``tokenlake serve`` weighs the
+    hop it measures at start-up: the dispatcher keeps a batch where its pages are, a small
+    decode reads the replica on its home, and segments small decodes read remotely are
+    replicated beside their reader)."""
 
     dist_attn: str = LAYERED
     rpc_s: float = 50e-6
@@ -73,6 +78,7 @@ class PricingConfig:
     control_plane: str = MODEL
     holder_priority: bool = False
     overlap_scheduling: bool = False
+    price_hops: bool = False
 
     def __post_init__(self) -> None:
         if self.dist_attn not in PRICINGS:
@@ -105,6 +111,11 @@ class LayeredPricing:
         self.mem_bw = hardware.mem_bandwidth
         node = np.array([spec.node_of(i) for i in range(n)])
         self.same_node = node[:, None] == node[None, :]
+
+    def hop_seconds(self) -> float:
+        """The fixed cost of one remote holder per decode step, all layers, on an idle
+        holder: the link latency both ways and the part's and the merge's launches."""
+        return self.num_layers * (2 * self.latency + 2 * self.launch)
 
     def link(self, instance, which: int):
         """Server index of an instance's link (after the instances' own GPUs)."""

@@ -27,9 +27,14 @@ from tokenlake import EvictionConfig, InvalidArgumentError, Pool, PoolConfig, Po
 from tokenlake.benchmarks.sim.context import SimContext
 from tokenlake.benchmarks.sim.control_plane_cost import ControlPlaneCost, ControlPlaneMeter
 from tokenlake.benchmarks.sim.job import Job
-from tokenlake.benchmarks.sim.systems.layered import PricingConfig
+from tokenlake.benchmarks.sim.systems.layered import (
+    NVLINK_PER_DIRECTION,
+    LayeredPricing,
+    PricingConfig,
+)
 from tokenlake.benchmarks.sim.systems.tokenlake_timing import Flight, SharedHost, TokenLakeTiming
 from tokenlake.benchmarks.workloads.request import prompt_tokens
+from tokenlake.cluster.balancer import BalancerConfig
 from tokenlake.cluster.load_model import LoadModel
 from tokenlake.scheduler import ElasticScheduler, SchedulerConfig
 
@@ -89,10 +94,17 @@ class TokenLakeSystem:
         self.on_finished_cb, self.on_rejected_cb = ctx.on_finished, ctx.on_rejected
         n, seg = spec.num_instances, config.segment_len
         num_slots = max(1, spec.capacity_tokens // seg)
+        # the hop priced (PricingConfig.price_hops): in the dispatcher's and placement's
+        # bytes at the origin's NVLink rate, in the latency model's seconds
+        hop_s = 0.0
+        if config.pricing.price_hops:
+            hop_s = LayeredPricing(spec, timer.hardware, config.pricing).hop_seconds()
+        near = NVLINK_PER_DIRECTION.get(spec.hardware, timer.hardware.intra_node_bandwidth)
         self.pool = Pool(
             PoolConfig(spec.mp.shape, n, num_slots, seg, namespace="sim"),
             load_model=LoadModel(timer.hardware, spec.mp),
             eviction=EvictionConfig(config.eviction) if config.eviction else None,
+            balancer=BalancerConfig(hop_bytes=hop_s * near * spec.tp) if hop_s else None,
         )
         cfg = SchedulerConfig(
             n,
@@ -110,6 +122,8 @@ class TokenLakeSystem:
         )
         dops = tuple(d for d in (1, 2, 4, 8, 16) if d <= cfg.max_prefill_dop)
         model = config.latency or timer.cost.fit(dops=dops)
+        if hop_s:
+            model = model.with_hop(hop_s)
         self.sched = ElasticScheduler(cfg, model, self.pool, clock=lambda: loop.now)
         self.timing = TokenLakeTiming(timer, spec, seg, config.page_groups, config.pricing, host)
         self.load_offset = load_offset
