@@ -12,7 +12,9 @@ docs/sglang.md); everything else comes from the service
         --secret-file /run/tokenlake/secret [--one-copy] [--metrics-port 9400]
 
 The cluster secret is read from ``--secret-file`` (made there, mode 0600, if it does not
-exist): the workers read the same file; it never appears on a command line.
+exist): the workers read the same file; it never appears on a command line. Beside it the
+host keeps a run record of its shared memory segments, so that a host killed with ``-9`` leaves
+nothing behind once one is started again (or ``--cleanup`` is run): :mod:`.sglang_host_runs`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tokenlake.engines.sglang.config import SGLangPoolConfig, load_config
 from tokenlake.engines.transport.auth import ClusterSecret
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.pool import Pool
+from tokenlake.serve import sglang_host_runs as runs
 
 
 @dataclass
@@ -85,9 +88,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="tokenlake sglang-host",
         description="Host one TokenLake pool shared by N SGLang workers (see docs/sglang.md).",
     )
-    p.add_argument("--model-path", required=True, help="the served checkpoint's directory")
-    p.add_argument("--config", required=True,
-                   help="the tokenlake JSON config (num_instances = number of workers)")  # fmt: skip
+    p.add_argument("--model-path", help="the served checkpoint's directory (required)")
+    p.add_argument("--config",
+                   help="the tokenlake JSON config (num_instances = number of workers; required)")  # fmt: skip
     p.add_argument("--port", type=int, default=7600, help="control service port on 127.0.0.1")
     p.add_argument("--secret-file", required=True,
                    help="cluster secret file, shared with the workers (made 0600 if missing)")  # fmt: skip
@@ -97,7 +100,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="where the instances' KV lives (cuda: not run on a GPU)")  # fmt: skip
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve the pool's Prometheus metrics on 127.0.0.1 (0: off)")  # fmt: skip
+    p.add_argument("--cleanup", action="store_true",
+                   help="only remove the shared memory of hosts that were killed (their run "
+                   "records beside --secret-file), then exit")  # fmt: skip
     args = p.parse_args(argv)
+    if not args.cleanup:
+        for flag in ("model_path", "config"):
+            if getattr(args, flag) is None:
+                p.error(f"--{flag.replace('_', '-')} is required (unless --cleanup)")
     if not 0 < args.port < 65536:
         p.error(f"--port: expected 1..65535, got {args.port}")
     return args
@@ -105,6 +115,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    stale = runs.remove_stale_runs(runs.run_record_path(args.secret_file, args.port).parent)
+    if stale or args.cleanup:
+        print(f"tokenlake sglang-host: removed {len(stale)} shared memory segments of hosts "
+              "that were killed", flush=True)  # fmt: skip
+    if args.cleanup:
+        return 0
     config = load_config(args.config)
     try:
         host = Host.start(args.model_path, config, secret_at(args.secret_file), args.port,
@@ -115,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    record = runs.run_record_path(args.secret_file, args.port)
     try:
+        runs.write_run_record(record, runs.segment_names(host.cluster))
         if args.metrics_port:
             from prometheus_client import start_http_server
 
@@ -129,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
     finally:
         host.close()
+        record.unlink(missing_ok=True)
     return 0
 
 

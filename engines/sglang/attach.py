@@ -79,12 +79,7 @@ def attachment_from(info: object, instance_id: int, endpoint: str, secret_path: 
             problem = b.fits(layout)
             if problem is not None:
                 raise InvalidArgumentError(f"buffers[{i}]: {problem}")
-        endpoints = {}
-        for entry in raw.get("endpoints") or []:
-            role, i, ep = entry
-            if role not in _ROLES or not 0 <= int(i) < layout.num_instances:
-                raise InvalidArgumentError(f"endpoints: unexpected entry {entry!r}")
-            endpoints[(str(role), int(i))] = str(ep)
+        endpoints = endpoints_from(raw, layout.num_instances)
         if not 0 <= instance_id < layout.num_instances:
             raise InvalidArgumentError(
                 f"instance_id: expected 0..{layout.num_instances - 1}, got {instance_id}"
@@ -94,6 +89,20 @@ def attachment_from(info: object, instance_id: int, endpoint: str, secret_path: 
     backend = str(raw.get("backend") or "") or None
     return WorkerAttachment(instance_id, endpoint, secret_path, dataplane, layout, backend,
                             buffers, endpoints)  # fmt: skip
+
+
+def endpoints_from(raw: dict, num_instances: int) -> dict[tuple[str, int], str]:
+    """The engines' endpoints of an ``attach`` reply, by ``(role, instance_id)``."""
+    endpoints = {}
+    try:
+        for entry in raw.get("endpoints") or []:
+            role, i, ep = entry
+            if role not in _ROLES or not 0 <= int(i) < num_instances:
+                raise InvalidArgumentError(f"endpoints: unexpected entry {entry!r}")
+            endpoints[(str(role), int(i))] = str(ep)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"attach reply: malformed endpoints ({e})") from e
+    return endpoints
 
 
 def _map(value: object, name: str) -> dict:

@@ -11,6 +11,7 @@ Extend, decode and mixed batches (chunked prefill included) all take the same pa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import numpy as np
@@ -63,9 +64,14 @@ class TokenLakeAttnBackend(AttentionBackend):
             namespace = config.namespace or str(model_runner.model_config.model_path)
             runtime = PoolRuntime(config, shape, namespace, self.device)
         elif runtime.model != shape:
+            if joined:
+                runtime.close()  # give the instance up: this process may go on
+            hint = ""
+            if dataclasses.replace(runtime.model, dtype=shape.dtype) == shape:
+                hint = f"; start SGLang with --dtype {runtime.model.dtype}"
             raise UnsupportedFeatureError(
                 f"tokenlake shared pool: the pool's model shape {runtime.model} differs from "
-                f"this SGLang worker's {shape}"
+                f"this SGLang worker's {shape}{hint}"
             )
         if getattr(runtime, "engine_slots", False):
             try:
@@ -131,6 +137,12 @@ class TokenLakeAttnBackend(AttentionBackend):
         except BaseException:
             self.runtime.abort()
             raise
+
+    def release_row(self, row: int) -> None:
+        """SGLang released ``row``'s request (:mod:`.radix_cache`): finish its pool request
+        now, unless a forward is in flight (then the next forward does)."""
+        if self.runtime.inflight is None:
+            self.requests.forget([row])
 
     def _go_local(self, seqs: list[SeqInfo]) -> None:
         """Attend this forward from SGLang's cache (:mod:`.local_batch`); its requests' pool

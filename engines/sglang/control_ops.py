@@ -16,6 +16,8 @@ OPS = (
     "stats",
     "release",
     "attach",
+    "check",
+    "leave",
 )
 
 

@@ -14,9 +14,8 @@ and chunks travel in the versioned plan wire (:mod:`tokenlake.plan_wire`), decod
 range-checked against the pool's own geometry. No pickle. One thread serves every request in
 arrival order, so the ``Pool`` is only ever touched by that thread.
 
-A worker registers its process id (``hello``); a worker that dies has its iterations in flight
-aborted and its instance dropped (``Pool.drop_instance``, its engines stopped) as soon as no
-other worker's iteration in flight still reads it; the other workers go on.
+Which process holds which instance, a dead worker's instance dropped and a worker joining a
+dropped instance again: :mod:`.worker_registry`.
 """
 
 from __future__ import annotations
@@ -29,13 +28,14 @@ import zmq
 
 from tokenlake import plan_wire, wire
 from tokenlake.engines.transport.auth import AuthError, FrameAuth
-from tokenlake.engines.transport.peers import LauncherId, bind_random
+from tokenlake.engines.transport.peers import bind_random
 from tokenlake.errors import InvalidArgumentError, IterationStateError, TokenLakeError
 from tokenlake.plans import Chunk, Plans
 from tokenlake.pool import Pool
 
 from .attach import attach_info
 from .control_ops import OPS, check_request, request_prefix, request_seq
+from .worker_registry import WorkerRegistry
 
 
 class ControlService:
@@ -69,9 +69,7 @@ class ControlService:
             self.endpoint = bind_random(self._sock, host)
         self._audience = self.endpoint.encode()
         self._plans: dict[int, tuple[Plans, int]] = {}  # epoch -> (plans, worker instance)
-        self._workers: dict[int, LauncherId] = {}
-        self._dropping: set[int] = set()
-        self.lost: set[int] = set()
+        self.workers = WorkerRegistry(pool, cluster, self.stats)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="tokenlake-control", daemon=True)
@@ -85,7 +83,7 @@ class ControlService:
             ready = dict(poller.poll(100))
             with self._lock:
                 try:
-                    self._watch_workers()
+                    self.workers.watch(self._abort_plans_of)
                 except Exception:  # never die: a drop is tried again at the next wake-up
                     self.stats["internal_errors"] += 1
                 if self._sock in ready:
@@ -122,7 +120,8 @@ class ControlService:
         between requests (for ``/metrics``, from any thread)."""
         with self._lock:
             pool = {**self.pool.get_stats(), "free_capacity": self.pool.free_capacity()}
-            service = {**self.stats, "workers": len(self._workers), "lost": sorted(self.lost)}
+            workers = self.workers
+            service = {**self.stats, "workers": len(workers.workers), "lost": sorted(workers.lost)}
             return {"pool": pool, "service": service}
 
     def close(self) -> None:
@@ -131,55 +130,34 @@ class ControlService:
         self._sock.close(linger=0)
         self._ctx.destroy(linger=0)
 
-    # ---- workers coming and going -------------------------------------------------------------
-    def _watch_workers(self) -> None:
-        for instance, who in list(self._workers.items()):
-            if not who.alive():
-                del self._workers[instance]
-                self._lose(instance)
-        self._drop_pending()
+    @property
+    def lost(self) -> set[int]:
+        """Instances dropped because their worker died (until a worker joins one again)."""
+        return self.workers.lost
 
-    def _lose(self, instance: int) -> None:
-        """A worker died: undo what it had in flight; drop its instance once no one reads it."""
+    def _abort_plans_of(self, instance: int) -> None:
+        """A worker died: undo what it had in flight."""
         for epoch, (plans, owner) in list(self._plans.items()):
             if owner == instance:
                 del self._plans[epoch]
                 self.pool.abort(plans, executed=True)
-        self._dropping.add(instance)
-
-    def _drop_pending(self) -> None:
-        for instance in sorted(self._dropping):
-            try:
-                self.pool.drop_instance(instance)
-            except IterationStateError:
-                continue  # another worker's forward reads it; try again after its commit
-            except InvalidArgumentError:  # the last live instance: nothing left to serve
-                self._dropping.discard(instance)
-                self.stats["last_instance_lost"] += 1
-                continue
-            self._dropping.discard(instance)
-            self.lost.add(instance)
-            self.cluster.mark_lost(instance)
-            self.stats["instances_dropped"] += 1
 
     # ---- operations (one per op name in control_ops.OPS) ----------------------------------
     def _instance(self, request: dict) -> int:
         instance = plan_wire.check_id(
             "instance", request.get("instance"), self.limits.num_instances
         )
-        if instance in self.lost or instance in self._dropping:
-            raise InvalidArgumentError(f"instance: {instance} was dropped (its worker died)")
+        self.workers.check_usable(instance)
         return instance
 
     def _op_hello(self, r: dict) -> dict:
-        instance, pid = self._instance(r), r.get("pid")
-        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-            raise InvalidArgumentError(f"pid: expected a positive int, got {pid!r}")
-        self._workers[instance] = LauncherId.of(pid)
+        instance = self._instance(r)
+        self.workers.claim(instance, r.get("pid"))
         cfg = self.pool.config
         return {"num_instances": cfg.num_instances, "num_slots": cfg.num_slots,
                 "segment_len": cfg.segment_len, "lost": sorted(self.lost),
-                "engine_slots": self.pool.engine_slots}  # fmt: skip
+                "engine_slots": self.pool.engine_slots,
+                "members": self.workers.version}  # fmt: skip
 
     def _tokens(self, r: dict) -> np.ndarray:
         return plan_wire.check_array("tokens", r.get("tokens")).astype(np.int64)
@@ -212,9 +190,18 @@ class ControlService:
         return self.pool.reclaim(self._instance(r)) if self.pool.engine_slots else []
 
     def _op_attach(self, r: dict) -> dict:
-        """What a worker the host did not spawn needs to join (named buffers only)."""
-        self._instance(r)
-        return attach_info(self.cluster)
+        """What a worker the host did not spawn needs to join (named buffers only). A
+        dropped instance comes back, empty; one a live worker holds is refused to others."""
+        instance = plan_wire.check_id("instance", r.get("instance"), self.limits.num_instances)
+        if "pid" in r:
+            self.workers.claim(instance, r.get("pid"))
+        self.workers.rejoin(instance)
+        return {**attach_info(self.cluster), "lost": sorted(self.lost),
+                "members": self.workers.version}  # fmt: skip
+
+    def _op_leave(self, r: dict) -> None:
+        """The worker gives its instance up (its backend closed)."""
+        self.workers.leave(self._instance(r), r.get("pid"), self._abort_plans_of)
 
     def _op_release(self, r: dict) -> list[int]:
         """The worker's SGLang freed these pages (slots): which it may reuse now."""
@@ -241,7 +228,8 @@ class ControlService:
                                     engine_slots=engine_slots)  # fmt: skip
         self._plans[plans.epoch] = (plans, instance)
         self._count_prefix(plans, new)
-        return plan_wire.encode(plans)
+        # members: the worker re-reads the engines' endpoints when some restarted since
+        return {"plans": plan_wire.encode(plans), "members": self.workers.version}
 
     def _engine_slots(self, raw, chunks: list[Chunk]) -> dict[str, list[int]]:
         """``{request_id: [slot, ...]}`` of a plan request, one list per chunk, in order."""
@@ -312,6 +300,16 @@ class ControlService:
             if instance not in self.lost:
                 return int(instance), int(slot)
         raise IterationStateError("locate: a segment has no replica on a live instance")
+
+    def _op_check(self, r: dict) -> dict:
+        """The pool's own invariants (``Pool.check_invariants``: every used slot has exactly
+        one owner, pins equal what runs) and its accounting, for tests and operators."""
+        self.pool.check_invariants()
+        tree = self.pool.get_prefix_tree()
+        return {"running": len(self.pool.requests), "in_flight": len(self._plans),
+                "slots_used": [a.num_used for a in self.pool.allocators],
+                "segments": tree.num_segments, "replicas": tree.num_replicas,
+                "last_rejoin_s": self.workers.last_rejoin_s}  # fmt: skip
 
     def _op_stats(self, r: dict) -> dict:
         s = self.pool.get_stats()

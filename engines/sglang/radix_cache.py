@@ -36,6 +36,13 @@ class TokenLakeRadixCache(UnifiedRadixCache):
     def attach(self, backend) -> None:
         self.backend = backend
 
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        """SGLang released a request's row (finished, aborted or retracted): its pool request
+        ends now, not at the next forward, so an idle server pins nothing in the pool."""
+        super().on_release(req, checkpointed=checkpointed)
+        if self.backend is not None:
+            self.backend.release_row(int(req.kv.req_pool_idx))
+
     def match_prefix(self, params) -> MatchResult:
         result = super().match_prefix(params)
         active = self.backend is not None and not self.disable

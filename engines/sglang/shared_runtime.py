@@ -12,6 +12,7 @@ through their query engines, exactly as the in-process data plane does.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -31,7 +32,7 @@ from tokenlake.engines.transport.sockets import Requester
 from tokenlake.errors import InvalidArgumentError, IterationStateError, TokenLakeError
 from tokenlake.plans import Chunk, Plans
 
-from .attach import WorkerAttachment, attachment_from
+from .attach import WorkerAttachment, attachment_from, endpoints_from
 from .control_ops import request_prefix
 from .pool_runtime import BoundIteration
 
@@ -86,13 +87,23 @@ class SharedPoolRuntime:
         kernel_backend: str | None = None,
     ) -> SharedPoolRuntime:  # fmt: skip
         """Join a running host knowing only its service's endpoint, the cluster secret's file
-        and this worker's instance: the rest comes from the service (:mod:`.attach`)."""
+        and this worker's instance: the rest comes from the service (:mod:`.attach`). An
+        instance whose worker died comes back empty; one still being dropped is asked for
+        again until ``timeout_s``; one a live worker holds is refused by name."""
         ctx = zmq.Context()
+        deadline = time.monotonic() + timeout_s
         try:
             client = ControlClient(ctx, endpoint, FrameAuth(ClusterSecret.from_file(secret_path)),
                                    timeout_s)  # fmt: skip
             try:
-                info = client.call("attach", instance=int(instance_id))
+                while True:
+                    try:
+                        info = client.call("attach", instance=int(instance_id), pid=os.getpid())
+                        break
+                    except IterationStateError:  # still being dropped: not for long
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.1)
             finally:
                 client.close()
         finally:
@@ -117,6 +128,8 @@ class SharedPoolRuntime:
         for key, endpoint in attach.endpoints.items():
             requester.connect(key, endpoint)
             self._links.watch(key, endpoint)
+        self._endpoints = dict(attach.endpoints)
+        self._members = int(hello.get("members", 0))  # engine restarts the host had
         n = attach.layout.num_instances
         driver = Driver(cfg, n, requester)
         driver.set_layout(attach.layout, attach.backend)
@@ -207,8 +220,10 @@ class SharedPoolRuntime:
         extra = {}
         if engine_slots is not None:
             extra["engine_slots"] = [_int32(s) for s in engine_slots]
-        raw = self.control.call("plan", instance=self.instance_id, chunks=encoded, **extra)
-        plans = plan_wire.decode(raw, self.limits, Plans)
+        reply = self.control.call("plan", instance=self.instance_id, chunks=encoded, **extra)
+        plans = plan_wire.decode(reply["plans"], self.limits, Plans)
+        if reply["members"] != self._members:
+            self._reconnect(reply["members"])
         try:
             (qp,), (tp,) = plans.query_plans, plans.transfer_plans
             if qp.origin != self.instance_id:
@@ -222,6 +237,20 @@ class SharedPoolRuntime:
             raise
         self._inflight = BoundIteration(plans, qp, q_buf, kv_buf, engine)
         return self._inflight
+
+    def _reconnect(self, members: int) -> None:
+        """Some instance's engines restarted (a worker joined a dropped instance again):
+        connect to their new endpoints before this forward uses them."""
+        info = self.control.call("attach", instance=self.instance_id, pid=os.getpid())
+        channel = self._driver.channel
+        for key, endpoint in endpoints_from(info, self.layout.num_instances).items():
+            if self._endpoints.get(key) != endpoint:
+                channel.disconnect(key)
+                channel.connect(key, endpoint)
+                self._links.watch(key, endpoint)
+                self._endpoints[key] = endpoint
+        self._driver.lost = set(info["lost"])
+        self._members = members
 
     def put(self, it: BoundIteration, layer: int) -> None:
         if not self.engine_slots:  # one copy: SGLang wrote the new K/V into the slots
@@ -252,6 +281,9 @@ class SharedPoolRuntime:
             self.clients.retire(epoch)
 
     def close(self) -> None:
+        """Give the instance up (another process may join it) and disconnect."""
+        with contextlib.suppress(TokenLakeError):
+            self.control.call("leave", instance=self.instance_id, pid=os.getpid())
         self.control.close()
         self._driver.channel.close()
         self._ctx.destroy(linger=0)

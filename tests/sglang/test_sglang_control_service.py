@@ -29,10 +29,12 @@ SHAPE = ModelShape(2, 4, 2, 16, "float32")
 def service():
     pool = Pool(PoolConfig(SHAPE, 2, 16, 4, "m"))
     lost: list[int] = []
-    cluster = SimpleNamespace(secret=ClusterSecret.generate(), mark_lost=lost.append)
+    restarted: list[int] = []
+    cluster = SimpleNamespace(secret=ClusterSecret.generate(), mark_lost=lost.append,
+                              restart=restarted.append)  # fmt: skip
     svc = ControlService(pool, cluster, max_request_bytes=1 << 16)
     ctx = zmq.Context()
-    yield svc, ctx, lost
+    yield svc, ctx, lost, restarted
     svc.close()
     ctx.destroy(linger=0)
 
@@ -42,7 +44,7 @@ def _client(svc, ctx, secret=None, timeout_s: float = 5.0) -> ControlClient:
 
 
 def test_outsiders_get_no_answer_and_the_service_goes_on(service) -> None:
-    svc, ctx, _ = service
+    svc, ctx, *_ = service
     outsider = _client(svc, ctx, ClusterSecret.generate(), timeout_s=0.5)
     with pytest.raises(PeerFailedError, match="no answer"):
         outsider.call("match", tokens=np.arange(8, dtype=np.int32))
@@ -57,7 +59,7 @@ def test_outsiders_get_no_answer_and_the_service_goes_on(service) -> None:
 
 
 def test_bad_requests_are_answered_with_errors_naming_them(service) -> None:
-    svc, ctx, _ = service
+    svc, ctx, *_ = service
     c = _client(svc, ctx)
     cases = [
         ("nonsense", {}, r"op: expected one of"),
@@ -86,13 +88,13 @@ def test_bad_requests_are_answered_with_errors_naming_them(service) -> None:
     assert svc.stats["rejected_requests"] >= len(cases) + 1
 
 
-def test_a_worker_plans_commits_and_its_death_drops_its_instance(service) -> None:
-    svc, ctx, lost = service
+def test_a_worker_plans_commits_its_death_drops_its_instance_a_new_one_rejoins(service) -> None:
+    svc, ctx, lost, restarted = service
     c = _client(svc, ctx)
     c.call("hello", instance=0, pid=os.getpid())
     chunk = plan_wire.encode(Chunk("w0:r#1", np.arange(10, dtype=np.int64), 0, 10))
     limits = plan_wire.PlanLimits(2, 16, 4)
-    plans = plan_wire.decode(c.call("plan", instance=0, chunks=[chunk]), limits)
+    plans = plan_wire.decode(c.call("plan", instance=0, chunks=[chunk])["plans"], limits)
     assert plans.query_plans[0].origin == 0
     with pytest.raises(InvalidArgumentError, match="not in flight for worker 1"):
         c.call("commit", instance=1, epoch=plans.epoch)
@@ -116,12 +118,34 @@ def test_a_worker_plans_commits_and_its_death_drops_its_instance(service) -> Non
     with pytest.raises(InvalidArgumentError, match="was dropped"):
         c.call("plan", instance=1, chunks=[chunk])
     assert wire.unpackb(wire.packb(c.call("stats")), 1 << 20)["lost"] == [1]
+    # instance 0 is held by this live process: another process is refused it, by name
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        with pytest.raises(InvalidArgumentError, match=r"instance: 0 is held by a live worker"):
+            c.call("attach", instance=0, pid=other.pid)
+        # a new worker joins the dropped instance 1: it comes back, empty (its engines
+        # restarted; this fake cluster's buffers are not named, so the reply is an error)
+        with pytest.raises(InvalidArgumentError, match="not named"):
+            c.call("attach", instance=1, pid=os.getpid())
+    finally:
+        other.kill()
+        other.wait(10)
+    assert restarted == [1] and svc.pool.live_instances == (0, 1) and svc.lost == set()
+    c.call("hello", instance=1, pid=os.getpid())
+    chunk1 = plan_wire.encode(Chunk("w1:s#1", np.arange(10, dtype=np.int64), 0, 10))
+    reply = c.call("plan", instance=1, chunks=[chunk1])
+    assert reply["members"] == 1  # every worker re-reads the endpoints: one restart since
+    c.call("commit", instance=1, epoch=plan_wire.decode(reply["plans"], limits).epoch)
+    c.call("finish", instance=1, pool_id="w1:s#1")
+    check = c.call("check")  # the pool's invariants hold, and every used slot is a replica's
+    assert check["running"] == check["in_flight"] == 0
+    assert check["replicas"] == sum(check["slots_used"]) >= check["segments"] > 0
 
 
 def test_one_copy_and_attach_requests_are_checked(service) -> None:
     """``release``, ``attach`` and a plan's ``engine_slots`` from an authenticated worker:
     wrong types, ranges or pool kinds get an error naming them, and nothing changes."""
-    svc, ctx, _ = service
+    svc, ctx, *_ = service
     c = _client(svc, ctx)
     chunk = plan_wire.encode(Chunk("w0:r#1", np.arange(8, dtype=np.int64), 0, 8))
     cases = [
