@@ -50,6 +50,7 @@ from tokenlake.benchmarks.sim.systems.systems import (  # noqa: F401 (re-exporte
     split_system,
 )
 from tokenlake.benchmarks.sim.systems.tokenlake_system import TokenLakeConfig, TokenLakeSystem
+from tokenlake.benchmarks.sim.systems.tokenlake_tier import HostTierConfig
 from tokenlake.benchmarks.workloads.request import SimRequest, Workload
 
 SLO_MISSED = "slo_missed"
@@ -73,7 +74,8 @@ class RunConfig:
     variant); balance (the router's imbalance thresholds ``(abs, rel)``; None: sgl-router's
     launcher defaults); pricing (TokenLake's distributed attention, control plane CPU time
     and RPC: :class:`PricingConfig`); mooncake_store (the Mooncake rows' DRAM store:
-    :class:`MooncakeStoreConfig`; GB 0 or the ``-no-store`` variant: none);
+    :class:`MooncakeStoreConfig`; GB 0 or the ``-no-store`` variant: none; the
+    ``tokenlake-tier`` variant's host tier is sized and priced as it);
     control_plane_cost (the cost model TokenLake's control plane is charged by when
     ``pricing.control_plane`` is ``model``; None: the checked-in host profile,
     :data:`~.control_plane_cost.DEFAULT_PATH`); split (Mooncake's prefill and decode
@@ -195,7 +197,9 @@ def build_system(cfg: RunConfig, ctx: SimContext, slos, control_samples: list | 
             page_groups=cfg.page_groups and "no-groups" not in variants,
             pricing=cfg.pricing,
             control_plane_cost=cost,
-        )
+            host_tier=HostTierConfig.like(cfg.mooncake_store) if "tier" in variants
+            else HostTierConfig(),
+        )  # fmt: skip
         return TokenLakeSystem(ctx, tl, control_samples=control_samples)
     if base == "router":
         rule = "min_load" if "min-load" in variants else "smallest_tree"

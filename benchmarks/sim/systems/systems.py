@@ -31,16 +31,18 @@ BASES = ("tokenlake-sync", "tokenlake", "router", "mooncake")  # longest prefix 
 SPLIT_BASES = ("tokenlake", "mooncake")  # take a ``-XpYd`` split
 _SPLIT = re.compile(r"-(\d+)p(\d+)d")
 # variants, appended to a system's name in any order (each advantage shown on its own):
-# TokenLake without its shared-page groups; the router with TBT-aware chunks, with the
+# TokenLake without its shared-page groups, TokenLake with a host tier below its pool (sized
+# and priced as Mooncake's store, :mod:`.tokenlake_tier`); the router with TBT-aware chunks, with the
 # successor gateway's least-loaded rule; the baselines with vLLM V1's cascade decode; Mooncake
 # without its DRAM store (its cache the prefill GPUs only)
 VARIANTS = {
-    "tokenlake": ("no-groups",),
+    "tokenlake": ("no-groups", "tier"),
     "router": ("tbt", "min-load", "cascade"),
     "mooncake": ("tbt", "cascade", "no-store"),
 }
 VARIANT_SYSTEMS = (
     "tokenlake-no-groups",
+    "tokenlake-tier",
     "router-cascade",
     "router-tbt-cascade",
     "mooncake-2p2d",

@@ -27,11 +27,13 @@ from tokenlake import EvictionConfig, InvalidArgumentError, Pool, PoolConfig, Po
 from tokenlake.benchmarks.sim.context import SimContext
 from tokenlake.benchmarks.sim.control_plane_cost import ControlPlaneCost, ControlPlaneMeter
 from tokenlake.benchmarks.sim.job import Job
+from tokenlake.benchmarks.sim.systems import tokenlake_tier as tier
 from tokenlake.benchmarks.sim.systems.layered import (
     NVLINK_PER_DIRECTION,
     LayeredPricing,
     PricingConfig,
 )
+from tokenlake.benchmarks.sim.systems.tokenlake_tier import HostTierConfig
 from tokenlake.benchmarks.sim.systems.tokenlake_timing import Flight, SharedHost, TokenLakeTiming
 from tokenlake.benchmarks.workloads.request import prompt_tokens
 from tokenlake.cluster.balancer import BalancerConfig
@@ -69,6 +71,7 @@ class TokenLakeConfig:
     compute_lanes: int = 0  # the scheduler's batches computed in parallel (0: one per instance)
     # the control plane's cost model (None: each call's measured CPU time, live)
     control_plane_cost: ControlPlaneCost | None = None
+    host_tier: HostTierConfig = HostTierConfig()  # the pool's host tier (0 GiB: none)
 
 
 class TokenLakeSystem:
@@ -101,7 +104,8 @@ class TokenLakeSystem:
             hop_s = LayeredPricing(spec, timer.hardware, config.pricing).hop_seconds()
         near = NVLINK_PER_DIRECTION.get(spec.hardware, timer.hardware.intra_node_bandwidth)
         self.pool = Pool(
-            PoolConfig(spec.mp.shape, n, num_slots, seg, namespace="sim"),
+            PoolConfig(spec.mp.shape, n, num_slots, seg, namespace="sim",
+                       num_tier_blocks=tier.num_blocks(spec, seg, config.host_tier)),  # fmt: skip
             load_model=LoadModel(timer.hardware, spec.mp),
             eviction=EvictionConfig(config.eviction) if config.eviction else None,
             balancer=BalancerConfig(hop_bytes=hop_s * near * spec.tp) if hop_s else None,
@@ -130,6 +134,7 @@ class TokenLakeSystem:
         self.token_overhead_s = config.token_overhead_s
         self.iteration_overhead_s = config.iteration_overhead_s
         self.pricing, self.cpu_clock = config.pricing, cpu_clock
+        self.host_tier, self.segment_len = config.host_tier, seg
         self.meter = ControlPlaneMeter(config.control_plane_cost, control_samples)
         self.control_free_at = 0.0  # when the control plane's last charged call ends
         # overlap scheduling: the dispatch of the iteration that just ended, from which the
@@ -152,6 +157,11 @@ class TokenLakeSystem:
             "eviction": self.pool.tree.policy.config.policy,
             # charged, not measured: 0 when not charged, so such runs print the same lines
             "control_plane_s": round(self.control_charged_s, 3),
+            **(
+                {k: stats[k] for k in ("tier_hit_tokens", "tier_promotions", "tier_demotions")}
+                if self.host_tier.gb_per_node
+                else {}
+            ),
         }
 
     # ---- arrivals ------------------------------------------------------------------------
@@ -195,6 +205,8 @@ class TokenLakeSystem:
                     job.rec.hit_tokens = job.rec.cached_tokens = chunk.start
             has_prefill = any(p != "decode" for p in it.decision.phases)
             delay = max(0.0, self.control_free_at - now) + self.pricing.rpc_s
+            if self.host_tier.gb_per_node:  # loads and demotions come first
+                delay += tier.move_seconds(it.plans, self.spec, self.segment_len, self.host_tier)
             streamed = sum(
                 c.num_new_tokens if not has_prefill else c.end == len(c.token_ids)
                 for c in it.decision.chunks
