@@ -95,8 +95,9 @@ class ServerSettings:
 class Fleet:
     """Processes started here, each with its log in a temporary file."""
 
-    def __init__(self, start_timeout_s: float = 300.0) -> None:
+    def __init__(self, start_timeout_s: float = 300.0, log_dir: Path | None = None) -> None:
         self.start_timeout_s = start_timeout_s
+        self.log_dir = log_dir  # keep every process's output there (default: deleted)
         self._procs: dict[int, tuple[subprocess.Popen, object]] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -113,7 +114,14 @@ class Fleet:
         with self._lock:
             if self._closed:
                 raise ProcessError("the fleet is closed: no new process")
-            log = tempfile.TemporaryFile()  # noqa: SIM115 -- closed in stop()
+            if self.log_dir is None:
+                log = tempfile.TemporaryFile()  # noqa: SIM115 -- closed in stop()
+            else:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                name = Path(argv[2] if len(argv) > 2 else argv[0]).name
+                log = tempfile.NamedTemporaryFile(  # noqa: SIM115 -- closed in stop()
+                    "w+b", prefix=f"{name}-", suffix=".log", dir=self.log_dir, delete=False
+                )
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)  # fmt: skip
             self._procs[proc.pid] = (proc, log)
@@ -127,6 +135,13 @@ class Fleet:
             entry[1].seek(0)
             return entry[1].read()[-3000:].decode(errors="replace")
 
+    def check_alive(self, procs: list[subprocess.Popen]) -> None:
+        """Raise :class:`ProcessError` with the log's tail if one of ``procs`` has exited."""
+        for proc in procs:
+            if proc.poll() is not None:
+                raise ProcessError(f"{' '.join(proc.args[:3])} (pid {proc.pid}) exited "
+                                   f"({proc.returncode}):\n{self._tail(proc)}")  # fmt: skip
+
     def log_of(self, proc: subprocess.Popen) -> str:
         """The tail of ``proc``'s output (a process started here and not yet stopped)."""
         return self._tail(proc)
@@ -135,6 +150,8 @@ class Fleet:
         import httpx
 
         while time.monotonic() < deadline:
+            if self._closed:  # closed from another thread (an error, Ctrl-C): stop waiting
+                raise ProcessError(f"{what}: the fleet was closed while it started")
             if proc.poll() is not None:
                 raise ProcessError(f"{what} exited ({proc.returncode}):\n{self._tail(proc)}")
             with contextlib.suppress(httpx.HTTPError):

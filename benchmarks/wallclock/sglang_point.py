@@ -28,10 +28,12 @@ def run_point(side: Side, system: str, model: str, requests: Sequence[TimedReque
     """Send ``requests`` at ``rate`` through ``side``'s router for ``system``; the point's
     JSON fields (without the identifying keys)."""
     limit_s = max(r.arrival_s for r in requests) / rate + drain_s
-    before, cpu_before = scrape_counters(side.servers), side.cpu_seconds()
+    before, cpu_before = scrape_counters(side.servers), side.cpu_by_role()
     records = drive(side.routers[system], model, requests, rate, salt=salt, limit_s=limit_s)
     time.sleep(COUNTERS_SETTLE_S)
-    after, cpu = scrape_counters(side.servers), side.cpu_seconds() - cpu_before
+    after, cpu_after = scrape_counters(side.servers), side.cpu_by_role()
+    cpu_by_role = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in sorted(cpu_after.items())}
+    cpu = sum(cpu_by_role.values())
     d = [{k: a[k] - b[k] for k in a} for b, a in zip(before, after, strict=True)]
     prompt = sum(x["sglang:prompt_tokens_total"] for x in d)
     cached = sum(x["sglang:cached_tokens_total"] for x in d)
@@ -54,6 +56,7 @@ def run_point(side: Side, system: str, model: str, requests: Sequence[TimedReque
         else 0.0,
         "server_work_tokens": [round(w) for w in work],
         "cpu_s": round(cpu, 3),
+        "cpu_s_by_process": cpu_by_role,
         "output_tokens": output,
         "cpu_s_per_output_token": round(cpu / output, 6) if output else None,
         "slo": slo.as_dict(),

@@ -35,7 +35,33 @@ import tempfile
 import time
 from pathlib import Path
 
-from tokenlake.benchmarks.wallclock.sglang_workloads import SGLANG_WORKLOADS, HotDocumentShape
+import httpx
+
+from tokenlake.benchmarks.demo.client import quiet_http_client_logs
+from tokenlake.benchmarks.wallclock.client import ALPHABET
+from tokenlake.benchmarks.wallclock.measure import Slo
+from tokenlake.benchmarks.wallclock.processes import Fleet, ProcessError, require_router
+from tokenlake.benchmarks.wallclock.serving_compare import prepare_model
+from tokenlake.benchmarks.wallclock.sglang_point import (
+    measure_solo,
+    read_slo_file,
+    run_point,
+    warm_up,
+    write_slo_file,
+)
+from tokenlake.benchmarks.wallclock.sglang_report import format_table
+from tokenlake.benchmarks.wallclock.sglang_sides import (
+    SGLangSettings,
+    add_router,
+    start_baseline,
+    start_tokenlake,
+)
+from tokenlake.benchmarks.wallclock.sglang_workloads import (
+    SGLANG_WORKLOADS,
+    HotDocumentShape,
+    build_sglang_workload,
+)
+from tokenlake.benchmarks.wallclock.sweep import TARGET, first_rate_only, search_all
 
 MODELS = ("tiny-random", "bench-model")
 BENCH = "wallclock-sglang"
@@ -81,6 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="first on every SGLang process's PYTHONPATH (CPU import stand-ins)")  # fmt: skip
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--json-out", type=Path, default=None)
+    p.add_argument("--log-dir", type=Path, default=None, help="keep every process's output here")
     p.add_argument("--start-timeout-s", type=float, default=600.0)
     p.add_argument("--quick", action="store_true",
                    help="tiny-random, N=2, hot-document, seed 0, 8 requests, one rate, no sweep")  # fmt: skip
@@ -119,10 +146,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from tokenlake.benchmarks.demo.client import quiet_http_client_logs
-    from tokenlake.benchmarks.wallclock.processes import Fleet, ProcessError, require_router
-    from tokenlake.benchmarks.wallclock.sglang_report import format_table
-
     try:
         require_router()
     except ProcessError as e:
@@ -132,7 +155,7 @@ def main(argv=None) -> int:
     lines: list[dict] = []
     salts = itertools.count(1)
     with tempfile.TemporaryDirectory(prefix="tokenlake-wallclock-sglang-") as tmp, \
-            Fleet(args.start_timeout_s) as fleet:  # fmt: skip
+            Fleet(args.start_timeout_s, args.log_dir) as fleet:  # fmt: skip
         for model in args.models:
             for n in args.num_servers:
                 lines += run_sides(args, fleet, model, n, Path(tmp), salts)
@@ -142,19 +165,6 @@ def main(argv=None) -> int:
 
 def run_sides(args, fleet, model: str, n: int, tmp: Path, salts) -> list[dict]:
     """Start both sides for ``model`` and ``n``, run every workload and seed, stop them."""
-    from tokenlake.benchmarks.wallclock.client import ALPHABET
-    from tokenlake.benchmarks.wallclock.serving_compare import prepare_model
-    from tokenlake.benchmarks.wallclock.sglang_sides import (
-        SGLangSettings,
-        add_router,
-        start_baseline,
-        start_tokenlake,
-    )
-    from tokenlake.benchmarks.wallclock.sglang_workloads import (
-        HotDocumentShape,
-        build_sglang_workload,
-    )
-
     model_dir = prepare_model(model, tmp / model, 0)
     settings = SGLangSettings(model_dir, model, args.max_total_tokens, args.chunked_prefill_size,
                               args.tokenlake_sglang_tokens, args.segment_len, args.device,
@@ -163,29 +173,29 @@ def run_sides(args, fleet, model: str, n: int, tmp: Path, salts) -> list[dict]:
     log(f"{model} N={n}: starting both sides (KV per server {settings.max_total_tokens} tokens; "
         f"TokenLake: SGLang {settings.tokenlake_sglang_tokens} + pool {settings.pool_slots} x "
         f"{settings.segment_len}; hot documents {hot.docs_tokens} tokens)")  # fmt: skip
-    with concurrent.futures.ThreadPoolExecutor(2) as ex:
-        base_f = ex.submit(start_baseline, fleet, settings, n)
-        tl_f = ex.submit(start_tokenlake, fleet, settings, n, tmp / f"host-{model}-{n}")
-        sides = {"baseline": base_f.result(), "tokenlake": tl_f.result()}
+    starts = {"baseline": (start_baseline, fleet, settings, n),
+              "tokenlake": (start_tokenlake, fleet, settings, n, tmp / f"host-{model}-{n}")}  # fmt: skip
+    sides = dict(zip(starts, _at_once(fleet, list(starts.values())), strict=True))
     out: list[dict] = []
     try:
         base, tl = sides["baseline"], sides["tokenlake"]
         for side in sides.values():
             side.note_shm()
         slos = resolve_slos(args, model, base.servers[0], salts, hot)
-        for policy in TOKENLAKE_POLICIES:
-            add_router(fleet, tl, f"tokenlake-{policy}", ("--policy", policy))
-        for label, extra in (SWEEP if not args.no_sweep else {"cache_aware": ()}).items():
-            add_router(fleet, base, label, extra)
-        from tokenlake.benchmarks.wallclock.sglang_point import warm_up
-
+        routers = [(tl, f"tokenlake-{policy}", ("--policy", policy))
+                   for policy in TOKENLAKE_POLICIES]  # fmt: skip
+        routers += [(base, label, extra) for label, extra
+                    in (SWEEP if not args.no_sweep else {"cache_aware": ()}).items()]  # fmt: skip
+        _at_once(fleet, [(add_router, fleet, *r) for r in routers])  # each takes ~30 s
+        for side in (tl, base):  # in the order listed, whichever started first
+            side.routers = {name: side.routers[name] for s, name, _ in routers if s is side}
         for url in (*base.servers, *tl.servers):
             warm_up(url, model)
         for workload in args.workloads:
             per_seed = {s: build_sglang_workload(workload, seed=s, num_requests=args.requests,
                                                  vocab_size=len(ALPHABET), hot=hot)
                         for s in args.seeds}  # fmt: skip
-            out += run_workload(args, sides, model, n, workload, per_seed, slos[workload],
+            out += run_workload(args, fleet, sides, model, n, workload, per_seed, slos[workload],
                                 settings, salts)  # fmt: skip
     finally:
         for side in sides.values():
@@ -194,18 +204,22 @@ def run_sides(args, fleet, model: str, n: int, tmp: Path, salts) -> list[dict]:
     return out
 
 
+def _at_once(fleet, calls: list[tuple]) -> list:
+    """``fn(*args)`` for every ``(fn, *args)`` in threads (processes start in parallel); on
+    any error or Ctrl-C the fleet is closed, so the other calls stop waiting at once."""
+    ex = concurrent.futures.ThreadPoolExecutor(len(calls))
+    try:
+        return [f.result() for f in [ex.submit(*call) for call in calls]]
+    except BaseException:
+        fleet.close()
+        raise
+    finally:
+        ex.shutdown(wait=False)
+
+
 def resolve_slos(args, model: str, idle_url: str, salts, hot) -> dict[str, dict]:
     """Each workload's SLO: the flags, else the file, else measured now on ``idle_url`` (a
     baseline server no run has used yet) and written to the file."""
-    from tokenlake.benchmarks.wallclock.client import ALPHABET
-    from tokenlake.benchmarks.wallclock.sglang_point import (
-        measure_solo,
-        read_slo_file,
-        warm_up,
-        write_slo_file,
-    )
-    from tokenlake.benchmarks.wallclock.sglang_workloads import build_sglang_workload
-
     if args.slo_ttft_ms > 0:
         fixed = {"ttft_s": args.slo_ttft_ms / 1e3, "tpot_s": args.slo_tpot_ms / 1e3,
                  "solo_e2e_s": 0.0, "source": "flags"}  # fmt: skip
@@ -230,12 +244,8 @@ def resolve_slos(args, model: str, idle_url: str, salts, hot) -> dict[str, dict]
     return slos
 
 
-def run_workload(args, sides, model, n, workload, per_seed, slo_entry, settings,
+def run_workload(args, fleet, sides, model, n, workload, per_seed, slo_entry, settings,
                  salts) -> list[dict]:  # fmt: skip
-    from tokenlake.benchmarks.wallclock.measure import Slo
-    from tokenlake.benchmarks.wallclock.sglang_point import run_point
-    from tokenlake.benchmarks.wallclock.sweep import TARGET, first_rate_only, search_all
-
     slo = Slo(slo_entry["ttft_s"], slo_entry["tpot_s"])
     solo = slo_entry.get("solo_e2e_s") or 1.0
     lo = args.lo or round(0.5 * n / solo, 3)
@@ -249,8 +259,14 @@ def run_workload(args, sides, model, n, workload, per_seed, slo_entry, settings,
     out: list[dict] = []
 
     def point(system: str, seed: int, rate: float, kind: str = "point") -> dict:
-        line = run_point(side_of[system], system, model, per_seed[seed], rate, next(salts),
-                         slo, args.drain_s)  # fmt: skip
+
+        fleet.check_alive(side_of[system].procs)
+        try:
+            line = run_point(side_of[system], system, model, per_seed[seed], rate, next(salts),
+                             slo, args.drain_s)  # fmt: skip
+        except httpx.HTTPError:
+            fleet.check_alive(side_of[system].procs)  # a dead server: its log's tail
+            raise
         line = {**key, "kind": kind, "seed": seed, "system": system,
                 "router_args": list(SWEEP.get(system, ())), **line,
                 "load_avg": round(os.getloadavg()[0], 2)}  # fmt: skip

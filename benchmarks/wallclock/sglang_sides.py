@@ -93,16 +93,26 @@ class Side:
 
     def cpu_seconds(self) -> float:
         """User + system CPU seconds of every process of the side, reaped children included."""
+        return sum(self.cpu_by_role().values())
+
+    def cpu_by_role(self) -> dict[str, float]:
+        """CPU seconds per ``kind:process name`` (kind: host, server or router; the name as
+        the process set it, e.g. ``server:sglang::scheduler``): where a side's time goes."""
         tick = os.sysconf("SC_CLK_TCK")
-        total = 0
+        out: dict[str, float] = {}
         for proc in self.procs:
+            argv = " ".join(map(str, proc.args))
+            kind = "host" if "sglang_host" in argv else "router" if "router" in argv else "server"
             for pid in group_pids(proc.pid):
                 try:
-                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                    stat = Path(f"/proc/{pid}/stat").read_text()
                 except OSError:
                     continue
-                total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
-        return total / tick
+                comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+                fields = stat.rsplit(")", 1)[1].split()
+                key = f"{kind}:{comm}"  # utime stime cutime cstime
+                out[key] = out.get(key, 0.0) + sum(int(x) for x in fields[11:15]) / tick
+        return out
 
     def note_shm(self) -> None:
         """Remember SGLang's load-snapshot files the side mapped (SGLang leaves them)."""
