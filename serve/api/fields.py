@@ -41,6 +41,10 @@ def check_fields(body: Body, max_model_len: int, tool_parser: str | None) -> Non
         raise APIError(400, "guided_decoding_backend: this server uses xgrammar, got "
                        f"{shown(body.guided_decoding_backend)}",
                        param="guided_decoding_backend")  # fmt: skip
+    if not body.spaces_between_special_tokens and not body.skip_special_tokens:
+        # (with special tokens skipped vLLM ignores it too: there are none to space)
+        raise APIError(400, "spaces_between_special_tokens: false with skip_special_tokens "
+                       "false is not implemented", param="spaces_between_special_tokens")  # fmt: skip
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options: only when stream is true", param="stream_options")
     t = body.truncate_prompt_tokens
