@@ -235,3 +235,33 @@ def test_auto_reads_hermes_calls_and_tools_alone_mean_auto(oai):
                                         max_tokens=5, temperature=0).choices[0]  # fmt: skip
     assert plain.message.tool_calls in (None, []) and plain.message.content
     assert plain.finish_reason in ("stop", "length")
+
+
+def test_langchain_bind_tools_and_with_structured_output(server, no_space):
+    """langchain-openai as an agent framework drives the server: ``bind_tools`` (tools
+    without a tool_choice: auto, read by the hermes parser; invoke and stream) and
+    ``with_structured_output`` by JSON schema and by function calling."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    pydantic = pytest.importorskip("pydantic")
+
+    class Weather(pydantic.BaseModel):
+        """The weather in a city."""
+
+        city: str = pydantic.Field(json_schema_extra={"enum": ["Paris", "Oslo"]})
+
+    text = ('<tool_call>\n{"name": "Weather", "arguments": {"city": "Paris"}}\n'
+            "</tool_call>")  # fmt: skip
+    llm = langchain_openai.ChatOpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", model=MODEL, max_tokens=80,
+        temperature=0, max_retries=0, logit_bias={int(k): v for k, v in no_space.items()},
+    )  # fmt: skip
+    forced = llm.bind_tools([Weather], extra_body={"guided_choice": [text]})
+    message = forced.invoke("What is the weather in Paris?")
+    assert [(c["name"], c["args"]) for c in message.tool_calls] == [("Weather", {"city": "Paris"})]
+    merged = None
+    for chunk in forced.stream("What is the weather in Paris?"):
+        merged = chunk if merged is None else merged + chunk
+    assert [(c["name"], c["args"]) for c in merged.tool_calls] == [("Weather", {"city": "Paris"})]
+    for method in ("json_schema", "function_calling"):
+        answer = llm.with_structured_output(Weather, method=method).invoke("Weather?")
+        assert isinstance(answer, Weather) and answer.city in ("Paris", "Oslo"), method
