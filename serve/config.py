@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tokenlake.config import DEFAULT_SEGMENT_LEN
 from tokenlake.errors import InvalidArgumentError
+from tokenlake.serve.api.input_checks import MAX_TEXT_CHARS
 from tokenlake.serve.api.tool_parsers import TOOL_CALL_PARSERS
 
 DATA_PLANES = ("local", "mp", "compute", "workers")
@@ -109,7 +110,7 @@ class ServeConfig:
         "/version stay open; default: /metrics open, as in vLLM)", HTTP,
     )  # fmt: skip
     max_text_chars: int = _flag(
-        1 << 20, "most characters of text in one request (prompts, messages, stop strings and "
+        MAX_TEXT_CHARS, "most characters of text in one request (prompts, messages, stop strings and "
         "the like, in all); more is a 400 naming the field, before any of it is tokenized "
         "(default: %(default)s)", HTTP,
     )  # fmt: skip

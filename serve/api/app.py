@@ -35,6 +35,7 @@ def create_app(served: Served) -> FastAPI:
     app.state.api = APIState(
         runtime, served.tokenizer, name, served.model_path,
         metrics.server_registry(runtime, name), grammars, served.config.auto_tool_parser,
+        served.config.max_text_chars,
     )  # fmt: skip
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=served.config.max_body_bytes)

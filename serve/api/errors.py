@@ -39,7 +39,14 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict:
+    message = _encodable(message)  # it may quote a client's lone surrogate
+    param = None if param is None else _encodable(param)
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def _encodable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode escaped (``\\udc00``)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(

@@ -18,6 +18,7 @@ from tokenlake.engines.model.sampling import SamplingParams
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.serve.api.errors import APIError, shown, sse
 from tokenlake.serve.api.fields import bad_words_token_ids, check_fields, truncated
+from tokenlake.serve.api.input_checks import check_text
 from tokenlake.serve.api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from tokenlake.serve.api.state import APIState
 from tokenlake.serve.api.structured import grammar_spec
@@ -25,7 +26,7 @@ from tokenlake.serve.api.text import TextStream
 from tokenlake.serve.request import GenerationRequest, TokenEvent
 
 DISCONNECT_POLL_S = 0.5
-MAX_SAMPLED_SEQUENCES = 1024  # prompts x best_of of one request, when best_of or n > 1
+MAX_SEQUENCES = 1024  # prompts x samples (best_of or n) of one request: each is a request
 
 Body = CompletionRequest | ChatCompletionRequest
 
@@ -54,8 +55,16 @@ class Choice:
 
 
 def check_body(state: APIState, body: Body) -> None:
-    """What the runtime cannot serve: another model's name; ``best_of`` below ``n`` or
-    over it while streaming; what is not implemented, refused by name."""
+    """What the runtime cannot serve: text that is not valid Unicode or over the server's
+    limit (before any of it is tokenized); more than :data:`MAX_SEQUENCES` prompts x
+    samples; another model's name; ``best_of`` below ``n`` or over it while streaming;
+    what is not implemented, refused by name."""
+    check_text(body, state.max_text_chars)
+    num_prompts, per_prompt = len(prompts_of(body)), num_samples(body)
+    if num_prompts * per_prompt > MAX_SEQUENCES:
+        param = "n" if per_prompt > 1 else "prompt"
+        raise APIError(400, f"{param}: {num_prompts} prompts x {per_prompt} samples exceed "
+                       f"{MAX_SEQUENCES} sequences per request", param=param)  # fmt: skip
     check_model(state, body.model)
     if body.best_of is not None and body.best_of < body.n:
         raise APIError(400, f"best_of: expected >= n={body.n}, got {body.best_of}", param="best_of")
@@ -75,6 +84,15 @@ def check_model(state: APIState, model: str | None) -> None:
     if model is not None and model != state.model_name:
         raise APIError(404, f"The model `{shown(model)}` does not exist.", "NotFoundError",
                        param="model")  # fmt: skip
+
+
+def prompts_of(body: Body) -> list:
+    """A completion request's prompts (a batch, or its one prompt); a chat's messages are
+    one prompt."""
+    if isinstance(body, ChatCompletionRequest):
+        return [body.messages]
+    raw = body.prompt
+    return raw if isinstance(raw, list) and raw and isinstance(raw[0], str | list) else [raw]
 
 
 def num_samples(body: Body) -> int:
@@ -209,9 +227,6 @@ def start(
     base = f"{prefix}-{body.request_id or uuid.uuid4().hex}"
     choices: list[Choice] = []
     per_prompt = num_samples(body)
-    if per_prompt > 1 and len(prompts) * per_prompt > MAX_SAMPLED_SEQUENCES:
-        raise APIError(400, f"n: {len(prompts)} prompts x {per_prompt} samples exceed "
-                       f"{MAX_SAMPLED_SEQUENCES} sequences per request", param="n")  # fmt: skip
     params = [sampling_params(body, j, prepared) for j in range(per_prompt)]
     for i, ids in enumerate(prompts):
         budget = max_tokens if max_tokens is not None else runtime.max_model_len - len(ids)
@@ -242,49 +257,71 @@ async def events(
     state: APIState, choices: list[Choice], queue: asyncio.Queue[TokenEvent], request: Request
 ) -> AsyncIterator[tuple[Choice, str]]:
     """``(choice, text delta)`` as tokens arrive, until every choice finished; cancels
-    whatever is unfinished if the client goes away or the caller stops early."""
+    whatever is unfinished if the client goes away or the caller stops early. The work is
+    linear in the events: those that arrived together are taken at once and detokenized in
+    one worker-thread hop (detokenizing re-decodes a choice's output: off the event loop)."""
     runtime = state.runtime
     by_id = {c.request_id: c for c in choices}
     loop = asyncio.get_running_loop()
     next_check = loop.time() + DISCONNECT_POLL_S
+    num_open = len(choices)
     try:
-        while any(c.finish_reason is None for c in choices):
+        while num_open:
             try:
-                event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+                batch = [await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)]
             except asyncio.TimeoutError:
-                event = None
+                batch = []
+            while not queue.empty():
+                batch.append(queue.get_nowait())
             if loop.time() >= next_check:  # tokens may never pause: check on a clock
                 next_check = loop.time() + DISCONNECT_POLL_S
                 if await request.is_disconnected():
                     return
-            if event is None:
+            if not batch:
                 continue
-            c = by_id[event.request_id]
-            if c.finish_reason is not None:
-                continue
-            c.num_cached = event.num_cached_tokens
-            final = event.finish_reason is not None
-            num_tokens = len(c.text.token_ids)
-            stopped = event.finish_reason == "stop"  # at EOS or a stop token id
             if state.tokenizer is None:
-                delta = c.text.add(event.token_id, final, stopped)
-            else:  # detokenizing re-decodes the output so far: off the event loop
-                delta = await run_in_threadpool(c.text.add, event.token_id, final, stopped)
-            if len(c.text.token_ids) > num_tokens and event.logprob is not None:
-                c.logprobs.append((event.token_id, event.logprob, event.top_logprobs))
-            if final:
-                c.finish_reason = event.finish_reason
-                c.stop_reason = event.stop_reason
-            elif c.text.stopped:
-                c.finish_reason, c.stop_reason = "stop", c.text.stop_string
-                runtime.cancel(c.request_id)
-            if event.finish_reason == "error":
-                raise APIError(500, event.error or "generation failed", "InternalServerError")
-            yield c, delta
+                deltas, error = _apply(runtime, by_id, batch)
+            else:
+                deltas, error = await run_in_threadpool(_apply, runtime, by_id, batch)
+            for c, delta, closed in deltas:
+                num_open -= closed
+                yield c, delta
+            if error is not None:
+                raise APIError(500, error, "InternalServerError")
     finally:
         for c in choices:
             if c.finish_reason is None:
                 runtime.cancel(c.request_id)
+
+
+def _apply(
+    runtime, by_id: dict[str, Choice], batch: list[TokenEvent]
+) -> tuple[list[tuple[Choice, str, bool]], str | None]:
+    """Feed ``batch`` to its choices in order: ``(choice, text delta, whether it closed the
+    choice)`` per event of a choice still open, and the error message of the first event
+    that ended one with an error (the events after it are dropped)."""
+    out = []
+    for event in batch:
+        c = by_id[event.request_id]
+        if c.finish_reason is not None:
+            continue
+        c.num_cached = event.num_cached_tokens
+        final = event.finish_reason is not None
+        num_tokens = len(c.text.token_ids)
+        stopped = event.finish_reason == "stop"  # at EOS or a stop token id
+        delta = c.text.add(event.token_id, final, stopped)
+        if len(c.text.token_ids) > num_tokens and event.logprob is not None:
+            c.logprobs.append((event.token_id, event.logprob, event.top_logprobs))
+        if final:
+            c.finish_reason = event.finish_reason
+            c.stop_reason = event.stop_reason
+        elif c.text.stopped:
+            c.finish_reason, c.stop_reason = "stop", c.text.stop_string
+            runtime.cancel(c.request_id)
+        if event.finish_reason == "error":
+            return out, event.error or "generation failed"
+        out.append((c, delta, c.finish_reason is not None))
+    return out, None
 
 
 def usage(choices: list[Choice]) -> dict:

@@ -21,11 +21,13 @@ from tokenlake.serve.api.generation import (
     events,
     final_chunks,
     prepare,
+    prompts_of,
     returned,
     start,
     stream_usage,
     usage,
 )
+from tokenlake.serve.api.input_checks import check_text
 from tokenlake.serve.api.logprobs import completion_logprobs, token_text
 from tokenlake.serve.api.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tokenlake.serve.api.state import State
@@ -56,6 +58,7 @@ async def version():
 async def tokenize(body: TokenizeRequest, state: State):
     """vLLM's shape: ``{"count", "max_model_len", "tokens", "token_strs"}``; each token
     string is that token's own decoded text."""
+    check_text(body, state.max_text_chars)
     check_model(state, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "prompt: send exactly one of prompt and messages", param="prompt")
@@ -70,12 +73,14 @@ async def tokenize(body: TokenizeRequest, state: State):
     strs = None
     if body.return_token_strs:
         strs = await run_in_threadpool(lambda: [token_text(state.tokenizer, t) for t in ids])
-    return {"count": len(ids), "max_model_len": state.runtime.max_model_len, "tokens": ids,
-            "token_strs": strs}  # fmt: skip
+    # a Response skips FastAPI's per-item encoding, seconds for a million ids on the loop
+    return JSONResponse({"count": len(ids), "max_model_len": state.runtime.max_model_len,
+                         "tokens": ids, "token_strs": strs})  # fmt: skip
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, state: State):
+    check_text(body, state.max_text_chars)
     check_model(state, body.model)
     vocab = state.runtime.engine.model.config.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
@@ -116,11 +121,9 @@ async def prometheus(state: State):
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, state: State):
     check_body(state, body)
-    raw = body.prompt
-    batch = raw if isinstance(raw, list) and raw and isinstance(raw[0], str | list) else [raw]
     max_len = state.runtime.max_model_len
     prompts = [truncated(await encode(state, p, body.add_special_tokens), body, max_len)
-               for p in batch]  # fmt: skip
+               for p in prompts_of(body)]  # fmt: skip
     prepared = await prepare(state, body)
     base, choices, queue = start(state, body, prompts, body.max_tokens, "cmpl", prepared)
     head = {"id": base, "object": "text_completion", "created": int(time.time()),

@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry
 
 from tokenlake.engines.model.tokenizer import Tokenizer
+from tokenlake.serve.api.input_checks import MAX_TEXT_CHARS
 from tokenlake.serve.api.structured import Grammars
 from tokenlake.serve.runtime import Runtime
 
@@ -29,6 +30,7 @@ class APIState:
     registry: CollectorRegistry
     grammars: Grammars | None = None
     tool_parser: str | None = None
+    max_text_chars: int = MAX_TEXT_CHARS
 
 
 def api_state(request: Request) -> APIState:

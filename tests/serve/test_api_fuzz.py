@@ -1,7 +1,8 @@
-"""An HTTP fuzz over every endpoint and field: wrong types, out-of-range numbers, huge
-strings, deep nesting, unknown fields, bad content types and methods. Every answer is a
-2xx or a 4xx with the standard error body, never a 5xx; afterwards nothing is left running,
-the pool's invariants hold and a good request gets the same tokens as before the fuzz."""
+"""An HTTP fuzz over every endpoint and field: wrong types, out-of-range and extreme numbers,
+huge strings and batches, escaped lone surrogates, deep nesting, unknown fields, bad content
+types and methods. Every answer is a 2xx or a 4xx with the standard error body, never a
+5xx; afterwards nothing is left running, the pool's invariants hold and a good request gets
+the same tokens as before the fuzz."""
 
 from __future__ import annotations
 
@@ -45,6 +46,13 @@ VALUES = [
     json.dumps("y" * 200_000), "[]", "[[]]", "[true]", "[-1]", '["a", 1]', "{}",
     '{"include_usage": "no"}', '[{"role": "user", "content": [{"type": "image", "text": "x"}]}]',
     '[{"role": 5, "content": null}]', nested_list(5000), nested_object(5000),
+    # escaped lone surrogates (valid JSON, not valid Unicode), in strings, lists and keys
+    '"\\ud800"', '["ok", "a\\udc00b"]', '{"\\udfff": 1}',
+    '[{"role": "user", "content": "\\ud83d"}]',
+    # extreme floats
+    "5e-324", "-5e-324", "1e-40", "1.7976931348623157e308", "-1.7976931348623157e308",
+    # huge batches: 50,000 prompts, 200,000 token ids
+    "[" + ", ".join(["[1]"] * 50_000) + "]", "[" + ", ".join(["7"] * 200_000) + "]",
 ]  # fmt: skip
 NUM_CLIENTS = 4  # concurrent fuzzing connections: the server sees overlapping requests too
 

@@ -1,16 +1,23 @@
 """What one request may cost the server: a body over --max-body-bytes gets a 413 before it
 is read whole (declared or chunked), and tokenizing or detokenizing a request never blocks
-the event loop, so /health answers while a large prompt is being tokenized."""
+the event loop, so /health answers while a large prompt is being tokenized (held by a stub,
+and an 8 MiB one by the real tokenizer)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
 import socket
+import statistics
 import threading
+import time
 
 import httpx
 import pytest
+
+from tokenlake.serve.api.http_server import HTTPServer
+from tokenlake.serve.build import build
+from tokenlake.serve.config import ServeConfig
 
 RELEASE_TIMEOUT_S = 60  # a hang guard only: the test orders events, it does not time them
 
@@ -89,7 +96,7 @@ def blocking(monkeypatch, obj, name: str) -> tuple[threading.Event, threading.Ev
     return entered, release
 
 
-BIG = "tokens " * (300_000)  # ~2 MiB of text: under the body limit, over the context
+BIG = "tokens " * 100_000  # 700k characters: under --max-text-chars, over the context
 
 
 @pytest.mark.parametrize(
@@ -121,3 +128,62 @@ def test_health_answers_while_a_request_is_tokenized(
     assert r.status_code == status, r.text[:300]
     if status == 400:
         assert "maximum context length" in r.json()["error"]["message"]
+
+
+EIGHT_MIB = 8 << 20
+LIVENESS_S = 1.0  # what a /health probe may take while the prompt is tokenized (median)
+
+
+@pytest.fixture(scope="module")
+def big_server():
+    config = ServeConfig(
+        num_instances=1, segment_len=8, num_slots=64, chunk_len=32, max_model_len=256,
+        profile=False, torch_threads=1, port=0, max_body_bytes=2 * EIGHT_MIB,
+        max_text_chars=2 * EIGHT_MIB,
+    )  # fmt: skip
+    with HTTPServer(build(config), "127.0.0.1", 0).start() as srv:
+        yield srv
+
+
+def test_health_answers_while_the_real_tokenizer_reads_8_mib(big_server, monkeypatch):
+    """The real tokenizer on an 8 MiB prompt (seconds of work): /health probes sent from
+    this process keep being answered while it runs. A tokenizer holding the GIL would let
+    none through until it finished, whatever the machine's load."""
+    tokenizer = big_server.served.tokenizer
+    spans = []
+    real = tokenizer.encode
+
+    def timed(*args, **kwargs):
+        start = time.monotonic()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            spans.append((start, time.monotonic()))
+
+    monkeypatch.setattr(tokenizer, "encode", timed)
+    probes, stop = [], threading.Event()
+
+    def probe():
+        with httpx.Client(base_url=big_server.url, timeout=RELEASE_TIMEOUT_S) as c:
+            while not stop.is_set():
+                sent = time.monotonic()
+                status = c.get("/health").status_code
+                probes.append((sent, time.monotonic(), status))
+                time.sleep(0.02)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    text = "tokens and words " * (EIGHT_MIB // 17)
+    try:
+        with httpx.Client(base_url=big_server.url, timeout=RELEASE_TIMEOUT_S * 5) as c:
+            r = c.post("/v1/completions", json={"prompt": text, "max_tokens": 2})
+    finally:
+        stop.set()
+        prober.join()
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    ((start, end),) = spans
+    during = [(b - a, status) for a, b, status in probes if a >= start and b <= end]
+    print(f"\n8 MiB tokenized in {end - start:.2f} s; {len(during)} /health probes answered "
+          f"meanwhile, slowest {max((d for d, _ in during), default=0):.3f} s")  # fmt: skip
+    assert len(during) >= 3 and all(status == 200 for _, status in during)
+    assert statistics.median(d for d, _ in during) < LIVENESS_S
