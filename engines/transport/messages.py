@@ -210,6 +210,16 @@ def encode(message: object) -> bytes:
     return CODEC.encode(message)
 
 
+MAX_SEQ = (1 << 63) - 1  # a request's number: a signed 64-bit counter, from 1
+
+
 def decode(data: bytes) -> object:
-    """The message dataclass encoded in ``data``; :class:`WireError` if it is not one."""
-    return CODEC.decode(data)
+    """The message dataclass encoded in ``data``; :class:`WireError` if it is not one, or
+    if its ``seq`` is outside [0, 2**63) (the counters start at 1; -1 answers a frame whose
+    number could not be read)."""
+    message = CODEC.decode(data)
+    seq = getattr(message, "seq", 0)
+    if not -1 <= seq <= MAX_SEQ:
+        raise WireError(f"{type(message).__name__}.seq: expected an int in [-1, {MAX_SEQ}], "
+                        f"got {seq}")  # fmt: skip
+    return message

@@ -68,6 +68,7 @@ def _templates(rng: np.random.Generator, max_rows: int):
         ("undecodable", "query", ("sealed", _raw({**stop, "f": {"seq": True}}))),
         ("undecodable", "transfer", ("sealed", _raw({**stop, "f": {"seq": 1, "evil": 2}}))),
         ("undecodable", "query", ("sealed", _raw({**stop, "f": {"seq": 1.5}}))),
+        ("undecodable", "transfer", ("sealed", messages.encode(messages.Stats(2**64 - 1)))),
         ("undecodable", "query", ("sealed", rng.bytes(int(rng.integers(1, 64))) + b"\xc1")),
         ("out_of_range", "transfer", ("sealed", messages.encode(bp(neg % -SLOTS - 1, 0, 1)))),
         ("out_of_range", "transfer", ("sealed", messages.encode(bp(far, 0, 1)))),
@@ -211,3 +212,10 @@ def test_hostile_frames_are_never_executed_and_never_kill_an_engine():
 
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-s"])
+
+
+def test_a_request_number_past_signed_64_bits_is_refused():
+    """An authentic ``Stats(seq=2**64-1)`` is not a message (counters are signed 64-bit)."""
+    with pytest.raises(messages.ProtocolError, match="seq"):
+        messages.decode(messages.encode(messages.Stats(2**64 - 1)))
+    assert messages.decode(messages.encode(messages.Stats(7))) == messages.Stats(7)
