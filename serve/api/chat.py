@@ -23,6 +23,7 @@ from tokenlake.serve.api.generation import (
     events,
     final_chunks,
     prepare,
+    prompt_logprobs,
     returned,
     start,
     stream_usage,
@@ -72,7 +73,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
             choice["prompt_token_ids"] = c.prompt_ids
             choice["token_ids"] = list(c.text.token_ids)
         out.append(choice)
-    return {**head, "choices": out, "usage": usage(choices)}
+    extra = {}
+    if body.prompt_logprobs is not None:  # vLLM answers them beside the choices in chat
+        extra["prompt_logprobs"] = await prompt_logprobs(state, body, prompt)
+    return {**head, "choices": out, "usage": usage(choices), **extra}
 
 
 def _role(body: ChatCompletionRequest) -> str:

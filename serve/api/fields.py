@@ -21,7 +21,6 @@ REFUSED = {
     "kv_transfer_params": "disaggregated serving (KV transfer) is not implemented",
     "vllm_xargs": "this server has no custom extensions to pass them to",
     "guided_whitespace_pattern": "xgrammar's JSON whitespace only",
-    "prompt_logprobs": "not implemented (a cached prompt prefix is never recomputed)",
     "prompt_embeds": "prompt embeddings are not implemented",
     "suffix": "not implemented",
     "reasoning_effort": "this server has no reasoning parser",
@@ -45,6 +44,9 @@ def check_fields(body: Body, max_model_len: int, tool_parser: str | None) -> Non
         # (with special tokens skipped vLLM ignores it too: there are none to space)
         raise APIError(400, "spaces_between_special_tokens: false with skip_special_tokens "
                        "false is not implemented", param="spaces_between_special_tokens")  # fmt: skip
+    if body.prompt_logprobs is not None and body.stream:
+        raise APIError(400, "prompt_logprobs: not available when stream is true (as vLLM)",
+                       param="prompt_logprobs")  # fmt: skip
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options: only when stream is true", param="stream_options")
     t = body.truncate_prompt_tokens

@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
+from tokenlake.engines.model.prompt_logprobs import prompt_logprobs as compute_prompt_logprobs
 from tokenlake.engines.model.sampling import SamplingParams
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.serve.api.errors import APIError, shown, sse
 from tokenlake.serve.api.fields import bad_words_token_ids, check_fields, truncated
 from tokenlake.serve.api.input_checks import check_text
+from tokenlake.serve.api.logprobs import prompt_logprobs_json
 from tokenlake.serve.api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from tokenlake.serve.api.state import APIState
 from tokenlake.serve.api.structured import grammar_spec
@@ -335,6 +337,17 @@ def usage(choices: list[Choice]) -> dict:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+async def prompt_logprobs(state: APIState, body: Body, ids: list[int]) -> list | None:
+    """vLLM's ``prompt_logprobs`` of one prompt when the request asks for them (a dense
+    forward of the prompt on a worker thread), else ``None``."""
+    if body.prompt_logprobs is None:
+        return None
+    model = state.runtime.engine.model
+    positions = await run_in_threadpool(compute_prompt_logprobs, model, ids, body.prompt_logprobs)
+    as_ids = bool(body.return_tokens_as_token_ids)
+    return await run_in_threadpool(prompt_logprobs_json, state.tokenizer, positions, as_ids)
 
 
 def returned(body: Body, choices: list[Choice]) -> list[Choice]:

@@ -62,3 +62,21 @@ def chat_logprobs(
 
 def _chat_token(text: str, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def prompt_logprobs_json(
+    tokenizer: Tokenizer | None,
+    positions: Sequence[Sequence[tuple[int, float, int]] | None],
+    as_ids: bool = False,
+) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: per prompt position ``None`` (the first) or
+    ``{"<token id>": {"logprob", "rank", "decoded_token"}}``, the prompt's token first."""
+    out: list[dict | None] = []
+    for entries in positions:
+        if entries is None:
+            out.append(None)
+            continue
+        out.append({str(t): {"logprob": v, "rank": r,
+                             "decoded_token": token_text(tokenizer, t, as_ids)}
+                    for t, v, r in entries})  # fmt: skip
+    return out

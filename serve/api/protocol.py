@@ -91,7 +91,7 @@ class _Sampling(_Body):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
-    prompt_logprobs: StrictInt | None = Field(None, ge=-1, le=20)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     return_tokens_as_token_ids: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -21,6 +21,7 @@ from tokenlake.serve.api.generation import (
     events,
     final_chunks,
     prepare,
+    prompt_logprobs,
     prompts_of,
     returned,
     start,
@@ -135,6 +136,7 @@ async def completions(body: CompletionRequest, request: Request, state: State):
         )
     async for _ in events(state, choices, queue, request):
         pass
+    prompt_lps = [await prompt_logprobs(state, body, ids) for ids in prompts]
     out = []
     for c in returned(body, choices):
         echo = await decode(state, c.prompt_ids) if body.echo else ""
@@ -148,6 +150,8 @@ async def completions(body: CompletionRequest, request: Request, state: State):
         if body.return_token_ids:
             choice["prompt_token_ids"] = c.prompt_ids
             choice["token_ids"] = list(c.text.token_ids)
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_lps[c.prompt_index]
         out.append(choice)
     return {**head, "choices": out, "usage": usage(choices)}
 

@@ -181,3 +181,31 @@ def test_unknown_fields_are_logged_by_name(oai, caplog):
         complete(oai, max_tokens=1, extra_body={"made_up_field": 1, "another_one": "x"})
     logged = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert logged and "made_up_field" in logged[-1] and "another_one" in logged[-1]
+
+
+def test_prompt_logprobs_equal_transformers(oai, server):
+    """Each prompt token's log-probability given the tokens before it, its rank, and the
+    top tokens, as ``transformers``' forward of the prompt gives them (vLLM's shape: the
+    first position ``None``, then ``{token id: {logprob, rank, decoded_token}}``)."""
+    import torch
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(server.served.model_path)
+    ).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
+    r = complete(oai, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2})
+    got = r.choices[0].prompt_logprobs
+    assert len(got) == len(PROMPT) and got[0] is None
+    for i, token in enumerate(PROMPT[1:]):
+        row = ref[i]
+        entry = got[i + 1][str(token)]
+        assert entry["logprob"] == pytest.approx(float(row[token]), abs=1e-4)
+        assert entry["rank"] == int((row > row[token]).sum()) + 1
+        top = torch.topk(row, 2).indices.tolist()
+        assert set(got[i + 1]) == {str(token), *map(str, top)}
+        assert list(got[i + 1])[0] == str(token)  # the prompt's own token first
+    chat = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1,
+                                       extra_body={"prompt_logprobs": 0})  # fmt: skip
+    lps = chat.model_extra["prompt_logprobs"]
+    assert lps[0] is None and all(len(p) == 1 for p in lps[1:])
