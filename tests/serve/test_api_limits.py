@@ -187,3 +187,38 @@ def test_health_answers_while_the_real_tokenizer_reads_8_mib(big_server, monkeyp
           f"meanwhile, slowest {max((d for d, _ in during), default=0):.3f} s")  # fmt: skip
     assert len(during) >= 3 and all(status == 200 for _, status in during)
     assert statistics.median(d for d, _ in during) < LIVENESS_S
+
+
+def test_connections_are_bounded_by_uvicorn_settings():
+    """--limit-concurrency is uvicorn's limit_concurrency: with every allowed connection
+    held by a client that never finishes its headers, a request gets uvicorn's 503 (not an
+    unbounded pile of connections); once they go, it is served. An idle keep-alive
+    connection is closed after --timeout-keep-alive."""
+    config = ServeConfig(
+        num_instances=1, segment_len=8, num_slots=64, chunk_len=32, max_model_len=256,
+        profile=False, torch_threads=1, port=0, limit_concurrency=4, timeout_keep_alive=1,
+    )  # fmt: skip
+    with HTTPServer(build(config), "127.0.0.1", 0).start() as srv:
+        address = (srv.host, srv.port)
+        held = [socket.create_connection(address, timeout=60) for _ in range(4)]
+        try:
+            for s in held:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            deadline = time.monotonic() + RELEASE_TIMEOUT_S
+            while httpx.get(f"{srv.url}/health", timeout=60).status_code != 503:
+                assert time.monotonic() < deadline, "no connection limit"
+                time.sleep(0.05)
+        finally:
+            for s in held:
+                s.close()
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            deadline = time.monotonic() + RELEASE_TIMEOUT_S
+            while (status := c.get("/health").status_code) != 200:
+                assert status == 503 and time.monotonic() < deadline
+                time.sleep(0.05)
+        with socket.create_connection(address, timeout=RELEASE_TIMEOUT_S) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            answer = b""
+            while chunk := s.recv(65536):  # the server closes the idle connection
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200")
