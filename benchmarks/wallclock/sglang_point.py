@@ -89,7 +89,9 @@ def measure_solo(url: str, model: str, requests: Sequence[TimedRequest],
         tpot.append(rec.tpot_s)
         e2e.append(rec.token_s[-1] - rec.sent_s)
     slo = slo_from_solo(ttft, tpot)
-    return {**slo.as_dict(), "solo_e2e_s": round(float(np.median(e2e)), 6)}
+    return {**slo.as_dict(), "solo_e2e_s": round(float(np.median(e2e)), 6),
+            "solo_ttft_s": round(float(np.median(ttft)), 6),
+            "solo_tpot_s": round(float(np.median(tpot)), 6)}  # fmt: skip
 
 
 def read_slo_file(path: Path, model: str) -> dict[str, dict]:

@@ -103,6 +103,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-evals", type=int, default=4, help="most runs per search")
     p.add_argument("--drain-s", type=float, default=20.0)
     p.add_argument("--no-sweep", action="store_true", help="cache_aware at its defaults only")
+    p.add_argument("--solo", action="store_true",
+                   help="first, each workload's median prompt alone on one idle server of each "
+                        "side: batch-size-1 TTFT and TPOT (kind 'solo')")  # fmt: skip
     p.add_argument("--sglang-pythonpath", default="",
                    help="first on every SGLang process's PYTHONPATH (CPU import stand-ins)")  # fmt: skip
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -191,6 +194,15 @@ def run_sides(args, fleet, model: str, n: int, tmp: Path, salts) -> list[dict]:
             side.routers = {name: side.routers[name] for s, name, _ in routers if s is side}
         for url in (*base.servers, *tl.servers):
             warm_up(url, model)
+        for workload in args.workloads if args.solo else ():  # one server of each side, idle
+            reqs = build_sglang_workload(workload, seed=0, num_requests=args.requests,
+                                         vocab_size=len(ALPHABET), hot=hot)  # fmt: skip
+            for side in (base, tl):
+                solo = measure_solo(side.servers[0], model, reqs, salts)
+                emit({"bench": BENCH, "kind": "solo", "model": model, "num_servers": n,
+                      "workload": workload, "side": side.name, "ttft_s": solo["solo_ttft_s"],
+                      "tpot_s": solo["solo_tpot_s"], "e2e_s": solo["solo_e2e_s"]},
+                     args.json_out)  # fmt: skip
         for workload in args.workloads:
             per_seed = {s: build_sglang_workload(workload, seed=s, num_requests=args.requests,
                                                  vocab_size=len(ALPHABET), hot=hot)
