@@ -27,11 +27,11 @@ $(VENV)/.deps-model: $(VENV)/.deps
 
 # structured outputs (xgrammar: CPU wheels; its metadata wants torch, held at the CPU build)
 # and jsonschema, which the structured-output tests validate against; langchain-openai, which
-# the tests drive the server with (bind_tools, with_structured_output)
+# and litellm, which the tests drive the server with (bind_tools, with_structured_output)
 $(VENV)/.deps-structured: $(VENV)/.deps-model
 	echo "torch==2.13.0" > $(VENV)/torch-pin.txt
 	$(PY) -m pip install -q -c $(VENV)/torch-pin.txt "xgrammar>=0.2.7,<0.3" jsonschema \
-		"langchain-openai>=1.0"
+		"langchain-openai>=1.0" litellm
 	touch $@
 
 # SGLang for tests/sglang (the [sglang] extra's version). Its metadata pins a CUDA torch, so it

@@ -265,3 +265,21 @@ def test_langchain_bind_tools_and_with_structured_output(server, no_space):
     for method in ("json_schema", "function_calling"):
         answer = llm.with_structured_output(Weather, method=method).invoke("Weather?")
         assert isinstance(answer, Weather) and answer.city in ("Paris", "Oslo"), method
+
+
+def test_litellm_tools_and_response_format(server, no_space):
+    """litellm's ``hosted_vllm`` provider: a tool call read back by the hermes parser and
+    a JSON-schema ``response_format``, as litellm sends them."""
+    litellm = pytest.importorskip("litellm")
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+            "</tool_call>")  # fmt: skip
+    common = {"model": f"hosted_vllm/{MODEL}", "api_base": f"{server.url}/v1",
+              "api_key": "unused", "messages": CHAT, "max_tokens": 80, "temperature": 0}  # fmt: skip
+    r = litellm.completion(tools=[WEATHER], extra_body={"guided_choice": [text]}, **common)
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}
+    assert r.choices[0].finish_reason == "tool_calls"
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    r = litellm.completion(response_format=fmt, logit_bias=no_space, **common)
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
