@@ -26,8 +26,8 @@ $(VENV)/.deps-model: $(VENV)/.deps
 	touch $@
 
 # structured outputs (xgrammar: CPU wheels; its metadata wants torch, held at the CPU build)
-# and jsonschema, which the structured-output tests validate against; langchain-openai, which
-# and litellm, which the tests drive the server with (bind_tools, with_structured_output)
+# and jsonschema, which the structured-output tests validate against; langchain-openai and
+# litellm, which the tests drive the server with (bind_tools, with_structured_output, tools)
 $(VENV)/.deps-structured: $(VENV)/.deps-model
 	echo "torch==2.13.0" > $(VENV)/torch-pin.txt
 	$(PY) -m pip install -q -c $(VENV)/torch-pin.txt "xgrammar>=0.2.7,<0.3" jsonschema \
