@@ -5,7 +5,7 @@ instances share its compute (``compute_lanes=1``). Here each instance is what it
 cluster, one process with its own model: an :class:`~tokenlake.engines.clusters.mp.MPCluster`
 (query and transfer engines, shared buffers) and one compute process per instance
 (:class:`~tokenlake.engines.clusters.compute_process.ComputeProcesses` running
-:class:`~tokenlake.serve.ray.engine.ModelProgram`, as the Ray launch does on each node). An
+:class:`~tokenlake.serve.compute_program.ModelProgram`, as the Ray launch does on each node). An
 iteration's batches, one per instance at DoP 1, compute in parallel; the server process keeps
 the pool, the scheduler and the HTTP API.
 """
@@ -18,7 +18,7 @@ from functools import partial
 import torch
 
 from tokenlake.plans import Chunk, Plans
-from tokenlake.serve.ray.engine import ModelProgram, ModelSource, logits_of
+from tokenlake.serve.compute_program import ModelProgram, ModelSource, logits_of
 
 
 def _program(source: ModelSource, torch_threads: int) -> ModelProgram:

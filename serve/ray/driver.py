@@ -36,8 +36,9 @@ def make_engine(spec: DriverSpec, node_ip: str, model, pool, closers: list):
     """``build``'s engine factory: the launch's actors and their data plane."""
     from tokenlake.engines.clusters.base import layout_for
     from tokenlake.engines.dataplane_config import DataPlaneConfig
+    from tokenlake.serve.compute_program import ModelProgram, ModelSource
     from tokenlake.serve.ray.dataplane import DataPlaneSetup, RayDataPlane
-    from tokenlake.serve.ray.engine import ModelProgram, ModelSource, RayModelEngine
+    from tokenlake.serve.ray.engine import RayModelEngine
 
     o = spec.options
     s = o.serve
