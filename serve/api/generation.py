@@ -19,7 +19,7 @@ from tokenlake.engines.model.sampling import SamplingParams
 from tokenlake.errors import InvalidArgumentError
 from tokenlake.serve.api.errors import APIError, shown, sse
 from tokenlake.serve.api.fields import bad_words_token_ids, check_fields, truncated
-from tokenlake.serve.api.input_checks import check_text
+from tokenlake.serve.api.limits import check_text
 from tokenlake.serve.api.logprobs import prompt_logprobs_json
 from tokenlake.serve.api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from tokenlake.serve.api.state import APIState
@@ -74,9 +74,8 @@ def check_body(state: APIState, body: Body) -> None:
         raise APIError(400, "best_of: must equal n when streaming", param="best_of")
     check_fields(body, state.runtime.max_model_len, state.tool_parser)
     if isinstance(body, CompletionRequest):
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo: prompt logprobs are not implemented; send echo or "
-                           "logprobs, not both", param="echo")  # fmt: skip
+        if body.echo and body.logprobs is not None and body.stream:
+            raise APIError(400, "echo: with logprobs only when not streaming", param="echo")
         return
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs true", param="top_logprobs")
@@ -339,13 +338,18 @@ def usage(choices: list[Choice]) -> dict:
     }
 
 
+async def prompt_positions(state: APIState, ids: list[int], num_top: int) -> list:
+    """Each prompt position's logprobs (a dense forward of the prompt on a worker thread)."""
+    model = state.runtime.engine.model
+    return await run_in_threadpool(compute_prompt_logprobs, model, ids, num_top)
+
+
 async def prompt_logprobs(state: APIState, body: Body, ids: list[int]) -> list | None:
-    """vLLM's ``prompt_logprobs`` of one prompt when the request asks for them (a dense
-    forward of the prompt on a worker thread), else ``None``."""
+    """vLLM's ``prompt_logprobs`` of one prompt when the request asks for them, else
+    ``None``."""
     if body.prompt_logprobs is None:
         return None
-    model = state.runtime.engine.model
-    positions = await run_in_threadpool(compute_prompt_logprobs, model, ids, body.prompt_logprobs)
+    positions = await prompt_positions(state, ids, body.prompt_logprobs)
     as_ids = bool(body.return_tokens_as_token_ids)
     return await run_in_threadpool(prompt_logprobs_json, state.tokenizer, positions, as_ids)
 

@@ -31,7 +31,8 @@ def completion_logprobs(
     as_ids: bool = False,
 ) -> dict:
     """The ``logprobs`` of a completion choice (or of a stream chunk's tokens);
-    ``text_offset`` is where the first token's text starts in the choice's text."""
+    ``text_offset`` is where the first token's text starts in the choice's text. An entry
+    whose logprob is ``None`` (an echoed prompt's first token) has ``None`` as its top."""
     tokens, values, tops, offsets = [], [], [], []
     for token_id, logprob, top in entries:
         text = token_text(tokenizer, token_id, as_ids)
@@ -39,6 +40,9 @@ def completion_logprobs(
         values.append(logprob)
         offsets.append(text_offset)
         text_offset += len(text)
+        if logprob is None:  # an echoed prompt's first token: nothing precedes it
+            tops.append(None)
+            continue
         ranked: dict[str, float] = {}
         for t, v in top:  # most likely first: a text shared by several tokens keeps its best
             ranked.setdefault(token_text(tokenizer, t, as_ids), v)
@@ -79,4 +83,18 @@ def prompt_logprobs_json(
         out.append({str(t): {"logprob": v, "rank": r,
                              "decoded_token": token_text(tokenizer, t, as_ids)}
                     for t, v, r in entries})  # fmt: skip
+    return out
+
+
+def echoed_prompt_entries(
+    token_ids: Sequence[int], positions: Sequence[Sequence[tuple[int, float, int]] | None]
+) -> list[tuple[int, float | None, tuple[tuple[int, float], ...]]]:
+    """A prompt's positions (``prompt_logprobs``) as completion entries, for ``echo`` with
+    ``logprobs``: the first token without a logprob, as vLLM writes it."""
+    out = []
+    for token_id, entries in zip(token_ids, positions, strict=True):
+        if entries is None:
+            out.append((token_id, None, ()))
+        else:
+            out.append((token_id, entries[0][1], tuple((t, v) for t, v, _ in entries[1:])))
     return out

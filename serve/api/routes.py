@@ -22,14 +22,15 @@ from tokenlake.serve.api.generation import (
     final_chunks,
     prepare,
     prompt_logprobs,
+    prompt_positions,
     prompts_of,
     returned,
     start,
     stream_usage,
     usage,
 )
-from tokenlake.serve.api.input_checks import check_text
-from tokenlake.serve.api.logprobs import completion_logprobs, token_text
+from tokenlake.serve.api.limits import check_text
+from tokenlake.serve.api.logprobs import completion_logprobs, echoed_prompt_entries, token_text
 from tokenlake.serve.api.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tokenlake.serve.api.state import State
 from tokenlake.serve.metrics import collector as metrics
@@ -143,8 +144,12 @@ async def completions(body: CompletionRequest, request: Request, state: State):
         choice = {"index": c.index, "text": echo + c.text.text, "logprobs": None,
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
         if body.logprobs is not None:
+            entries = c.logprobs
+            if body.echo:  # the prompt's tokens first, as vLLM (prompt_logprobs = logprobs)
+                positions = await prompt_positions(state, c.prompt_ids, body.logprobs)
+                entries = echoed_prompt_entries(c.prompt_ids, positions) + entries
             choice["logprobs"] = await run_in_threadpool(
-                completion_logprobs, state.tokenizer, c.logprobs, 0,
+                completion_logprobs, state.tokenizer, entries, 0,
                 bool(body.return_tokens_as_token_ids),
             )  # fmt: skip
         if body.return_token_ids:

@@ -121,7 +121,7 @@ def test_stop_reason_names_what_stopped(oai):
         (lambda c: complete(c, extra_body={"response_format": {"type": "xml"}}), "response_format"),
         (lambda c: complete(c, n=3, best_of=2), "best_of"),
         (lambda c: complete(c, n=1, best_of=2, stream=True), "best_of"),
-        (lambda c: complete(c, echo=True, logprobs=1), "echo"),
+        (lambda c: complete(c, echo=True, logprobs=1, stream=True), "echo"),
         (lambda c: complete(c, extra_body={"min_tokens": 20}, max_tokens=4), "min_tokens"),
         (lambda c: complete(c, logit_bias={"999999": 1}), "logit_bias"),
         (lambda c: complete(c, logit_bias={"5": 101}), "logit_bias"),

@@ -209,3 +209,20 @@ def test_prompt_logprobs_equal_transformers(oai, server):
                                        extra_body={"prompt_logprobs": 0})  # fmt: skip
     lps = chat.model_extra["prompt_logprobs"]
     assert lps[0] is None and all(len(p) == 1 for p in lps[1:])
+
+
+def test_echo_with_logprobs_leads_with_the_prompts(oai):
+    """vLLM's echo with logprobs: the prompt's tokens first (the first without a logprob),
+    their logprobs those of ``prompt_logprobs``, then the generated tokens'."""
+    both = complete(oai, max_tokens=3, temperature=0, logprobs=1, echo=True,
+                    extra_body={"return_tokens_as_token_ids": True}).choices[0]  # fmt: skip
+    alone = complete(oai, max_tokens=3, temperature=0, logprobs=1,
+                     extra_body={"prompt_logprobs": 1}).choices[0]  # fmt: skip
+    n = len(PROMPT)
+    lp = both.logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in PROMPT + alone.token_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [alone.prompt_logprobs[i][str(t)]["logprob"] for i, t in enumerate(PROMPT) if i]
+    assert lp.token_logprobs[1:n] == pytest.approx(want, abs=1e-6)
+    assert lp.token_logprobs[n:] == pytest.approx(alone.logprobs.token_logprobs, abs=1e-4)
+    assert lp.text_offset == sorted(lp.text_offset)
