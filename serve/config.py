@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 
 from tokenlake.config import DEFAULT_SEGMENT_LEN
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.serve.api.input_checks import MAX_TEXT_CHARS
 from tokenlake.serve.api.tool_parsers import TOOL_CALL_PARSERS
 
 DATA_PLANES = ("local", "mp", "compute", "workers")
 SCHEDULER_MODES = ("elastic", "colocated")
 DTYPES = ("auto", "float32", "bfloat16")
 KERNEL_BACKENDS = ("cpu", "torch", "flashinfer")
+MAX_TEXT_CHARS = 1 << 20  # --max-text-chars' default: a 1 Mi-character prompt, ~250k tokens
 MAX_BODY_BYTES_LIMIT = 1 << 30  # a body is held in memory whole: bound what a flag can ask
 
 MODEL, POOL, HTTP = "model", "pool and scheduler", "HTTP"

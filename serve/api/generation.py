@@ -20,6 +20,7 @@ from tokenlake.errors import InvalidArgumentError
 from tokenlake.serve.api.errors import APIError, shown, sse
 from tokenlake.serve.api.fields import bad_words_token_ids, check_fields, truncated
 from tokenlake.serve.api.limits import check_text
+from tokenlake.serve.api.limits import check_text
 from tokenlake.serve.api.logprobs import prompt_logprobs_json
 from tokenlake.serve.api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from tokenlake.serve.api.state import APIState
