@@ -351,3 +351,24 @@ def test_random_walk_through_the_tier(seed, num_slots, num_tier_blocks):
     for key in ("planned loads", "planned demotions", "exact restore", "commit", "abort"):
         assert figures.get(key, 0) > 0, (key, figures)
     assert figures["tier_promotions"] > 0 and figures["tier_demotions"] > 0, figures
+
+
+def test_plans_on_the_wire_carry_tier_runs_and_are_range_checked():
+    """A transfer plan's tier runs travel in the plan codec; a receiver without a tier, or
+    with fewer blocks, refuses them before touching anything."""
+    from tokenlake import plan_wire
+    from tokenlake.wire import WireError
+
+    h = tiered(num_tier_blocks=4)
+    fill(h, "a", np.append(tokens(1, 4 * SEG), 1))
+    fill(h, "b", np.append(tokens(2, 6 * SEG), 2))
+    plans = h.pool.gen_plans([[tl.Chunk("c", np.concatenate([tokens(1, 4 * SEG), [3]]), 4 * SEG)]])
+    tp = plans.transfer_plans[0]
+    data = plan_wire.encode(tp)
+    limits = plan_wire.PlanLimits(2, 4, SEG, num_tier_blocks=4)
+    back = plan_wire.decode(data, limits, tl.TransferPlan)
+    assert np.array_equal(back.load_src_block, tp.load_src_block) and back.num_loads
+    for blocks in (0, int(tp.load_src_block.max())):
+        with pytest.raises(WireError, match=r"transfer_plan\.(load|demote)_\w+: "):
+            plan_wire.decode(data, dataclasses.replace(limits, num_tier_blocks=blocks))
+    h.pool.abort(plans, executed=False)
