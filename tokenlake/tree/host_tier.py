@@ -16,11 +16,18 @@ A sealed segment (a tree node) is in one of these states:
 Eviction from the pool demotes a last copy when the tier has room (a free block, or the
 least recently demoted segment in the tier that is a leaf and nothing pins or reads);
 otherwise the segment is forgotten as before, with its descendants (all in the tier).
-A last copy may leave the pool once none of its children is in the pool or demoting, so pool
-residency stays closed under ancestors: the pool holds the top of the tree, the tier hangs
-below it. A demoting segment's parent is in the pool. A demoting segment's block is freed
-only by the iteration that reserved it. Everything is journaled like every eviction, so an
+A last copy may leave the pool once none of its children is in the pool or being demoted by
+another plan (a plan may demote a whole chain, leaf first), so pool residency stays closed
+under ancestors: the pool holds the top of the tree, the tier hangs below it. A demoting
+segment's parent is in the pool or demoted by the same plan. A demoting segment's block is
+freed only by the iteration that reserved it. Only sealed segments are demoted (a tail is
+forgotten as before). A segment recomputed while in the tier takes the new copy as its pool
+copy (:mod:`tokenlake.iteration.sealing`). Everything is journaled like every eviction, so an
 abort before execution puts it all back.
+
+While a demotion is in flight its parent's last copy cannot leave the pool, so the pool's
+evictable count (:class:`~tokenlake.tree.segment_table.SegmentTable`) may count it a moment
+early: a plan that needs that very slot is refused with ``PoolFullError``, nothing changed.
 """
 
 from __future__ import annotations
