@@ -114,10 +114,13 @@ def test_sigterm_drains_streams_then_aborts_the_rest_and_leaves_no_process():
         threading.Thread(target=proc.stderr.read, daemon=True).start()  # drain the log
         helpers = descendants(proc.pid)
         streams = [Stream(url, [5 + k, 6, 7], SHORT if k % 2 else LONG) for k in range(12)]
-        while num_requests(url) < len(streams):  # every stream reached the runtime
-            assert time.monotonic() < deadline
+        deadline = time.monotonic() + HANG_GUARD_S
+        while (received := num_requests(url)) < len(streams):  # all reached the runtime
+            errors = [s.error for s in streams if s.error is not None]
+            assert not errors and time.monotonic() < deadline, (received, errors)
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + HANG_GUARD_S
         host, port = url.removeprefix("http://").rsplit(":", 1)
         while True:  # new connections are refused while the long streams still run
             try:
