@@ -1,4 +1,5 @@
-"""A tiny-random server on 127.0.0.1 (any free port), shared by the API tests."""
+"""A tiny-random server on 127.0.0.1 (any free port), shared by the API tests, and the
+official ``openai`` client of whichever ``server`` a test module uses."""
 
 from __future__ import annotations
 
@@ -26,4 +27,11 @@ def server():
 @pytest.fixture
 def client(server):
     with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    openai = pytest.importorskip("openai")
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
         yield c

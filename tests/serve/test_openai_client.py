@@ -15,12 +15,6 @@ PROMPT = [0, 9, 10, 11, 12, 13]
 CHAT = [{"role": "user", "content": "Say hi"}]
 
 
-@pytest.fixture(scope="module")
-def oai(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
 def complete(oai, prompt=PROMPT, **kwargs):
     extra = {"return_token_ids": True, "ignore_eos": True, **kwargs.pop("extra_body", {})}
     return oai.completions.create(model=MODEL, prompt=prompt, extra_body=extra, **kwargs)

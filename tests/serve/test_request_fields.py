@@ -22,12 +22,6 @@ CHAT = [{"role": "user", "content": "Say hi"}]
 
 
 @pytest.fixture(scope="module")
-def oai(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def hf(server):
     return transformers.AutoTokenizer.from_pretrained(str(server.served.model_path))
 

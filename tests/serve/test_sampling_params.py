@@ -43,12 +43,6 @@ def hf_model(server):
 
 
 @pytest.fixture(scope="module")
-def oai(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def sequence_logits(hf_model):
     """The raw next-token logits after ``PROMPT`` + 5 greedy tokens, and those ids."""
     with torch.no_grad():

@@ -59,12 +59,6 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def oai(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def no_space(server):
     """``logit_bias`` pushing the whitespace tokens down (allowed, never preferred)."""
     tok = server.served.tokenizer
