@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -42,17 +43,32 @@ def process_context():
     return ctx
 
 
-def stop_helper_processes() -> None:
+def stop_helper_processes(timeout_s: float = 5.0) -> None:
     """Stop the fork server and ``multiprocessing``'s resource tracker, which otherwise
     outlive this process by the seconds they take to notice its exit. Call it last, once
-    every process they served is stopped (a later start makes new ones)."""
+    every process they served is stopped (a later start makes new ones); one that does not
+    stop within ``timeout_s`` (a process still holds its pipe) is killed."""
     from multiprocessing import forkserver, resource_tracker
 
-    for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
-        try:
-            helper._stop()
-        except (OSError, AttributeError):  # already gone, or none was started
+    for helper, pid_attr in (
+        (forkserver._forkserver, "_forkserver_pid"),
+        (resource_tracker._resource_tracker, "_pid"),
+    ):
+        pid, stop = getattr(helper, pid_attr, None), getattr(helper, "_stop", None)
+        if pid is None or stop is None:
             continue
+        stopper = threading.Thread(target=_quietly, args=(stop,), daemon=True)
+        stopper.start()
+        stopper.join(timeout_s)
+        if stopper.is_alive():  # _stop waits for the process: end it
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            stopper.join(timeout_s)
+
+
+def _quietly(stop) -> None:
+    with contextlib.suppress(OSError):  # already gone
+        stop()
 
 
 class Started:
