@@ -16,21 +16,16 @@ from starlette.concurrency import run_in_threadpool
 
 from tokenlake.serve.api.errors import guarded, sse
 from tokenlake.serve.api.fields import tool_choice
-from tokenlake.serve.api.generation import (
-    Choice,
-    check_body,
-    encode_chat,
-    events,
+from tokenlake.serve.api.generation import Choice, check_body, encode_chat, events, prepare, start
+from tokenlake.serve.api.logprobs import chat_logprobs
+from tokenlake.serve.api.protocol import ChatCompletionRequest
+from tokenlake.serve.api.responses import (
     final_chunks,
-    prepare,
     prompt_logprobs,
     returned,
-    start,
     stream_usage,
     usage,
 )
-from tokenlake.serve.api.logprobs import chat_logprobs
-from tokenlake.serve.api.protocol import ChatCompletionRequest
 from tokenlake.serve.api.state import APIState, State
 from tokenlake.serve.api.structured import forced_calls, named_tool
 from tokenlake.serve.api.tool_parsers import ToolCall, ToolCallStream, extract, make_parser

@@ -1,8 +1,8 @@
 """Running one HTTP request's prompts through the runtime: checks of the body, tokenization
 (on a worker thread, so a large prompt never blocks the event loop), submission (``best_of``
-or ``n`` runtime requests per prompt), the stream of text deltas as tokens arrive
-(detokenized on a worker thread too), and the choice of the ``n`` best by cumulative
-log-probability."""
+or ``n`` runtime requests per prompt, with the request's grammar and bad words prepared),
+and the stream of text deltas as tokens arrive (detokenized on a worker thread too). What
+the response carries besides the text is in :mod:`tokenlake.serve.api.responses`."""
 
 from __future__ import annotations
 
@@ -14,14 +14,11 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from tokenlake.engines.model.prompt_logprobs import prompt_logprobs as compute_prompt_logprobs
 from tokenlake.engines.model.sampling import SamplingParams
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.serve.api.errors import APIError, shown, sse
+from tokenlake.serve.api.errors import APIError, shown
 from tokenlake.serve.api.fields import bad_words_token_ids, check_fields, truncated
 from tokenlake.serve.api.limits import check_text
-from tokenlake.serve.api.limits import check_text
-from tokenlake.serve.api.logprobs import prompt_logprobs_json
 from tokenlake.serve.api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from tokenlake.serve.api.state import APIState
 from tokenlake.serve.api.structured import grammar_spec
@@ -146,19 +143,6 @@ def sampling_params(body: Body, sample: int, prepared: Prepared = Prepared()) ->
         body.frequency_penalty, body.repetition_penalty, body.logit_bias_pairs,
         body.min_tokens, num_logprobs(body), body.min_p, allowed, prepared.bad_words,
     )  # fmt: skip
-
-
-def best(choices: list[Choice], n: int) -> list[Choice]:
-    """Per prompt, the ``n`` generations of highest cumulative log-probability (ties in
-    generation order), renumbered ``prompt_index * n + rank``."""
-    chosen = []
-    for i in sorted({c.prompt_index for c in choices}):
-        group = [c for c in choices if c.prompt_index == i]
-        group.sort(key=lambda c: (-c.cumulative_logprob, c.sample))
-        for rank, c in enumerate(group[:n]):
-            c.index = i * n + rank
-            chosen.append(c)
-    return chosen
 
 
 async def encode(
@@ -324,55 +308,3 @@ def _apply(
             return out, event.error or "generation failed"
         out.append((c, delta, c.finish_reason is not None))
     return out, None
-
-
-def usage(choices: list[Choice]) -> dict:
-    """Token counts of a request: each prompt once, every generation (``best_of`` too)."""
-    prompt = sum(len(c.prompt_ids) for c in choices if c.sample == 0)
-    completion = sum(len(c.text.token_ids) for c in choices)
-    cached = sum(c.num_cached for c in choices if c.sample == 0)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
-async def prompt_positions(state: APIState, ids: list[int], num_top: int) -> list:
-    """Each prompt position's logprobs (a dense forward of the prompt on a worker thread)."""
-    model = state.runtime.engine.model
-    return await run_in_threadpool(compute_prompt_logprobs, model, ids, num_top)
-
-
-async def prompt_logprobs(state: APIState, body: Body, ids: list[int]) -> list | None:
-    """vLLM's ``prompt_logprobs`` of one prompt when the request asks for them, else
-    ``None``."""
-    if body.prompt_logprobs is None:
-        return None
-    positions = await prompt_positions(state, ids, body.prompt_logprobs)
-    as_ids = bool(body.return_tokens_as_token_ids)
-    return await run_in_threadpool(prompt_logprobs_json, state.tokenizer, positions, as_ids)
-
-
-def returned(body: Body, choices: list[Choice]) -> list[Choice]:
-    """The choices a response carries: all of them, or the ``n`` best of ``best_of``."""
-    return best(choices, body.n) if num_samples(body) > body.n else choices
-
-
-def stream_usage(body: Body, choices: list[Choice]) -> dict:
-    """``{"usage": ...}`` so far for every chunk when the request asked for
-    ``stream_options.continuous_usage_stats`` (with ``include_usage``, as vLLM), else ``{}``."""
-    options = body.stream_options
-    if options is None or not options.include_usage or not options.continuous_usage_stats:
-        return {}
-    return {"usage": usage(choices)}
-
-
-def final_chunks(body: Body, head: dict, choices: list[Choice]) -> list[str]:
-    """The end of a stream: the usage chunk when ``stream_options.include_usage``, then
-    ``[DONE]``."""
-    chunks = []
-    if body.stream_options is not None and body.stream_options.include_usage:
-        chunks.append(sse({**head, "choices": [], "usage": usage(choices)}))
-    return [*chunks, "data: [DONE]\n\n"]

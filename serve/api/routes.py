@@ -19,19 +19,21 @@ from tokenlake.serve.api.generation import (
     encode,
     encode_chat,
     events,
-    final_chunks,
     prepare,
-    prompt_logprobs,
-    prompt_positions,
     prompts_of,
-    returned,
     start,
-    stream_usage,
-    usage,
 )
 from tokenlake.serve.api.limits import check_text
 from tokenlake.serve.api.logprobs import completion_logprobs, echoed_prompt_entries, token_text
 from tokenlake.serve.api.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest
+from tokenlake.serve.api.responses import (
+    final_chunks,
+    prompt_logprobs,
+    prompt_positions,
+    returned,
+    stream_usage,
+    usage,
+)
 from tokenlake.serve.api.state import State
 from tokenlake.serve.metrics import collector as metrics
 
