@@ -11,19 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+from process_helpers import descendants, gone  # noqa: F401 (the ray tests import them here)
+
 from tokenlake.serve.ray import buffers as ray_buffers
 
 C = 16  # segment length of every launch here
 ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
-        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def wait_until(predicate, timeout_s: float, what: str) -> None:
@@ -56,20 +49,3 @@ def launch_files(launch_id: str) -> list[str]:
     return glob.glob(f"{ray_buffers.SHM_DIR}/{ray_buffers.PREFIX}{launch_id}-*") + glob.glob(
         str(Path(ray_buffers.secret_root()) / f"{ray_buffers.PREFIX}{launch_id}-*")
     )
-
-
-def descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(stat) as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-        children.setdefault(ppid, []).append(int(stat.split("/")[2]))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            found.add(child)
-            todo.append(child)
-    return found

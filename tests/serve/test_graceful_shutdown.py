@@ -8,7 +8,6 @@ processes, multiprocessing's resource tracker) has exited by then."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
@@ -18,6 +17,7 @@ import threading
 import time
 
 import pytest
+from process_helpers import descendants, gone
 
 httpx = pytest.importorskip("httpx")
 
@@ -29,38 +29,11 @@ SHORT, LONG = 6, 4000
 GRACE_S = 3
 
 
-def descendants(pid: int) -> set[int]:
-    """Every process under ``pid`` now, from ``/proc``."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
 def num_requests(url: str) -> int:
     """Requests the runtime received, from ``/metrics``."""
     text = httpx.get(f"{url}/metrics", timeout=HANG_GUARD_S).text
     found = re.search(r"^tokenlake:requests_total\{[^}]*\} (\S+)$", text, re.M)
     return int(float(found.group(1))) if found else 0
-
-
-def running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class Stream:
@@ -132,7 +105,7 @@ def test_sigterm_drains_streams_then_aborts_the_rest_and_leaves_no_process():
             time.sleep(0.02)
         still_running = sum(not s.reasons for s in streams)
         code = proc.wait(HANG_GUARD_S)
-        left = [pid for pid in helpers if running(pid)]
+        left = [pid for pid in helpers if not gone(pid)]
     finally:
         if proc.poll() is None:
             proc.kill()
