@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpCounter", "CudaKernelCounter", "HOST_READ_OPS", "NOT_KERNELS"]
+__all__ = ["OpCounter", "CudaKernelCounter", "HostReadCounter", "HOST_READ_OPS", "NOT_KERNELS"]
 
 HOST_READ_OPS = ("aten._local_scalar_dense.default", "aten.equal.default")
 NOT_KERNELS = (
@@ -116,3 +117,32 @@ class CudaKernelCounter:
     @property
     def num_kernels(self) -> int:
         return sum(self.kernels.values())
+
+
+class HostReadCounter(TorchFunctionMode):
+    """``with HostReadCounter() as c: ...`` then ``c.num_reads`` and ``c.reads`` (by method):
+    every call that brings a tensor's values to Python or NumPy (``.cpu()``, ``.numpy()``,
+    ``.tolist()``, ``.item()``, ``int``/``float``/``bool``/``index`` of a tensor,
+    ``np.asarray``), whatever the tensor's device. :class:`OpCounter` sees these only when
+    they run an op (on CPU tensors ``.cpu()``, ``.tolist()`` and ``.numpy()`` run none); counted
+    here at the Python call, what code run on a CPU machine would read from a GPU's tensors.
+    ``.to(device)`` is not counted: it is how host indices are sent to the device."""
+
+    READS = frozenset(
+        ("cpu", "numpy", "tolist", "item", "__int__", "__float__", "__bool__", "__index__",
+         "__array__")
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: Counter[str] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.READS:
+            self.reads[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def num_reads(self) -> int:
+        return sum(self.reads.values())

@@ -26,7 +26,7 @@ from tokenlake.engines.kernels.flashinfer_attention import make_causal_planner
 from tokenlake.errors import IterationStateError, PoolFullError
 from tokenlake.validate import canonical_device
 
-from .batch_map import BatchMap, RequestTable, SeqInfo, engine_slots, map_batch
+from .batch_map import BatchMap, HostTokens, RequestTable, SeqInfo, engine_slots, map_batch
 from .config import SGLangPoolConfig, config_from_env
 from .local_batch import LocalBatch, attend, local_batch, plan_rows
 from .model_check import UnsupportedFeatureError, check_model
@@ -89,6 +89,7 @@ class TokenLakeAttnBackend(AttentionBackend):
         self.slot_tokens = torch.full(
             (kv.k_buffer[0].shape[0],), -1, dtype=torch.int32, device=self.device
         )
+        self.host_tokens = HostTokens(self.req_to_token_pool.req_to_token, self.slot_tokens)
         self.forward_metadata: BatchMap | None = None
         self.attention: PrefixAttention | None = None  # the batch's causal part and merge
         self._causal_planner = make_causal_planner(
@@ -112,12 +113,16 @@ class TokenLakeAttnBackend(AttentionBackend):
                 f"prefill); supported: {', '.join(m.name for m in _MODES)}"
             )
         rtt = self.req_to_token_pool
-        self.requests.release(set(rtt.free_slots), rtt.req_generation)
-        self.slot_tokens[forward_batch.out_cache_loc.long()] = forward_batch.input_ids.to(
-            torch.int32
-        )
-        seqs = self._seq_infos(forward_batch)
-        chunks = [self.requests.chunk(s, self._token_ids(s)) for s in seqs]
+        generations = rtt.req_generation.numpy()  # SGLang keeps it on the host
+        free_rows = set(rtt.free_slots)
+        self.requests.release(free_rows, generations)
+        self.host_tokens.release(free_rows, generations)
+        new_ids = forward_batch.input_ids.to(torch.int32)
+        self.slot_tokens[forward_batch.out_cache_loc.long()] = new_ids
+        seqs = self._seq_infos(forward_batch, generations)
+        # the forward's one copy to the host: its new tokens (no read per request)
+        token_ids = self.host_tokens.forward(seqs, new_ids.cpu().numpy())
+        chunks = [self.requests.chunk(s, ids) for s, ids in zip(seqs, token_ids, strict=True)]
         self.local = None
         it = None
         if plan_rows(seqs, [c.start for c in chunks]) <= self.runtime.max_rows:
@@ -166,28 +171,19 @@ class TokenLakeAttnBackend(AttentionBackend):
             logit_cap=shape.logit_cap, device=it.q_buf.device, planner=self._causal_planner,
         )  # fmt: skip
 
-    def _seq_infos(self, fb) -> list[SeqInfo]:
-        rows = fb.req_pool_indices.tolist()
+    def _seq_infos(self, fb, generations: np.ndarray) -> list[SeqInfo]:
+        """The batch's requests on the host: SGLang's host copies where it has them (one
+        read per forward of its row indices otherwise)."""
+        rows = fb.req_pool_indices_cpu
+        rows = (fb.req_pool_indices if rows is None else rows).tolist()
         seq_lens = (fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens).tolist()
         decode = fb.forward_mode.is_decode()
         new_lens = [1] * len(rows) if decode else list(fb.extend_seq_lens_cpu)
         rids = fb.rids if fb.rids is not None else [None] * len(rows)
-        gens = self.req_to_token_pool.req_generation
         return [
-            SeqInfo(row, int(gens[row]), rid, int(n), int(new))
+            SeqInfo(row, int(generations[row]), rid, int(n), int(new))
             for row, rid, n, new in zip(rows, rids, seq_lens, new_lens, strict=True)
         ]
-
-    def _token_ids(self, seq: SeqInfo) -> np.ndarray:
-        slots = self.req_to_token_pool.req_to_token[seq.row, : seq.seq_len].long()
-        ids = self.slot_tokens[slots].cpu().numpy()
-        if (ids < 0).any():
-            raise UnsupportedFeatureError(
-                "--attention-backend tokenlake does not support KV written outside the "
-                f"attention backend (request row {seq.row} has KV slots it never saw: "
-                "hierarchical cache load-back or PD-disaggregation transfer)"
-            )
-        return ids
 
     def _settle(self) -> None:
         """Commit the previous forward if every layer ran, else abort it (it failed)."""

@@ -7,6 +7,10 @@ recompute) and at most what the pool holds. Tokens SGLang cached but the pool do
 pool evicted them, or SGLang matched inside another request's still-open segment) are
 *backfilled*: their K/V are read from SGLang's KV cache and put into the pool with the new
 tokens, and the local causal attention covers them too.
+
+Nothing here reads the device per request (on a GPU each read would wait for its stream):
+:class:`HostTokens` keeps every row's token ids on the host, and the index tensors of a
+forward are gathered on the device from host-built indices.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from tokenlake.plans import Chunk
 
+from .model_check import UnsupportedFeatureError
 from .pool_runtime import BoundIteration, PoolRuntime
 
 
@@ -100,23 +105,91 @@ class RequestTable:
         return Chunk(tracked.pool_id, token_ids, start, seq.seq_len)
 
 
+class HostTokens:
+    """Each SGLang request's token ids on the host, kept from forward to forward.
+
+    The pool keys segments by token ids, and a forward batch carries only its new tokens'
+    ids, on the device. A forward copies its new tokens to the host once (one read for the
+    whole batch); a row seen for the first time with a prefix SGLang already holds (its radix
+    cache's match) has that prefix read once, all such rows of a forward in one gather and
+    one copy. Token ids of the rows of SGLang's ``req_to_token`` (``slot_tokens``: the token id of
+    every KV slot, as the backend wrote it)."""
+
+    def __init__(self, req_to_token: torch.Tensor, slot_tokens: torch.Tensor) -> None:
+        self.req_to_token, self.slot_tokens = req_to_token, slot_tokens
+        self._rows: dict[int, tuple[int, np.ndarray]] = {}  # row -> (generation, ids)
+
+    def release(self, free_rows: set[int], generations: np.ndarray) -> None:
+        """Forget rows SGLang freed or gave to another request."""
+        for row, (generation, _) in list(self._rows.items()):
+            if row in free_rows or int(generations[row]) != generation:
+                del self._rows[row]
+
+    def forward(self, seqs: Sequence[SeqInfo], new_ids: np.ndarray) -> list[np.ndarray]:
+        """Each request's first ``seq_len`` token ids, ``new_ids`` being the forward's new
+        tokens request by request (host copies)."""
+        base = np.concatenate([[0], np.cumsum([s.new_len for s in seqs])]).astype(np.int64)
+        unknown = [b for b, s in enumerate(seqs) if self._known(s) is None]
+        fetched = self._fetch([seqs[b] for b in unknown])
+        out = []
+        for b, s in enumerate(seqs):
+            prefix = fetched[unknown.index(b)] if b in unknown else self._known(s)
+            ids = np.concatenate([prefix, new_ids[base[b] : base[b + 1]]]).astype(np.int32)
+            self._rows[s.row] = (s.generation, ids)
+            out.append(ids)
+        return out
+
+    def _known(self, s: SeqInfo) -> np.ndarray | None:
+        entry = self._rows.get(s.row)
+        if entry is None or entry[0] != s.generation or len(entry[1]) < s.prefix_len:
+            return None
+        return entry[1][: s.prefix_len]
+
+    def _fetch(self, seqs: Sequence[SeqInfo]) -> list[np.ndarray]:
+        """The prefixes of ``seqs`` from the device: one gather, one copy."""
+        lens = [s.prefix_len for s in seqs]
+        if not sum(lens):
+            return [np.zeros(0, dtype=np.int32) for _ in seqs]
+        rows = np.repeat([s.row for s in seqs], lens)
+        slots = gather(self.req_to_token, rows, np.concatenate([np.arange(n) for n in lens]))
+        ids = self.slot_tokens[slots.long()].cpu().numpy()
+        if (ids < 0).any():
+            row = int(rows[np.flatnonzero(ids < 0)[0]])
+            raise UnsupportedFeatureError(
+                "--attention-backend tokenlake does not support KV written outside the "
+                f"attention backend (request row {row} has KV slots it never saw: "
+                "hierarchical cache load-back or PD-disaggregation transfer)"
+            )
+        return np.split(ids, np.cumsum(lens)[:-1])
+
+
 def engine_slots(
     seqs: Sequence[SeqInfo], chunks: Sequence[Chunk], req_to_token: torch.Tensor, seg: int
 ) -> list[np.ndarray]:
     """One copy of the KV (:mod:`.one_copy`): per chunk, the slot of every segment it starts,
-    read from the request's SGLang page (page ``2s`` is slot ``s``), in order."""
-    out = []
-    for seq, c in zip(seqs, chunks, strict=True):
-        firsts = np.arange(-(-c.start // seg), -(-seq.seq_len // seg), dtype=np.int64) * seg
-        locs = req_to_token[seq.row, torch.from_numpy(firsts)].cpu().numpy().astype(np.int64)
-        slots, rest = np.divmod(locs, 2 * seg)
-        if rest.any():
-            raise AssertionError(
-                f"row {seq.row}: SGLang locations {locs[rest != 0][:4].tolist()} do not start "
-                f"an even page of {seg} tokens (is SGLang's allocator a SlotPageAllocator?)"
-            )
-        out.append(slots.astype(np.int32))
-    return out
+    read from the request's SGLang page (page ``2s`` is slot ``s``), in order: one gather and
+    one copy for the whole forward."""
+    firsts = [
+        np.arange(-(-c.start // seg), -(-s.seq_len // seg), dtype=np.int64) * seg
+        for s, c in zip(seqs, chunks, strict=True)
+    ]
+    rows = np.repeat([s.row for s in seqs], [len(f) for f in firsts])
+    locs = gather(req_to_token, rows, np.concatenate(firsts)).cpu().numpy().astype(np.int64)
+    slots, rest = np.divmod(locs, 2 * seg)
+    if rest.any():
+        bad = np.flatnonzero(rest)
+        raise AssertionError(
+            f"row {int(rows[bad[0]])}: SGLang locations {locs[bad][:4].tolist()} do not start "
+            f"an even page of {seg} tokens (is SGLang's allocator a SlotPageAllocator?)"
+        )
+    return np.split(slots.astype(np.int32), np.cumsum([len(f) for f in firsts])[:-1])
+
+
+def gather(table: torch.Tensor, rows: np.ndarray, cols: np.ndarray) -> torch.Tensor:
+    """``table[rows[i], cols[i]]`` for every ``i``, on ``table``'s device (no host read)."""
+    device = table.device
+    rows_t = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(device)
+    return table[rows_t, torch.from_numpy(np.asarray(cols, dtype=np.int64)).to(device)]
 
 
 @dataclass(frozen=True)
@@ -175,7 +248,8 @@ def map_batch(
         new_counts.append(seq.new_len)
         if num_fill:
             fill_rows.append(np.arange(lo, lo + num_fill, dtype=np.int64))
-            fill_slots.append(req_to_token[seq.row, chunk.start : seq.prefix_len].cpu().numpy())
+            fill_slots.append(np.stack([np.full(num_fill, seq.row),
+                                        np.arange(chunk.start, seq.prefix_len)]))  # fmt: skip
 
     def long(parts: list[np.ndarray]) -> torch.Tensor:
         arr = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
@@ -191,7 +265,16 @@ def map_batch(
         new_indptr=torch.tensor(new_offsets, **i32),
         kv_indptr=torch.tensor(qp.q_indptr, **i32),
         backfill_plan_rows=long(fill_rows),
-        backfill_slots=long(fill_slots),
+        backfill_slots=_backfill_slots(req_to_token, fill_slots, device),
         new_offsets=new_offsets,
         kv_offsets=np.asarray(qp.q_indptr, dtype=np.int64),
     )
+
+
+def _backfill_slots(req_to_token: torch.Tensor, where: list[np.ndarray], device) -> torch.Tensor:
+    """SGLang KV slots of the backfilled tokens (``where``: ``[2, n]`` rows and columns of
+    ``req_to_token`` per request), gathered on the device."""
+    if not where:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    rows, cols = np.concatenate(where, axis=1)
+    return gather(req_to_token, rows, cols).to(device, torch.int64)

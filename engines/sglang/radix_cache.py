@@ -18,6 +18,8 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from sglang.srt.mem_cache.registry import create_unified_radix_cache
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+from tokenlake.errors import InvalidArgumentError, IterationStateError
+
 from .model_check import UnsupportedFeatureError
 
 logger = logging.getLogger(__name__)
@@ -32,6 +34,7 @@ class TokenLakeRadixCache(UnifiedRadixCache):
 
     backend = None
     num_loaded_tokens = 0
+    num_load_races = 0  # loads given up: the pool changed between the match and the read
 
     def attach(self, backend) -> None:
         self.backend = backend
@@ -76,7 +79,14 @@ class TokenLakeRadixCache(UnifiedRadixCache):
                 if slots is None:
                     return False
             prefix = self.path_device_indices(result.last_device_node)[:have]
-            self.backend.load_prefix(token_ids, have, pool_len, slots)
+            try:
+                self.backend.load_prefix(token_ids, have, pool_len, slots)
+            except (InvalidArgumentError, IterationStateError):
+                # another worker's forward evicted or replaced part of it since the match:
+                # SGLang computes what its own tree lacks, as without the pool
+                allocator.free(slots)
+                self.num_load_races += 1
+                return False
             # prev_prefix_len: the first ``have`` values are the tree's own, not duplicates;
             # the tree frees any of ``slots`` it already holds (a value per key token)
             value = torch.cat([prefix.to(torch.int64), slots.to(prefix.device, torch.int64)])

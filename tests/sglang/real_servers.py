@@ -210,12 +210,14 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def post(self, path: str, body: dict, timeout_s: float = REQUEST_TIMEOUT_S) -> dict:
+    def post(self, path: str, body: dict, timeout_s: float = REQUEST_TIMEOUT_S) -> dict | None:
+        """The JSON reply (``None`` if the reply is empty, as ``/abort_request``'s)."""
         request = urllib.request.Request(
             self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-            return json.loads(reply.read())
+            raw = reply.read()
+        return json.loads(raw) if raw else None
 
     def get(self, path: str) -> dict:
         with urllib.request.urlopen(self.url + path, timeout=REQUEST_TIMEOUT_S) as reply:

@@ -15,7 +15,7 @@ import pytest
 
 sgl_world = pytest.importorskip("sgl_world", reason="sglang is not installed")
 
-from tokenlake.engines.kernels.op_count import OpCounter  # noqa: E402
+from tokenlake.engines.kernels.op_count import HostReadCounter, OpCounter  # noqa: E402
 from tokenlake.engines.sglang.config import SGLangPoolConfig  # noqa: E402
 from tokenlake.engines.transport import messages  # noqa: E402
 
@@ -98,3 +98,44 @@ def test_layer_kernels_do_not_grow_with_the_batch_and_read_nothing(num_instances
         origin = layer.num_kernels - peers.num_kernels
         assert origin == ORIGIN_KERNELS[mode, len(holders) > 1], (batch_size, layer.kernels)
         assert peers.num_kernels == PER_REMOTE_HOLDER * (len(holders) - 1), peers.kernels
+
+
+def init_reads(batch_size: int, new_len: int, num_instances: int = 2):
+    """Host reads of the backend's ``init_forward_metadata`` for a batch of ``batch_size``
+    requests computing ``new_len`` tokens each after a prefill (counted at the Python call,
+    ``.cpu()``, ``.numpy()``, ``.tolist()``, ``int(t)``, ..., as a GPU's tensors would be read)."""
+    config = SGLangPoolConfig(num_instances=num_instances, num_slots=4096, segment_len=SEGMENT_LEN)
+    w = sgl_world.World(config, max_reqs=80, kv_size=8192)
+    for i in range(batch_size):
+        w.add(f"r{i}", sgl_world.tokens(100 + i, PROMPT_LEN))
+    w.step({f"r{i}": PROMPT_LEN // 2 for i in range(batch_size)})
+    backend, counted = w.tokenlake, {}
+    init = backend.init_forward_metadata
+
+    def init_counted(fb):
+        with HostReadCounter() as reads, OpCounter() as ops:
+            init(fb)
+        counted.update(reads=reads, ops=ops)
+
+    backend.init_forward_metadata = init_counted
+    w.step({f"r{i}": new_len for i in range(batch_size)})
+    assert w.max_err <= sgl_world.TOLERANCE
+    return counted["reads"], counted["ops"]
+
+
+# per forward, whatever the batch: the new tokens' one copy (.cpu() + .numpy()), the rows
+# (.tolist(): a device read unless SGLang hands over its host copy), and host tensors read
+# as such (SGLang's generations and seq lens; the CPU data plane's NumPy view of its own
+# staging buffer). A row first seen with a cached prefix adds one gather's copy per forward.
+READS_PER_FORWARD = 6
+
+
+@pytest.mark.parametrize("new_len", [1, 5], ids=["decode", "extend"])
+def test_planning_a_forward_reads_nothing_per_request(new_len) -> None:
+    """``init_forward_metadata`` keeps each request's token ids on the host: a forward reads
+    its new tokens once, whatever the batch; no read per request (the token rows it used to
+    copy per request and per step)."""
+    counts = {n: init_reads(n, new_len) for n in (1, 8, 64)}
+    for reads, ops in counts.values():
+        assert reads.num_reads == READS_PER_FORWARD, reads.reads
+        assert ops.num_host_reads == 0, ops.ops

@@ -116,3 +116,23 @@ def test_a_capped_match_loads_only_up_to_the_cap_and_leaks_no_slot() -> None:
     # SGLang's invariant: every slot is free, or in the tree (nothing is running)
     assert w.allocator.available_size() == free_before - 20
     assert cache.evictable_size() == evictable_before + 20
+
+
+def test_a_pool_that_shrank_since_the_match_loads_nothing_and_frees_its_slots() -> None:
+    """Another worker's forward may evict or replace part of a prefix between the pool's
+    match and the read (seen in the real-server soak): the load is given up, its slots are
+    freed, and SGLang computes what its own tree lacks (the scheduler went down before)."""
+    w, cache = setup(1, 8)
+    ids = sgl_world.tokens(8, 21)
+    w.add("p", ids + [1])
+    assert w.step({"p": 21}) <= TOL
+    w.release("p")
+    w.add("z", sgl_world.tokens(9, 2))
+    assert w.step({"z": 2}) <= TOL
+    runtime = w.tokenlake.runtime
+    runtime.match_len = lambda token_ids: 24  # "held" at the match, gone by the read
+    free_before, evictable_before = w.allocator.available_size(), cache.evictable_size()
+    m = cache.match_prefix(MatchPrefixParams(key=key(ids + [1, 2, 3])))
+    assert m.device_prefix_len == 0 and cache.num_load_races == 1
+    assert w.allocator.available_size() == free_before
+    assert cache.evictable_size() == evictable_before
