@@ -24,7 +24,7 @@ from tokenlake.serve.build import Served
 
 # after the grace period, what aborted streams get to send their last chunks
 FLUSH_S = 5.0
-MAX_HEAD_BYTES = 64 << 10  # h11's bound on a request line and headers not yet complete
+MAX_HEAD_BYTES = 16 << 10  # h11's bound on a request line and headers not yet complete
 
 
 class HTTPServer:
