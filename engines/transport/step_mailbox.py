@@ -61,8 +61,8 @@ class StepMailbox:
 
     # ---- server side ---------------------------------------------------------------------
     def post(self, payload: bytes) -> int:
-        """Post a job (or ``b""`` with ``stop=True`` semantics, see :meth:`post_stop`);
-        returns its sequence number. The previous job must have been answered."""
+        """Post a job's payload; returns its sequence number. The previous job must have
+        been answered (one slot: an instance is in one iteration at a time)."""
         if len(payload) > self.job_bytes:
             raise InvalidArgumentError(
                 f"job: {len(payload)} bytes exceed the mailbox's {self.job_bytes} "
@@ -72,6 +72,7 @@ class StepMailbox:
         return self._publish(len(payload))
 
     def post_stop(self) -> None:
+        """Ask the worker to exit."""
         self._publish(STOP_LEN)
 
     def _publish(self, length: int) -> int:
