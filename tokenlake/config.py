@@ -120,6 +120,7 @@ class ModelShape:
 # backend's one default (a segment is the unit of sharing, placement and eviction)
 DEFAULT_SEGMENT_LEN = 64
 
+
 @dataclass(frozen=True)
 class PoolConfig:
     """Control-plane configuration of a pool of ``num_instances`` instances.
@@ -163,7 +164,9 @@ class PoolConfig:
         object.__setattr__(
             self,
             "num_tier_blocks",
-            check_int("PoolConfig.num_tier_blocks", self.num_tier_blocks, low=0, high=MAX_SLOTS + 1),
+            check_int(
+                "PoolConfig.num_tier_blocks", self.num_tier_blocks, low=0, high=MAX_SLOTS + 1
+            ),
         )
         if not isinstance(self.device, str) or self.device not in KERNEL_DTYPES:
             raise InvalidArgumentError(

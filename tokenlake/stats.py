@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from tokenlake.cluster.slots import SlotAllocator
     from tokenlake.iteration.record import Iteration
     from tokenlake.planning.builder import Traffic
-    from tokenlake.tree.tier_blocks import HostTier
     from tokenlake.tree.prefix_tree import PrefixTree
+    from tokenlake.tree.tier_blocks import HostTier
 
 
 class PoolStats:

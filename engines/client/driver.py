@@ -206,8 +206,10 @@ class Driver:
         loads = [
             (block, self.views[instance].pool, slot)
             for block, instance, slot in zip(
-                plan.load_src_block.tolist(), plan.load_dst_instance.tolist(),
-                plan.load_dst_slot.tolist(), strict=True,
+                plan.load_src_block.tolist(),
+                plan.load_dst_instance.tolist(),
+                plan.load_dst_slot.tolist(),
+                strict=True,
             )  # fmt: skip
         ]
         tier.load(loads)

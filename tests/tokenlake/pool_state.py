@@ -58,8 +58,7 @@ def pool_state(pool: tl.Pool) -> dict:
         "total_access": access.total_access_tokens,
         "stats": pool.get_stats(),
         "eviction": (tree.policy.num_protected, list(tree.policy.ghosts)),
-        "tier": (list(tree.tier.lru.items()),
-                 tree.tier.num_used, dict(tree.tier.loading)),
+        "tier": (list(tree.tier.lru.items()), tree.tier.num_used, dict(tree.tier.loading)),
     }
 
 

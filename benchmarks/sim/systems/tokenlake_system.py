@@ -104,8 +104,14 @@ class TokenLakeSystem:
             hop_s = LayeredPricing(spec, timer.hardware, config.pricing).hop_seconds()
         near = NVLINK_PER_DIRECTION.get(spec.hardware, timer.hardware.intra_node_bandwidth)
         self.pool = Pool(
-            PoolConfig(spec.mp.shape, n, num_slots, seg, namespace="sim",
-                       num_tier_blocks=tier.num_blocks(spec, seg, config.host_tier)),  # fmt: skip
+            PoolConfig(
+                spec.mp.shape,
+                n,
+                num_slots,
+                seg,
+                namespace="sim",
+                num_tier_blocks=tier.num_blocks(spec, seg, config.host_tier),
+            ),  # fmt: skip
             load_model=LoadModel(timer.hardware, spec.mp),
             eviction=EvictionConfig(config.eviction) if config.eviction else None,
             balancer=BalancerConfig(hop_bytes=hop_s * near * spec.tp) if hop_s else None,
