@@ -60,13 +60,16 @@ class Process:
 
     proc: subprocess.Popen
     log: Path
+    log_start: int = 0  # this process's output starts here (a log may be reused)
     shm: set[str] = field(default_factory=set)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
+        with open(self.log, "rb") as f:
+            f.seek(self.log_start)
+            return f.read().decode(errors="replace")
 
     def note_shm(self) -> None:
         """Remember the SGLang load-snapshot files the group has mapped (to remove them)."""
@@ -116,10 +119,11 @@ def _group_pids(pgid: int) -> list[int]:
 
 def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> Process:
     with open(log, "ab") as out:
+        start = out.tell()
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    return Process(proc, log)
+    return Process(proc, log, start)
 
 
 @dataclass
