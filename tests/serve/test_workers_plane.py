@@ -1,12 +1,16 @@
 """``--data-plane workers``: a worker process per instance with its own step loop, the server
 planning asynchronous iterations as instances free up. The greedy tokens are those of the
 in-process plane, also where an origin reads segments another instance holds (in place, from
-shared memory); a request cancelled while in flight ends and the server goes on. (kill -9 of
-a worker over HTTP: ``test_failover_http.py``.)"""
+shared memory); a request cancelled while in flight ends and the server goes on; an idle
+worker killed is failed over and rejoins. (kill -9 of a worker under load, over HTTP:
+``test_failover_http.py``.)"""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 
 import pytest
 from test_serve_runtime import run_requests
@@ -16,6 +20,7 @@ from tokenlake.serve.build import build
 from tokenlake.serve.config import ServeConfig
 from tokenlake.serve.request import GenerationRequest
 
+HANG_GUARD_S = 120.0  # a guard against a hang only
 DOC = tuple((5 * j) % 250 + 3 for j in range(40))  # shared by every prompt: read across instances
 
 
@@ -81,3 +86,17 @@ def test_a_request_cancelled_in_flight_ends_and_the_server_goes_on(workers):
     assert events[-1].finish_reason == "abort" and len(events) < 200
     assert run_requests(runtime, _requests()[:2])  # still serving
     assert runtime.scheduler.pool.get_stats()["num_running_requests"] == 0
+
+
+def test_an_idle_worker_killed_is_failed_over_and_rejoins(workers):
+    runtime = workers.runtime
+    pool = runtime.scheduler.pool
+    before = run_requests(runtime, _requests()[:3])
+    failures = runtime.counters["instance_failures"]
+    os.kill(runtime.engine.workers.pids[1], signal.SIGKILL)  # nothing in flight
+    deadline = time.monotonic() + HANG_GUARD_S
+    while runtime.counters["instance_failures"] == failures or 1 not in pool.live_instances:
+        assert time.monotonic() < deadline, "the death was not seen, or it never rejoined"
+        time.sleep(0.02)
+    assert runtime.counters["instances_rejoined"] >= 1
+    assert run_requests(runtime, _requests()[:3]) == before  # greedy: the same tokens
