@@ -109,10 +109,12 @@ class Workers:
     """The test's side: spawns one worker per instance of ``cluster`` and calls them."""
 
     def __init__(
-        self, cluster, service, world_kwargs: dict, timeout_s: float = 60.0, join: bool = False
+        self, cluster, service, world_kwargs: dict, timeout_s: float = 300.0, join: bool = False
     ) -> None:
         """``join``: each worker gets only strings (the service's endpoint, the secret's file,
-        its instance id) and joins by name, as a separate SGLang server would."""
+        its instance id) and joins by name, as a separate SGLang server would. ``timeout_s``
+        bounds each answer: a worker's start imports SGLang, which took over 60 s on a busy
+        2-core machine."""
         from tokenlake.engines.clusters.launcher import Started, process_context
         from tokenlake.engines.sglang.attach import WorkerAttachment
 
