@@ -72,7 +72,7 @@ $(VENV)/.deps-router: $(VENV)/.deps
 	$(PY) -m pip install -q "sglang-router==0.3.2"
 	touch $@
 
-# Ray for the multi-node launch and tests/ray (the [cluster] extra's version)
+# Ray for the multi-node launch and tests/serve/ray (the [cluster] extra's version)
 $(VENV)/.deps-cluster: $(VENV)/.deps
 	$(PY) -m pip install -q "ray==2.60.0"
 	touch $@

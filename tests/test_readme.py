@@ -59,13 +59,13 @@ class NotHere:
 
 
 RAY_MACHINES = (
-    "needs machines reachable over SSH; tests/ray/test_deploy_config.py validates "
+    "needs machines reachable over SSH; tests/serve/ray/test_deploy_config.py validates "
     "deploy/ray-cluster.yaml against Ray's own schema"
 )
 # the launch detached, a completion from it, the stop: on a 3-node Ray cluster on 127.0.0.1
-RAY_CLI = "tests/ray/test_ray_launch.py::test_cli_detached_launch_serves_and_stops_by_name"
+RAY_CLI = "tests/serve/ray/test_ray_launch.py::test_cli_detached_launch_serves_and_stops_by_name"
 RAY_FOREGROUND = (
-    "tests/ray/test_ray_cli.py::test_cli_launch_serves_until_ctrl_c_then_removes_everything"
+    "tests/serve/ray/test_ray_cli.py::test_cli_launch_serves_until_ctrl_c_then_removes_everything"
 )
 SGLANG_HOST = "tests/sglang/test_sglang_host.py::test_workers_join_a_host_process_by_config_keys"
 GOODPUT_TINY = "--requests 6 --max-evals 1 --seeds 1 --prefill-tokens 2048 --wall-budget 120"

@@ -38,7 +38,7 @@ PAYLOAD="${PAYLOAD:-.gpu-payload/gpu-payload.tar.xz}"
 STEPS="${STEPS:-install build jit bench tests}"
 DEADLINE_S="${DEADLINE_S:-480}"
 BENCH_ARGS="${BENCH_ARGS:---context 1024 2048 --batch 1 8 64 --holders 1 2 4}"
-GPU_TESTS="tests/engines/test_gpu_path.py tests/engines/test_flashinfer_calls.py tests/engines/test_doorbells.py tests/kernels/test_empty_states.py tests/gpu"
+GPU_TESTS="tests/engines/test_gpu_path.py tests/engines/test_flashinfer_calls.py tests/engines/test_doorbells.py tests/engines/kernels/test_empty_states.py tests/gpu"
 DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
 mkdir -p "$OUT"

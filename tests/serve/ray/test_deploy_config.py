@@ -12,7 +12,7 @@ yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
 ray = pytest.importorskip("ray")
 
-CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "ray-cluster.yaml"
+CONFIG = Path(__file__).resolve().parents[3] / "deploy" / "ray-cluster.yaml"
 
 
 def test_cluster_yaml_matches_rays_schema():

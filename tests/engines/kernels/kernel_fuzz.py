@@ -7,7 +7,7 @@ with the empty-state semantics exact (``lse = -inf`` and ``o = 0`` where no key 
 NaN); every hostile call must raise ``InvalidArgumentError`` (``ValueError`` from ``_C``) whose
 message starts with the bad argument's name, and leave every argument and output as it was.
 
-    python tests/kernels/kernel_fuzz.py --calls 100000 --seed 7      # a longer soak
+    python tests/engines/kernels/kernel_fuzz.py --calls 100000 --seed 7      # a longer soak
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The kernel fuzzer's goals (issue 16): at least 1,000 seeded random kernel calls, valid and
 hostile mixed, with 0 accepted bad inputs, 0 crashes and every valid call equal to the torch
-reference. A longer soak: ``python tests/kernels/kernel_fuzz.py --calls 100000 --seed 7``."""
+reference. A longer soak: ``python tests/engines/kernels/kernel_fuzz.py --calls 100000 --seed 7``."""
 
 from __future__ import annotations
 
