@@ -152,14 +152,45 @@ COMMANDS = {
     "results/wallclock-aware.jsonl": NotHere(
         "about 16 minutes on a 2-core machine; the --quick line above runs the same code"
     ),
+    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --goodput --seeds 3 --rel-tol 0.15 --max-evals 5 --jobs 2 --lo 1.5 "
+    "--hi 2 --out results/goodput/conv_tl": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --holder-priority --overlap-scheduling --goodput --seeds 3 --rel-tol "
+    "0.15 --max-evals 5 --jobs 2 --lo 1.73 --hi 2.3 --out results/goodput/conv_tl_levers": Covered(
+        "tests/benchmarks/test_layered_timing.py::"
+        "test_overlap_scheduling_hides_the_calls_behind_the_running_iteration"
+    ),
+    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems "
+    "router-tbt,mooncake --baseline-prefill-tokens 2048,8192 --goodput --seeds 3 --rel-tol 0.15 "
+    "--max-evals 6 --jobs 2 --lo 0.5 --hi 2 --out results/goodput/conv_base": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems "
+    "router,mooncake --baseline-prefill-tokens 8192 --router-balance 64:1.5 "
+    "--baseline-schedule-policies fcfs --baseline-evictions lru --no-mixed-chunk --goodput "
+    "--seeds 1 --rel-tol 0.15 --max-evals 5 --lo 0.3 --hi 1.5 --out "
+    "results/goodput/conv_shipped": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --think-scale 0 --horizon "
+    "20000 --systems tokenlake,router,mooncake --prefill-tokens 2048 --baseline-prefill-tokens "
+    "2048,8192 --goodput --seeds 3 --rel-tol 0.15 --max-evals 5 --jobs 2 --lo 0.1 --hi 0.4 "
+    "--out results/goodput/scbench": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload agentic --requests 1000 --num-sessions 256 "
+    "--systems tokenlake,router,mooncake --prefill-tokens 2048 --baseline-prefill-tokens "
+    "2048,8192 --goodput --seeds 3 --rel-tol 0.15 --max-evals 5 --jobs 2 --lo 0.1 --hi 0.5 "
+    "--out results/goodput/agentic": NotHere(
+        "256 sessions even at 6 requests: minutes on a 2-core machine; the SCBench-like line "
+        "above runs the same code"
+    ),
+    ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems "
+    "tokenlake,router-tbt-cascade,mooncake --prefill-tokens 2048 --baseline-prefill-tokens "
+    "2048,8192 --goodput --seeds 3 --rel-tol 0.15 --max-evals 5 --jobs 2 --lo 1 --hi 4 --out "
+    "results/goodput/loogle": Tiny(GOODPUT_TINY),
+    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems tokenlake "
+    "--prefill-tokens 2048 --rates 1.73,2.0 --seeds 1": Tiny("--requests 6 --wall-budget 120"),
+    ".venv/bin/tokenlake bench calibrate-control-plane": Covered(
+        "tests/benchmarks/test_goodput_determinism.py::test_the_fit_recovers_a_linear_cost"
+    ),
     "B=router,router-tbt,router-tbt-cascade,mooncake-1p3d,mooncake-3p1d": NotHere("a shell variable for the lines below"),
     "T=tokenlake,tokenlake-no-groups": NotHere("a shell variable for the lines below"),
-    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems $T "
-    "--prefill-tokens 2048 --goodput --seeds 3 --rel-tol 0.15 --max-evals 6 --jobs 2 --lo "
-    "1 --hi 3 --out results/goodput/conversation_tl": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems $B "
-    "--goodput --seeds 3 --rel-tol 0.15 --max-evals 6 --jobs 2 --lo 0.3 --hi 3 --out "
-    "results/goodput/conversation_base": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload synthetic --requests 1000 --systems $T "
     "--prefill-tokens 2048 --goodput --seeds 3 --rel-tol 0.15 --max-evals 6 --jobs 2 --lo "
     "1 --hi 4.4 --out results/goodput/synthetic_tl": Tiny(GOODPUT_TINY),
@@ -172,25 +203,6 @@ COMMANDS = {
     ".venv/bin/tokenlake goodput --workload sharegpt --requests 1000 --systems "
     "$B,mooncake-1p3d-cascade --goodput --seeds 3 --rel-tol 0.15 --max-evals 6 --jobs 2 "
     "--lo 1 --hi 40 --out results/goodput/sharegpt_base": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems $T "
-    "--prefill-tokens 2048 --goodput --seeds 3 --rel-tol 0.15 --max-evals 6 --jobs 2 --lo "
-    "1 --hi 6 --out results/goodput/loogle_tl": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems $B --goodput "
-    "--seeds 3 --rel-tol 0.15 --max-evals 6 --jobs 2 --lo 0.3 --hi 4 --out "
-    "results/goodput/loogle_base": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --think-scale 0 "
-    "--horizon 20000 --systems tokenlake --prefill-tokens 2048 --goodput --seeds 3 "
-    "--rel-tol 0.15 --max-evals 6 --jobs 2 --lo 0.1 --hi 0.6 --out "
-    "results/goodput/scbench_tl": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload scbench --requests 1000 --think-scale 0 "
-    "--horizon 20000 --systems $B --goodput --seeds 3 --rel-tol 0.15 --max-evals 6 --jobs "
-    "2 --lo 0.02 --hi 0.4 --out results/goodput/scbench_base": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload agentic --requests 1000 --num-sessions 256 "
-    "--systems tokenlake --prefill-tokens 2048 --goodput --seeds 3 --rel-tol 0.15 "
-    "--max-evals 6 --jobs 2 --lo 0.5 --hi 30 --out results/goodput/agentic_tl": Tiny(GOODPUT_TINY),
-    ".venv/bin/tokenlake goodput --workload agentic --requests 1000 --num-sessions 256 "
-    "--systems $B --goodput --seeds 3 --rel-tol 0.15 --max-evals 6 --jobs 2 --lo 0.02 "
-    "--hi 5 --out results/goodput/agentic_base": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems "
     "tokenlake,router,mooncake-3p1d-no-store --prefill-tokens 2048 --dist-attn-pricing "
     "overlap --control-plane-scale 0 --rpc-latency-us 0 --goodput --seeds 1 --rel-tol "
