@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 
 from tokenlake.config import DEFAULT_SEGMENT_LEN
 from tokenlake.errors import InvalidArgumentError
-from tokenlake.serve.api.tool_parsers import TOOL_CALL_PARSERS
+
+# the names --tool-call-parser takes (serve/api/tools/parsers.py implements each, as vLLM's
+# parser of that name reads tool calls)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 DATA_PLANES = ("local", "mp", "compute", "workers")
 SCHEDULER_MODES = ("elastic", "colocated")

@@ -19,7 +19,7 @@ from tokenlake.serve.api.errors import install_error_handlers
 from tokenlake.serve.api.limits import BodyLimit
 from tokenlake.serve.api.routes import router
 from tokenlake.serve.api.state import APIState
-from tokenlake.serve.api.structured import Grammars
+from tokenlake.serve.api.tools.structured import Grammars
 from tokenlake.serve.build import Served
 from tokenlake.serve.metrics import collector as metrics
 

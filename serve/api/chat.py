@@ -27,8 +27,8 @@ from tokenlake.serve.api.responses import (
     usage,
 )
 from tokenlake.serve.api.state import APIState, State
-from tokenlake.serve.api.structured import forced_calls, named_tool
-from tokenlake.serve.api.tool_parsers import ToolCall, ToolCallStream, extract, make_parser
+from tokenlake.serve.api.tools.parsers import ToolCall, ToolCallStream, extract, make_parser
+from tokenlake.serve.api.tools.structured import forced_calls, named_tool
 
 router = APIRouter()
 

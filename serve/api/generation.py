@@ -21,8 +21,8 @@ from tokenlake.serve.api.fields import bad_words_token_ids, check_fields, trunca
 from tokenlake.serve.api.limits import check_text
 from tokenlake.serve.api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from tokenlake.serve.api.state import APIState
-from tokenlake.serve.api.structured import grammar_spec
 from tokenlake.serve.api.text import TextStream
+from tokenlake.serve.api.tools.structured import grammar_spec
 from tokenlake.serve.request import GenerationRequest, TokenEvent
 
 DISCONNECT_POLL_S = 0.5

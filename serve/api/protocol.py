@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-from tokenlake.serve.api.structured import (
+from tokenlake.serve.api.tools.structured import (
     MAX_TOOLS,
     ResponseFormat,
     StructuredOutputs,
@@ -98,7 +98,7 @@ class _Sampling(_Body):
     return_token_ids: bool = False
     user: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
-    # structured outputs (serve/api/structured.py)
+    # structured outputs (serve/api/tools/structured.py)
     structured_outputs: StructuredOutputs | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None

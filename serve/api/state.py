@@ -11,7 +11,7 @@ from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry
 
 from tokenlake.engines.model.tokenizer import Tokenizer
-from tokenlake.serve.api.structured import Grammars
+from tokenlake.serve.api.tools.structured import Grammars
 from tokenlake.serve.config import MAX_TEXT_CHARS
 from tokenlake.serve.runtime import Runtime
 

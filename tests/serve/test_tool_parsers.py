@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tokenlake.serve.api.tool_parsers import ToolCallStream, extract, make_parser
+from tokenlake.serve.api.tools.parsers import ToolCallStream, extract, make_parser
 
 HERMES = (
     'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
@@ -72,3 +72,12 @@ def test_streamed_deltas_add_up_to_the_whole(name, text, step):
         calls_of(whole_calls)
     )
     assert all(i["type"] == "function" and i["id"] for i in items)
+
+
+def test_every_parser_name_the_flag_takes_has_a_parser():
+    from tokenlake.serve.config import TOOL_CALL_PARSERS
+
+    for name in TOOL_CALL_PARSERS:
+        assert make_parser(name) is not None
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        make_parser("mistral")

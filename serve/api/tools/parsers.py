@@ -16,7 +16,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+from tokenlake.serve.config import TOOL_CALL_PARSERS
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenlake.engines.model.grammar import GrammarCompiler, GrammarSpec
 from tokenlake.engines.model.tokenizer import Tokenizer
 from tokenlake.serve.api.errors import APIError
-from tokenlake.serve.api.tool_parsers import ToolCall
+from tokenlake.serve.api.tools.parsers import ToolCall
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}  # fmt: skip
