@@ -100,9 +100,9 @@ COMMANDS = {
     "echo '{\"control_endpoint\": \"tcp://127.0.0.1:7600\", \"secret_file\": "
     "\"/run/tokenlake/secret\", \"instance_id\": 0}' > worker0.json": Covered(SGLANG_HOST),
     "python -m sglang.launch_server --model-path /models/Qwen2.5-0.5B-Instruct "
-    "--attention-backend tokenlake --tokenlake-config worker0.json --port 30000": NotHere(
-        "SGLang's server needs a GPU; tests/sglang/test_sglang_host.py joins SGLang worker "
-        "processes (real SGLang objects) to a host process by the same config keys"
+    "--attention-backend tokenlake --tokenlake-config worker0.json --port 30000": Covered(
+        "tests/sglang/test_sglang_real_servers.py::"
+        "test_prefixes_shared_across_servers_are_exact_and_hit_across_workers"
     ),
     'pip install "ray==2.60.0"': NotHere("a workstation's Ray for `ray up`; make test installs "
                                          "the same version"),
