@@ -104,6 +104,12 @@ COMMANDS = {
         "tests/sglang/test_sglang_real_servers.py::"
         "test_prefixes_shared_across_servers_are_exact_and_hit_across_workers"
     ),
+    "SGLANG_USE_CPU_ENGINE=1 python -m sglang.launch_server --model-path DIR --device cpu "
+    "--dtype float32 --max-total-tokens 4096 --attention-backend tokenlake --tokenlake-config "
+    "worker0.json --port 30000": Covered(
+        "tests/sglang/test_sglang_real_servers.py::"
+        "test_prefixes_shared_across_servers_are_exact_and_hit_across_workers"
+    ),
     'pip install "ray==2.60.0"': NotHere("a workstation's Ray for `ray up`; make test installs "
                                          "the same version"),
     "ray up deploy/ray-cluster.yaml": NotHere(RAY_MACHINES),
