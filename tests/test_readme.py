@@ -192,6 +192,15 @@ COMMANDS = {
     "results/goodput/loogle": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake goodput --workload conversation --requests 1000 --systems tokenlake "
     "--prefill-tokens 2048 --rates 1.73,2.0 --seeds 1": Tiny("--requests 6 --wall-budget 120"),
+    ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems "
+    "tokenlake,tokenlake-tier --prefill-tokens 2048 --rates 3,5 --seeds 1 --jobs 2 "
+    "--wall-budget 4000 --out results/goodput/loogle_tier_rates": Tiny(
+        "--requests 6 --wall-budget 120"
+    ),
+    ".venv/bin/tokenlake goodput --workload loogle --requests 1000 --systems "
+    "tokenlake,tokenlake-tier --prefill-tokens 2048 --goodput --seeds 1 --rel-tol 0.15 "
+    "--max-evals 3 --jobs 2 --lo 3 --hi 5 --wall-budget 4000 --out "
+    "results/goodput/loogle_tier": Tiny(GOODPUT_TINY),
     ".venv/bin/tokenlake bench calibrate-control-plane": Covered(
         "tests/benchmarks/test_goodput_determinism.py::test_the_fit_recovers_a_linear_cost"
     ),
