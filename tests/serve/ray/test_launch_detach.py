@@ -67,7 +67,7 @@ def test_the_refused_command_starts_no_ray():
     so no cluster, shared memory or secret directory can have been made."""
     probe = (
         "import sys\n"
-        "from tokenlake.serve import launch\n"
+        "from tokenlake.serve.ray import cli as launch\n"
         "try:\n"
         "    launch.main(['--detach', '--model', 'tiny-random'])\n"
         "except SystemExit as e:\n"
