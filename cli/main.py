@@ -109,7 +109,7 @@ BENCHES: dict[str, Command] = {
         needs="bench,model,serve",
     ),
     "wallclock-sglang": Command(
-        "tokenlake.benchmarks.wallclock.sglang_run",
+        "tokenlake.benchmarks.wallclock.sglang.run",
         "wall-clock goodput: N SGLang servers on one pool vs N behind the cache-aware router",
         needs="sglang",
     ),

@@ -139,6 +139,21 @@ COMMANDS = {
         "installs a package; make test installs the same version (the Makefile's router stamp)"
     ),
     ".venv/bin/tokenlake bench wallclock --quick": Tiny(),
+    ".venv/bin/tokenlake bench wallclock-sglang --sglang-pythonpath tests/sglang/cpu_support/site "
+    "--quick --slo-ttft-ms 5000 --slo-tpot-ms 2000": Covered(
+        "tests/benchmarks/test_wallclock_sglang.py::test_tiny_run_of_both_sides"
+    ),
+    ".venv/bin/tokenlake bench wallclock-sglang --sglang-pythonpath tests/sglang/cpu_support/site "
+    "--num-servers 2 --seeds 0 1 2 --slo-file results/wallclock_sglang_slo.json --json-out "
+    "results/wallclock-sglang.jsonl": NotHere(
+        "about an hour of real SGLang servers on a 2-core machine; the --quick line runs the same code"
+    ),
+    ".venv/bin/tokenlake bench wallclock-sglang --sglang-pythonpath tests/sglang/cpu_support/site "
+    "--num-servers 4 --seeds 0 1 2 --max-evals 3 --no-sweep --solo --workloads hot-document "
+    "generated-shared-prefix --slo-file results/wallclock_sglang_slo.json --json-out "
+    "results/wallclock-sglang.jsonl": NotHere(
+        "eight real SGLang servers need about 15 GB and an hour; the --quick line runs the same code"
+    ),
     ".venv/bin/tokenlake bench wallclock --models tiny-random --seeds 0 1 2 --requests 30 "
     "--max-evals 4 --rel-tol 0.5 --json-out results/wallclock.jsonl": NotHere(
         "about 15 minutes on a 2-core machine; the --quick line above runs the same code"

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from tokenlake.benchmarks.wallclock.client import ALPHABET
-from tokenlake.benchmarks.wallclock.sglang_report import summarize
-from tokenlake.benchmarks.wallclock.sglang_sides import SGLangSettings, parse_sglang_counters
-from tokenlake.benchmarks.wallclock.sglang_workloads import (
+from tokenlake.benchmarks.wallclock.sglang.report import summarize
+from tokenlake.benchmarks.wallclock.sglang.sides import SGLangSettings, parse_sglang_counters
+from tokenlake.benchmarks.wallclock.sglang.workloads import (
     SGLANG_WORKLOADS,
     HotDocumentShape,
     SharedPrefixShape,
@@ -100,7 +100,7 @@ def test_table_takes_the_best_tokenlake_policy_against_the_tuned_router():
                     reason="needs sglang and sglang-router (make test installs them)")  # fmt: skip
 def test_tiny_run_of_both_sides(tmp_path):
     out = tmp_path / "lines.jsonl"
-    argv = [sys.executable, "-m", "tokenlake.benchmarks.wallclock.sglang_run", "--quick",
+    argv = [sys.executable, "-m", "tokenlake.benchmarks.wallclock.sglang.run", "--quick",
             "--sglang-pythonpath", str(SITE), "--slo-ttft-ms", "60000", "--slo-tpot-ms",
             "60000", "--drain-s", "240", "--json-out", str(out)]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1500, check=False)

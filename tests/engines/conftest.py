@@ -31,7 +31,8 @@ WATCHDOG_FILE = os.path.join(tempfile.gettempdir(), f"tokenlake-watchdog-{os.get
 def watchdog(request):
     """A hung test dumps every thread's stack to WATCHDOG_FILE (outside pytest's capture,
     which the exit would discard) and ends the run."""
-    if Path(str(request.node.path)).resolve().parent != HERE:  # the data-plane tests of this folder only
+    # the data-plane tests of this folder only, not the subfolders' (model, kernels)
+    if Path(str(request.node.path)).resolve().parent != HERE:
         yield
         return
     with open(WATCHDOG_FILE, "a") as f:

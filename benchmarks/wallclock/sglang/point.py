@@ -15,7 +15,7 @@ import numpy as np
 
 from tokenlake.benchmarks.wallclock.client import drive
 from tokenlake.benchmarks.wallclock.measure import Slo, attainment, p90, slo_from_solo
-from tokenlake.benchmarks.wallclock.sglang_sides import Side, scrape_counters
+from tokenlake.benchmarks.wallclock.sglang.sides import Side, scrape_counters
 from tokenlake.benchmarks.wallclock.workloads import TimedRequest
 from tokenlake.cluster.balancer import coefficient_of_variation
 

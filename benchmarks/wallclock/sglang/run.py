@@ -42,21 +42,21 @@ from tokenlake.benchmarks.wallclock.client import ALPHABET
 from tokenlake.benchmarks.wallclock.measure import Slo
 from tokenlake.benchmarks.wallclock.processes import Fleet, ProcessError, require_router
 from tokenlake.benchmarks.wallclock.serving_compare import prepare_model
-from tokenlake.benchmarks.wallclock.sglang_point import (
+from tokenlake.benchmarks.wallclock.sglang.point import (
     measure_solo,
     read_slo_file,
     run_point,
     warm_up,
     write_slo_file,
 )
-from tokenlake.benchmarks.wallclock.sglang_report import format_table
-from tokenlake.benchmarks.wallclock.sglang_sides import (
+from tokenlake.benchmarks.wallclock.sglang.report import format_table
+from tokenlake.benchmarks.wallclock.sglang.sides import (
     SGLangSettings,
     add_router,
     start_baseline,
     start_tokenlake,
 )
-from tokenlake.benchmarks.wallclock.sglang_workloads import (
+from tokenlake.benchmarks.wallclock.sglang.workloads import (
     SGLANG_WORKLOADS,
     HotDocumentShape,
     build_sglang_workload,

@@ -4,7 +4,7 @@ the pool's) twice,
 with ``tokenlake serve --host-tier-gb 0`` and with a tier, and reports each run's hit rate
 (the server's counters over the run), hits by tier, and TTFT (P50/P90, the client's clock).
 
-    python -m tokenlake.benchmarks.real.host_tier [--model bench-model] [--rate 1.0] ...
+    python -m tokenlake.benchmarks.wallclock.host_tier [--model bench-model] [--rate 1.0] ...
 
 Prints a table, then one JSON line per case. Numbers depend on the machine: compare the two
 rows of one run, not runs on different machines.
@@ -24,7 +24,7 @@ BENCH = "host-tier"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tokenlake.benchmarks.real.host_tier",
+    p = argparse.ArgumentParser(prog="python -m tokenlake.benchmarks.wallclock.host_tier",
                                 description=__doc__.split("\n\n")[0])  # fmt: skip
     p.add_argument("--model", choices=("tiny-random", "bench-model"), default="bench-model")
     p.add_argument("--num-instances", type=int, default=2)

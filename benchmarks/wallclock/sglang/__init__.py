@@ -1,0 +1,1 @@
+"""The wall-clock bench with SGLang on both sides (`tokenlake bench wallclock-sglang`): N real SGLang servers sharing one pool against N behind the cache-aware router; its sides, workloads, points and report."""
