@@ -48,6 +48,7 @@ class Choice:
     num_cached: int = 0
     logprobs: list[tuple[int, float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
     num_sent: int = 0
+    num_ids_sent: int = 0  # how many of its token ids a stream has sent
 
     @property
     def cumulative_logprob(self) -> float:

@@ -182,8 +182,12 @@ async def _completion_chunks(state, body: CompletionRequest, request, head, choi
             )  # fmt: skip
             text_offsets[c.index] += sum(len(t) for t in logprobs["tokens"])
             choice["logprobs"] = logprobs
-        if body.return_token_ids and c.text.token_ids:
-            choice["token_ids"] = c.text.token_ids[-1:]
+        if body.return_token_ids:
+            # every id not sent yet: events that arrived together are detokenized together,
+            # so a choice's later ids may already be in its text when its first delta is sent
+            new_ids, c.num_ids_sent = c.text.token_ids[c.num_ids_sent :], len(c.text.token_ids)
+            if new_ids:
+                choice["token_ids"] = list(new_ids)
         yield sse({**head, "choices": [choice], **stream_usage(body, choices)})
     for chunk in final_chunks(body, head, choices):
         yield chunk
