@@ -89,7 +89,7 @@ def test_backend_overrides_match_attention_backend() -> None:
         _class(_tree(SGLANG / "srt/layers/attention/base_attn_backend.py"), "AttentionBackend")
     )
     ours = _methods(_class(_tree(ADAPTER / "backend.py"), "TokenLakeAttnBackend"))
-    assert {n for n in ours if not n.startswith("_")} - set(base) == {"load_prefix"}
+    assert {n for n in ours if not n.startswith("_")} - set(base) == {"load_prefix", "release_row"}
     overridden = {n for n in ours if n in base}
     assert overridden == {
         "init_forward_metadata",
