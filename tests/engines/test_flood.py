@@ -26,6 +26,9 @@ MIB = 1 << 20
 GROWTH_BOUND = 128 * MIB
 FLOOD_S = 3.0
 NUM_RAW_FRAMES = 24  # each 32 MiB, sent before the handshake completes
+# a request's length before the next takes its place: the steps depend on the machine's
+# speed, the pool's 2 x 32 slots of C tokens must not
+MAX_REQUEST_TOKENS = 12 * C
 
 
 def _status_bytes(pid: int, field: str) -> int:
@@ -107,15 +110,25 @@ def test_unauthenticated_flood_neither_grows_memory_nor_delays_real_requests():
         for t in attackers:
             t.start()
         slowest, served, step = 0.0, 0, 0
+        started = set(ids)
         try:
             deadline = time.monotonic() + FLOOD_S
             while time.monotonic() < deadline or any(t.is_alive() for t in attackers[1:]):
                 step += 1
                 t0 = time.monotonic()
                 chunks = []
-                for rid in ids:
+                for rid in list(ids):
+                    if (
+                        len(ids[rid]) >= MAX_REQUEST_TOKENS
+                    ):  # a new request, so the pool never fills
+                        h.pool.finish(rid)
+                        del ids[rid]
+                        rid = f"{rid}'"
+                        ids[rid] = tokens(step, 4 * C + 3)
                     ids[rid] = np.append(ids[rid], step % 991)
-                    chunks.append([tl.Chunk(rid, ids[rid], h.pool.num_stored_tokens(rid))])
+                    start = h.pool.num_stored_tokens(rid) if rid in started else 0
+                    started.add(rid)
+                    chunks.append([tl.Chunk(rid, ids[rid], start)])
                 assert h.step(chunks) <= 1e-5
                 assert set(cluster.engine_stats()) >= {target}
                 slowest = max(slowest, time.monotonic() - t0)
